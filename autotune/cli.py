@@ -1,0 +1,247 @@
+"""Command line: autotune search | verify | show | models."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from autotune.errors import AutotuneError
+
+console = Console(stderr=True)
+
+
+def _add_search(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("search", help="run (or resume) a search and export the best configuration",
+                       description="Search precision, batch size, memory format, padding, cuDNN and stream "
+                                   "settings by measuring each in an isolated worker.")
+    p.add_argument("--model", required=True,
+                   help="a torchvision classification model (see `autotune models`) or package.module:factory")
+    p.add_argument("--input-shape", help="one sample's shape, e.g. 3x224x224 (default: the model's)")
+    p.add_argument("--num-classes", type=int, default=1000, help="classes of the synthetic labels (default 1000)")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                   help="where to tune (default: cuda when a GPU is present)")
+    p.add_argument("--trials", type=int, help="stop when this many trials are finished (resumed ones count)")
+    p.add_argument("--budget", help="wall-clock budget, e.g. 10m, 90s, 1h (default 10m when --trials is not given)")
+    p.add_argument("--batch-size", type=int, help="pin the batch size instead of searching it")
+    p.add_argument("--base-batch-size", type=int,
+                   help="the batch size you train with today: the baseline's, and the reference for "
+                        "learning-rate scaling (default: --batch-size, else 256 on GPU, 16 on CPU)")
+    p.add_argument("--min-batch-size", type=int, help="smallest batch to try (default 16 GPU, 4 CPU)")
+    p.add_argument("--max-batch-size", type=int, help="largest batch to try (default 1024 GPU, 32 CPU)")
+    p.add_argument("--input-on-device", action="store_true",
+                   help="keep synthetic batches on the GPU (default: copy them from pinned host memory "
+                        "each step, as a data loader does)")
+    p.add_argument("--out", type=Path, help="output folder (default reports/<model>-<gpu>/)")
+    p.add_argument("--storage", help="Optuna storage URL (default: sqlite study.db in the output folder)")
+    p.add_argument("--study-name", help="study name (default <model>-<gpu>)")
+    p.add_argument("--seed", type=int, default=0, help="sampler and data seed")
+    p.add_argument("--trial-timeout", type=float, default=600.0, help="seconds before a hung trial is killed")
+    p.add_argument("--min-measure-time", type=float, help="seconds of timed steps per trial (default 2)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autotune", description="Profiling-driven auto-tuner for PyTorch training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_search(sub)
+    p = sub.add_parser("verify", help="re-measure an exported config through autotune.load, in a fresh worker")
+    p.add_argument("config", type=Path, help="config.json or its folder")
+    p.add_argument("--repeat", type=int, default=1, help="independent re-measurements (fresh worker each)")
+    p = sub.add_parser("show", help="print an exported configuration")
+    p.add_argument("config", type=Path)
+    sub.add_parser("models", help="list the torchvision model names --model accepts")
+    return parser
+
+
+def _fmt_rate(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.0f}/s"
+
+
+class _ProgressView:
+    """Trials done, the current best and the time left, on one live line; a line per trial."""
+
+    def __init__(self, config) -> None:
+        self.config = config
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                                 TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
+                                 console=console, transient=False)
+        self.task = None
+        self.started = time.time()
+        self.walls: list[float] = []
+
+    def __call__(self, kind: str, payload: Any) -> None:
+        from autotune.objective import describe
+        from autotune.study import best_trial, counted_trials
+
+        if kind == "start":
+            space = payload["space"]
+            prov = payload["probe"]["provenance"]
+            where = prov.get("gpu", "CPU") if space.device == "cuda" else f"CPU ({prov.get('num_cpus')} cores)"
+            console.print(f"[bold]autotune[/] {self.config.workload.model} on {where}, torch {prov['torch']} "
+                          f"-> {payload['out_dir']}")
+            console.print(f"  space: precision {space.precisions}, batch {space.batch_sizes}, "
+                          f"format {space.memory_formats}, padding {space.alignments}, streams {space.stream_counts}"
+                          + (f", threads {space.thread_counts}" if space.thread_counts else ""))
+            if payload["done"]:
+                console.print(f"  resuming: {payload['done']} trials already finished")
+            if payload["recovered"]:
+                console.print(f"  trials {payload['recovered']} were cut off by a killed search: re-queued")
+            self.study = payload["study"]
+            total = self.config.trials if self.config.trials else self.config.budget_s
+            self.progress.start()
+            self.task = self.progress.add_task("starting", total=total, status="",
+                                               completed=payload["done"] if self.config.trials else 0)
+            return
+        if kind == "end":
+            self.progress.stop()
+            return
+        trial = payload
+        attrs = trial.user_attrs
+        fig = attrs.get("figures") or {}
+        if attrs.get("timing", {}).get("wall_s") and "duplicate_of" not in attrs:
+            self.walls.append(attrs["timing"]["wall_s"])
+        outcome = (f"{fig['samples_per_s']:,.0f} samples/s, {fig['step_time_ms']:.1f} ms/step, "
+                   f"{fig['peak_memory_bytes'] / 2**30:.2f} GiB") if fig else attrs.get("reason", trial.state.name)
+        dup = f" (same as #{attrs['duplicate_of']})" if "duplicate_of" in attrs else ""
+        role = f"[{attrs['role']}] " if "role" in attrs else ""
+        self.progress.console.print(f"  #{trial.number:<3} {role}{describe(attrs.get('knobs', {}))}: {outcome}{dup}")
+        done = len(counted_trials(self.study))
+        best = best_trial(self.study)
+        elapsed = time.time() - self.started
+        if self.config.trials:
+            left_n = max(0, self.config.trials - done)
+            left_s = left_n * statistics.median(self.walls) if self.walls else 0.0
+            if self.config.budget_s:
+                left_s = min(left_s, max(0.0, self.config.budget_s - elapsed))
+            self.progress.update(self.task, completed=done)
+        else:
+            left_s = max(0.0, self.config.budget_s - elapsed)
+            self.progress.update(self.task, completed=min(elapsed, self.config.budget_s))
+        best_text = f"best {_fmt_rate(best.value)} (#{best.number})" if best else "no result yet"
+        self.progress.update(self.task, description=f"{done} trials, {best_text}", status=f"~{left_s:,.0f}s left")
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    from autotune.measure import MeasureSettings
+    from autotune.study import SearchConfig, parse_duration, run_search
+    from autotune.workloads import WorkloadSpec, parse_input_shape
+
+    spec = WorkloadSpec(model=args.model, num_classes=args.num_classes,
+                        input_shape=parse_input_shape(args.input_shape) if args.input_shape else None)
+    config = SearchConfig(
+        workload=spec, device=args.device, out_dir=args.out, storage=args.storage, study_name=args.study_name,
+        trials=args.trials, budget_s=parse_duration(args.budget) if args.budget else None,
+        batch_size=args.batch_size, base_batch_size=args.base_batch_size, min_batch_size=args.min_batch_size,
+        max_batch_size=args.max_batch_size, input_on_device=args.input_on_device, seed=args.seed,
+        trial_timeout_s=args.trial_timeout, command="autotune " + shlex.join(sys.argv[1:]),
+    )
+    if args.min_measure_time is not None:
+        from autotune.study import resolve_device
+
+        config.measure = MeasureSettings.for_device(resolve_device(args.device))
+        config.measure.min_time_s = args.min_measure_time
+    view = _ProgressView(config)
+    try:
+        result = run_search(config, on_event=view)
+    finally:
+        if view.task is not None:
+            view.progress.stop()
+    _print_summary(result.out_dir, result.elapsed_s)
+    return 0
+
+
+def _print_summary(out_dir: Path, elapsed_s: float | None = None) -> None:
+    path = out_dir / "config.json"
+    if not path.exists():
+        console.print(f"[red]no trial finished successfully[/]; see {out_dir / 'trials.csv'} and {out_dir / 'logs'}")
+        return
+    data = json.loads(path.read_text())
+    table = Table(title=f"{data['workload']['model']} on {data['provenance'].get('gpu', 'CPU')}")
+    for col in ("", "configuration", "samples/s", "step ms", "peak GiB"):
+        table.add_column(col)
+    for label, entry in (("baseline", data.get("baseline")), ("best", data)):
+        if entry:
+            f = entry["figures"]
+            table.add_row(label, entry["summary"], f"{f['samples_per_s']:,.0f}", f"{f['step_time_ms']:.1f}",
+                          f"{f['peak_memory_bytes'] / 2**30:.2f}")
+    console.print(table)
+    if "speedup_vs_baseline" in data:
+        console.print(f"speed-up over the FP32 baseline: {data['speedup_vs_baseline']:.2f}x, "
+                      f"memory {data['memory_vs_baseline']:.2f}x")
+    s = data["search"]
+    console.print(f"search cost over {s['num_trials']} trials ({s['num_measured']} measured): worker start "
+                  f"{s['worker_start_s']:.0f}s, build {s['build_s']:.0f}s, warm-up {s['warmup_s']:.0f}s, "
+                  f"measuring {s['measure_s']:.0f}s, trials in all {s['trial_wall_s']:.0f}s"
+                  + (f"; this run {elapsed_s:.0f}s" if elapsed_s is not None else ""))
+    for note in data.get("notes", []):
+        console.print(f"note: {note}")
+    console.print(f"wrote {path} and {out_dir / 'trials.csv'}")
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from autotune.config import load
+    from autotune.runner import run_worker
+
+    cfg = load(args.config)
+    path = args.config / "config.json" if args.config.is_dir() else args.config
+    recorded = cfg.info["figures"]["samples_per_s"]
+    rates = []
+    for i in range(args.repeat):
+        result = run_worker({"mode": "trial", "config_path": str(path.resolve()),
+                             "seed": 0}, timeout_s=900)
+        if result["status"] != "ok":
+            console.print(f"[red]re-measurement failed[/]: {result.get('reason')}")
+            return 1
+        rate = result["figures"]["samples_per_s"]
+        rates.append(rate)
+        console.print(f"re-measured {rate:,.0f} samples/s (worker start {result.get('worker_start_s', 0):.1f}s)")
+    med = statistics.median(rates)
+    diff = (med - recorded) / recorded
+    console.print(f"config.json says {recorded:,.0f} samples/s; re-measured median {med:,.0f} ({diff:+.1%})")
+    print(json.dumps({"recorded": recorded, "remeasured": rates, "median": med, "relative_difference": diff}))
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from autotune.config import load
+
+    cfg = load(args.config)
+    console.print(cfg.describe())
+    _print_summary(args.config if args.config.is_dir() else args.config.parent)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from autotune.workloads import torchvision_models
+
+    for name in torchvision_models():
+        print(name)
+    print("... or package.module:factory for your own model (a callable returning an nn.Module or autotune.Workload)",
+          file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = {"search": cmd_search, "verify": cmd_verify, "show": cmd_show, "models": cmd_models}[args.command]
+    try:
+        return handler(args)
+    except AutotuneError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 2
+    except KeyboardInterrupt:
+        console.print("interrupted: finished trials are kept in the study; run the same command to resume")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""TunedConfig: the exported configuration, as user training code imports it.
+
+    cfg = autotune.load("reports/resnet50-h200/config.json")
+    model, optimizer = cfg.prepare(model, optimizer)
+    scaler = cfg.grad_scaler()
+    for x, y in cfg.loader(data_loader):
+        with cfg.autocast():
+            loss = loss_fn(model(x), y)
+        ...
+
+Loading replays the stored Optuna parameters through the same strategies the search sampled
+them with (``optuna.trial.FixedTrial``), so the recipe built here is the one the trial measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import optuna
+import torch
+from torch import nn
+
+import strategies
+from autotune import runtime
+from autotune.errors import ConfigError
+from autotune.recipe import Recipe, backend_flags
+from autotune.space import SearchSpace
+from strategies.streams import device_batches
+
+FORMAT_VERSION = 1
+
+
+class TunedConfig:
+    """A tuned training configuration: knob values, the recipe they make, and where they came from."""
+
+    def __init__(self, knobs: Mapping[str, Any], space: SearchSpace, *,
+                 params: Mapping[str, Any] | None = None, info: Mapping[str, Any] | None = None) -> None:
+        self.space = space
+        self.knobs = dict(knobs)
+        self.params = dict(params or {})
+        self.info = dict(info or {})
+        """Everything else config.json holds: figures, baseline, provenance, study, command."""
+        self.recipe: Recipe = strategies.build_recipe(self.knobs, space.device)
+
+    # construction ------------------------------------------------------------------------------
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any], space: SearchSpace, **kwargs: Any) -> "TunedConfig":
+        """Replay Optuna parameters through the strategies (the search's own code path)."""
+        knobs = strategies.sample(optuna.trial.FixedTrial(dict(params)), space)
+        return cls(knobs, space, params=params, **kwargs)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TunedConfig":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such file; pass the config.json that `autotune search` wrote "
+                              "(or its output folder)") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path} is not valid JSON ({exc}); re-export it with `autotune search`") from None
+        for key in ("space", "params", "knobs"):
+            if key not in data:
+                raise ConfigError(f"{path} has no {key!r} entry: it was not written by `autotune search`")
+        space = SearchSpace.from_dict(data["space"])
+        try:
+            cfg = cls.from_params(data["params"], space, info=data)
+        except (ValueError, KeyError) as exc:
+            raise ConfigError(f"{path}: its parameters do not replay on this version of autotune ({exc})") from None
+        recorded = strategies.knobs_from_dict(data["knobs"])
+        if recorded != cfg.knobs:
+            raise ConfigError(
+                f"{path}: replaying its parameters gives {strategies.knobs_to_dict(cfg.knobs)}, not the "
+                f"recorded {data['knobs']}; the file was edited by hand or written by another version"
+            )
+        if space.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"{path} was tuned for CUDA but this process has no GPU; run on a GPU, or "
+                              "tune for this machine with `autotune search --device cpu`")
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dict(self.info)
+        data.update(format=FORMAT_VERSION, device=self.space.device, space=self.space.to_dict(),
+                    params=self.params, knobs=strategies.knobs_to_dict(self.knobs), notes=self.recipe.notes)
+        return data
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, default=str) + "\n")
+
+    # what user code calls ------------------------------------------------------------------------
+
+    @property
+    def device(self) -> str:
+        return self.recipe.device
+
+    @property
+    def batch_size(self) -> int:
+        return self.recipe.batch_size
+
+    @property
+    def notes(self) -> list[str]:
+        return list(self.recipe.notes)
+
+    def scaled_lr(self, base_lr: float) -> float:
+        """The learning rate for the tuned batch size, by the linear scaling rule."""
+        base = self.recipe.base_batch_size or self.recipe.batch_size
+        return base_lr * self.recipe.batch_size / base
+
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+                ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """Set the backend switches for this process, pad and move the model, move optimizer state."""
+        model = runtime.prepare_model(model, self.recipe)
+        if optimizer is not None:
+            runtime.move_optimizer_state(optimizer, self.device)
+        return model, optimizer
+
+    def autocast(self) -> torch.autocast:
+        return runtime.autocast(self.recipe)
+
+    def grad_scaler(self) -> torch.amp.GradScaler:
+        return runtime.grad_scaler(self.recipe)
+
+    def loader(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """Batches on the device in the tuned memory format, copied on a side stream if tuned so."""
+        return device_batches(batches, self.device, num_streams=self.recipe.num_streams,
+                              memory_format=self.recipe.memory_format)
+
+    def train_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                   loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> runtime.TrainStep:
+        """One callable for the whole optimized step: ``loss = step(x, y)``."""
+        return runtime.TrainStep(model, optimizer, loss_fn, self.recipe)
+
+    def backend_flags(self) -> contextlib.AbstractContextManager[None]:
+        """The tuned process-global switches, scoped: restored when the block ends."""
+        return backend_flags(self.recipe.backend_flags)
+
+    def describe(self) -> str:
+        parts = [f"{name}: " + ", ".join(f"{k}={v}" for k, v in strategies.BY_NAME[name].to_dict(cfg).items())
+                 for name, cfg in self.knobs.items()]
+        return "; ".join(parts)
+
+    def __repr__(self) -> str:
+        return f"TunedConfig({self.describe()})"
+
+
+def load(path: str | Path) -> TunedConfig:
+    """Load a config.json written by ``autotune search``."""
+    return TunedConfig.load(path)

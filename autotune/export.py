@@ -1,0 +1,119 @@
+"""Write the output folder: config.json (the best configuration, ready for autotune.load) and
+trials.csv (every trial with its state, reason and figures)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pandas as pd
+
+import autotune
+from autotune.config import TunedConfig
+from autotune.objective import describe
+from autotune.space import SearchSpace
+
+
+def trials_frame(study: optuna.Study) -> pd.DataFrame:
+    """One row per trial: identity, outcome, figures, the search's own cost, and the parameters."""
+    rows = []
+    for t in study.get_trials(deepcopy=False):
+        attrs = t.user_attrs
+        fig = attrs.get("figures") or {}
+        timing = attrs.get("timing") or {}
+        row: dict[str, Any] = {
+            "number": t.number,
+            "role": attrs.get("role", "search"),
+            "state": t.state.name,
+            "status": attrs.get("status", t.system_attrs.get("fail_reason", "")),
+            "reason": attrs.get("reason", ""),
+            "duplicate_of": attrs.get("duplicate_of"),
+            "config": describe(attrs["knobs"]) if "knobs" in attrs else "",
+            "samples_per_s": fig.get("samples_per_s"),
+            "step_time_ms": fig.get("step_time_ms"),
+            "step_time_p10_ms": fig.get("step_time_p10_ms"),
+            "step_time_p90_ms": fig.get("step_time_p90_ms"),
+            "spread": fig.get("spread"),
+            "noisy": fig.get("noisy"),
+            "num_steps": fig.get("num_steps"),
+            "peak_memory_gb": fig["peak_memory_bytes"] / 2**30 if "peak_memory_bytes" in fig else None,
+            "final_loss": fig.get("final_loss"),
+            "worker_start_s": timing.get("worker_start_s"),
+            "build_s": timing.get("build_s"),
+            "warmup_s": timing.get("warmup_s"),
+            "measure_s": timing.get("measure_s"),
+            "trial_wall_s": timing.get("wall_s"),
+        }
+        row.update({f"param.{k}": v for k, v in sorted(t.params.items())})
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _best(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
+    from autotune.study import best_trial
+
+    return best_trial(study)
+
+
+def export(study: optuna.Study, out_dir: Path, *, config, space: SearchSpace, probe: dict[str, Any]) -> dict[str, Path]:
+    from autotune.study import baseline_trial, counted_trials
+
+    out_dir = Path(out_dir)
+    files = {}
+    frame = trials_frame(study)
+    files["trials.csv"] = out_dir / "trials.csv"
+    frame.to_csv(files["trials.csv"], index=False)
+    best = _best(study)
+    if best is None:
+        return files
+    base = baseline_trial(study)
+    counted = counted_trials(study)
+    timing = [t.user_attrs.get("timing", {}) for t in counted if "duplicate_of" not in t.user_attrs]
+
+    def total(key: str) -> float:
+        return round(sum(x.get(key) or 0.0 for x in timing), 2)
+
+    url = config.storage or f"sqlite:///{out_dir.resolve() / 'study.db'}"
+    info: dict[str, Any] = {
+        "autotune_version": autotune.__version__,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": config.command,
+        "workload": config.workload.to_dict(),
+        "input_on_device": config.input_on_device,
+        "measure": config.measure.to_dict(),
+        "summary": describe(best.user_attrs["knobs"]),
+        "figures": best.user_attrs["figures"],
+        "baseline": None if base is None else {
+            "summary": describe(base.user_attrs["knobs"]),
+            "knobs": base.user_attrs["knobs"],
+            "figures": base.user_attrs["figures"],
+            "trial_number": base.number,
+        },
+        "provenance": probe["provenance"],
+        "study": {"storage": url, "study_name": study.study_name, "trial_number": best.number},
+        "search": {
+            "num_trials": len(counted),
+            "num_measured": len(timing),
+            "worker_start_s": total("worker_start_s"),
+            "build_s": total("build_s"),
+            "warmup_s": total("warmup_s"),
+            "measure_s": total("measure_s"),
+            "trial_wall_s": total("wall_s"),
+        },
+    }
+    if base is not None:
+        b, f = base.user_attrs["figures"], best.user_attrs["figures"]
+        info["speedup_vs_baseline"] = f["samples_per_s"] / b["samples_per_s"]
+        info["memory_vs_baseline"] = f["peak_memory_bytes"] / b["peak_memory_bytes"]
+    cfg = TunedConfig.from_params(best.params, space, info=info)
+    recorded = best.user_attrs["knobs"]
+    import strategies
+
+    if strategies.knobs_to_dict(cfg.knobs) != recorded:
+        raise AssertionError(f"replaying trial {best.number}'s params gives {cfg.knobs}, not {recorded}")
+    files["config.json"] = out_dir / "config.json"
+    cfg.save(files["config.json"])
+    return files
+

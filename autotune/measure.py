@@ -1,0 +1,176 @@
+"""Warm up until steady, then time many steps and take the median (timm's benchmark, with a
+stability check). On CUDA each step is bracketed by CUDA events, so the host never waits inside
+the timed window; on the CPU, by the wall clock."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass(kw_only=True)
+class MeasureSettings:
+    """How long to warm up and measure. Defaults depend on the device (see ``for_device``)."""
+
+    min_warmup_steps: int = 5
+    """Steps run before any window is timed (cudnn.benchmark tunes in the first ones)."""
+    max_warmup_s: float = 60.0
+    """Give up waiting for steadiness after this long and measure anyway (recorded)."""
+    steady_tolerance: float = 0.03
+    """Two consecutive warm-up windows within this relative difference count as steady."""
+    min_steps: int = 20
+    """At least this many timed steps."""
+    min_time_s: float = 2.0
+    """And at least this much timed time."""
+    max_steps: int = 500
+    spread_tolerance: float = 0.05
+    """(p90 - p10) / median above this is noisy: measure again."""
+    max_remeasure: int = 2
+    """How many times a noisy measurement is repeated (the least noisy one is kept)."""
+
+    @classmethod
+    def for_device(cls, device: str) -> "MeasureSettings":
+        if device == "cpu":
+            return cls(min_warmup_steps=2, max_warmup_s=30.0, steady_tolerance=0.10, min_steps=3,
+                       min_time_s=2.0, max_steps=100, spread_tolerance=0.15, max_remeasure=1)
+        return cls()
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(kw_only=True)
+class Measurement:
+    step_time_ms: float
+    """Median step time."""
+    step_time_p10_ms: float
+    step_time_p90_ms: float
+    spread: float
+    """(p90 - p10) / median of the kept window."""
+    num_steps: int
+    num_warmup_steps: int
+    steady: bool
+    """False when warm-up hit max_warmup_s before two windows agreed."""
+    noisy: bool
+    """True when even the kept window's spread is above spread_tolerance."""
+    num_remeasured: int
+    warmup_s: float
+    measure_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Timer:
+    """Per-step durations in milliseconds, with CUDA events or the host clock."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device == "cuda"
+
+    def run(self, step: Callable[[], Any], num_steps: int) -> list[float]:
+        if self.cuda:
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(num_steps + 1)]
+            events[0].record()
+            for i in range(num_steps):
+                step()
+                events[i + 1].record()
+            events[-1].synchronize()
+            return [events[i].elapsed_time(events[i + 1]) for i in range(num_steps)]
+        times = []
+        last = time.perf_counter()
+        for _ in range(num_steps):
+            step()
+            now = time.perf_counter()
+            times.append((now - last) * 1e3)
+            last = now
+        return times
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def measure(step: Callable[[], Any], device: str, settings: MeasureSettings) -> Measurement:
+    """Warm up until two consecutive windows agree, then time enough steps for a stable median."""
+    timer = _Timer(device)
+    start = time.perf_counter()
+    warm = timer.run(step, settings.min_warmup_steps)
+    num_warmup = settings.min_warmup_steps
+    step_ms = statistics.median(warm[-max(1, len(warm) // 2):])
+    # windows of about half a second (at least 3 steps) until the median stops moving
+    previous, steady = None, False
+    while True:
+        window = max(3, min(50, int(500 / max(step_ms, 1e-3))))
+        times = timer.run(step, window)
+        num_warmup += window
+        step_ms = statistics.median(times)
+        if previous is not None and abs(step_ms - previous) / previous <= settings.steady_tolerance:
+            steady = True
+            break
+        previous = step_ms
+        if time.perf_counter() - start > settings.max_warmup_s:
+            break
+    warmup_s = time.perf_counter() - start
+
+    num_steps = max(settings.min_steps, math.ceil(settings.min_time_s * 1e3 / max(step_ms, 1e-3)))
+    num_steps = min(num_steps, settings.max_steps)
+    start = time.perf_counter()
+    best: list[float] | None = None
+    best_spread = math.inf
+    num_remeasured = 0
+    for attempt in range(settings.max_remeasure + 1):
+        times = timer.run(step, num_steps)
+        med = statistics.median(times)
+        spread = (_quantile(times, 0.9) - _quantile(times, 0.1)) / med
+        if spread < best_spread:
+            best, best_spread = times, spread
+        if spread <= settings.spread_tolerance:
+            break
+        num_remeasured = attempt + 1 if attempt < settings.max_remeasure else num_remeasured
+    measure_s = time.perf_counter() - start
+    assert best is not None
+    med = statistics.median(best)
+    return Measurement(
+        step_time_ms=med,
+        step_time_p10_ms=_quantile(best, 0.1),
+        step_time_p90_ms=_quantile(best, 0.9),
+        spread=best_spread,
+        num_steps=len(best),
+        num_warmup_steps=num_warmup,
+        steady=steady,
+        noisy=best_spread > settings.spread_tolerance,
+        num_remeasured=num_remeasured,
+        warmup_s=warmup_s,
+        measure_s=measure_s,
+    )
+
+
+def memory_figures(device: str) -> dict[str, int]:
+    """Peak memory as the device really needed it.
+
+    CUDA: the caching allocator's peak reserved bytes (cuDNN workspaces and CUDA-graph pools are
+    allocated through it) plus what lives outside it (CUDA context, cuBLAS/cuDNN handles), read
+    from the driver's free-memory figure. CPU: the worker process's peak resident set.
+    """
+    if device == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        used = total - free
+        outside = max(0, used - torch.cuda.memory_reserved())
+        return {
+            "peak_memory_bytes": torch.cuda.max_memory_reserved() + outside,
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+            "outside_allocator_bytes": outside,
+            "device_total_bytes": total,
+        }
+    import resource
+
+    return {"peak_memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

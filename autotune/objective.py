@@ -1,0 +1,114 @@
+"""One trial: sample the strategies, run the plan in a fresh worker, record what it measured."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+import strategies
+from autotune.runner import run_worker
+
+# trial user attributes that hold a result; copied verbatim when a configuration repeats
+RESULT_ATTRS = ("status", "reason", "figures", "knobs", "timing")
+
+
+class TrialFailed(Exception):
+    """The worker crashed, timed out or raised: recorded on the trial, and the study goes on."""
+
+
+class Objective:
+    """Callable for ``study.optimize``: returns samples/s, or prunes with a reason."""
+
+    def __init__(self, *, space, workload: dict[str, Any], measure: dict[str, Any], input_on_device: bool,
+                 seed: int, trial_timeout_s: float, log_dir: Path | None = None) -> None:
+        self.space = space
+        self.workload = workload
+        self.measure = measure
+        self.input_on_device = input_on_device
+        self.seed = seed
+        self.trial_timeout_s = trial_timeout_s
+        self.log_dir = log_dir
+
+    def __call__(self, trial: optuna.Trial) -> float:
+        knobs = strategies.sample(trial, self.space)
+        trial.set_user_attr("knobs", strategies.knobs_to_dict(knobs))
+        previous = self._same_params(trial)
+        if previous is not None:
+            # Optuna may propose a configuration again (small categorical spaces): re-measuring
+            # costs time and, for a failing one, repeats the failure; reuse the measured result
+            for key in RESULT_ATTRS:
+                if key in previous.user_attrs:
+                    trial.set_user_attr(key, previous.user_attrs[key])
+            trial.set_user_attr("duplicate_of", previous.number)
+            return self._conclude(trial, previous.user_attrs.get("status"), previous.user_attrs.get("reason"),
+                                  previous.user_attrs.get("figures"))
+        request = {
+            "mode": "trial",
+            "space": self.space.to_dict(),
+            "knobs": strategies.knobs_to_dict(knobs),
+            "workload": self.workload,
+            "measure": self.measure,
+            "input_on_device": self.input_on_device,
+            "seed": self.seed,
+        }
+        log_path = self.log_dir / f"trial-{trial.number:04d}.log" if self.log_dir else None
+        result = run_worker(request, timeout_s=self.trial_timeout_s, log_path=log_path)
+        figures = result.get("figures")
+        timing = {"worker_start_s": result.get("worker_start_s"), "wall_s": result["wall_s"]}
+        if figures:
+            timing.update(warmup_s=figures["warmup_s"], measure_s=figures["measure_s"], build_s=figures["build_s"])
+        trial.set_user_attr("timing", timing)
+        trial.set_user_attr("status", result["status"])
+        if result.get("reason"):
+            trial.set_user_attr("reason", result["reason"])
+        if figures:
+            trial.set_user_attr("figures", figures)
+        return self._conclude(trial, result["status"], result.get("reason"), figures,
+                              traceback=result.get("traceback") or result.get("log_tail"))
+
+    def _conclude(self, trial: optuna.Trial, status: str | None, reason: str | None,
+                  figures: dict[str, Any] | None, traceback: str | None = None) -> float:
+        if status == "ok" and figures:
+            if not figures.get("loss_finite", True):
+                trial.set_user_attr("unstable", True)
+            return float(figures["samples_per_s"])
+        if status == "oom":
+            batch = trial.user_attrs["knobs"]["batch_size"]["batch_size"]
+            text = f"does not fit at batch {batch}: {reason}"
+            trial.set_user_attr("reason", text)
+            # PRUNED, not FAIL: Optuna's samplers learn from pruned trials (ranked below every
+            # completed one), so the region that does not fit stops being proposed
+            raise optuna.TrialPruned(text)
+        raise TrialFailed(f"trial {trial.number} {status}: {reason}" + (f"\n{traceback}" if traceback else ""))
+
+    @staticmethod
+    def _same_params(trial: optuna.Trial):
+        done = trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL))
+        for other in done:
+            if other.params == trial.params and "status" in other.user_attrs:
+                return other
+        return None
+
+
+def describe(knobs: dict[str, dict[str, Any]]) -> str:
+    """A short human description of a configuration."""
+    p = knobs.get("precision", {}).get("mode", "fp32")
+    parts = [p, knobs.get("memory_format", {}).get("format", "contiguous"),
+             f"batch {knobs.get('batch_size', {}).get('batch_size')}"]
+    if knobs.get("cudnn", {}).get("benchmark"):
+        parts.append("cudnn.benchmark")
+    if knobs.get("channel_alignment", {}).get("multiple", 1) > 1:
+        parts.append(f"pad x{knobs['channel_alignment']['multiple']}")
+    if knobs.get("streams", {}).get("num_streams", 1) > 1:
+        parts.append(f"{knobs['streams']['num_streams']} streams")
+    if knobs.get("threads", {}).get("num_threads"):
+        parts.append(f"{knobs['threads']['num_threads']} threads")
+    return ", ".join(parts)
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, default=str)

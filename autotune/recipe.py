@@ -1,0 +1,106 @@
+"""The training recipe: what the strategies decide, in one object the runtime executes.
+
+Strategies never touch a model or a global switch directly while they are sampled; they write
+into a :class:`Recipe`. The runtime (``autotune.runtime``) turns a recipe into a prepared model,
+an autocast context, a GradScaler and an input pipeline. The study's worker and a user's
+training code (``autotune.load(...)``) both go through it, so what is exported is what was measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+# Process-global switches a recipe may set. Each entry: (getter, setter). They are applied only
+# inside `backend_flags(...)`, which restores the previous values on exit, so one trial's flags
+# never leak into code that runs after it.
+
+
+def _matmul_get():
+    m = torch.backends.cuda.matmul
+    return m.fp32_precision if hasattr(m, "fp32_precision") else ("tf32" if m.allow_tf32 else "ieee")
+
+
+def _matmul_set(value: str) -> None:
+    m = torch.backends.cuda.matmul
+    if hasattr(m, "fp32_precision"):
+        m.fp32_precision = value
+    else:  # torch < 2.9
+        m.allow_tf32 = value == "tf32"
+
+
+def _conv_get():
+    c = torch.backends.cudnn
+    if hasattr(c, "conv") and hasattr(c.conv, "fp32_precision"):
+        return c.conv.fp32_precision
+    return "tf32" if c.allow_tf32 else "ieee"
+
+
+def _conv_set(value: str) -> None:
+    c = torch.backends.cudnn
+    if hasattr(c, "conv") and hasattr(c.conv, "fp32_precision"):
+        c.conv.fp32_precision = value
+    else:  # torch < 2.9
+        c.allow_tf32 = value == "tf32"
+
+
+def _cudnn_benchmark_set(value: bool) -> None:
+    torch.backends.cudnn.benchmark = bool(value)
+
+
+BACKEND_FLAGS: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {
+    # "ieee" is true FP32; "tf32" lets cuBLAS/cuDNN use TF32 Tensor Cores for float32 math.
+    "matmul_fp32_precision": (_matmul_get, _matmul_set),
+    "conv_fp32_precision": (_conv_get, _conv_set),
+    "cudnn_benchmark": (lambda: torch.backends.cudnn.benchmark, _cudnn_benchmark_set),
+    "num_threads": (torch.get_num_threads, torch.set_num_threads),
+}
+
+
+@contextlib.contextmanager
+def backend_flags(flags: dict[str, Any]) -> Iterator[None]:
+    """Set process-global backend switches for the duration of the block, then restore them."""
+    unknown = set(flags) - set(BACKEND_FLAGS)
+    if unknown:
+        raise KeyError(f"unknown backend flags {sorted(unknown)}; known: {sorted(BACKEND_FLAGS)}")
+    saved = {name: BACKEND_FLAGS[name][0]() for name in flags}
+    try:
+        apply_backend_flags(flags)
+        yield
+    finally:
+        apply_backend_flags(saved)
+
+
+def apply_backend_flags(flags: dict[str, Any]) -> None:
+    """Set process-global backend switches for good (what a user's training process wants)."""
+    for name, value in flags.items():
+        BACKEND_FLAGS[name][1](value)
+
+
+@dataclass(kw_only=True)
+class Recipe:
+    """Everything needed to run one training step the way a configuration says."""
+
+    device: str
+    """"cuda" or "cpu"."""
+    batch_size: int = 32
+    """Samples per optimizer step."""
+    base_batch_size: int | None = None
+    """The batch size the user trains with today (for learning-rate scaling advice)."""
+    autocast_dtype: torch.dtype | None = None
+    """Autocast compute dtype; None runs without autocast."""
+    grad_scaler: dict[str, Any] | None = None
+    """GradScaler keyword arguments; None means no loss scaling (the scaler is disabled)."""
+    memory_format: torch.memory_format = torch.contiguous_format
+    """Memory format of the model's parameters and of 4-D inputs."""
+    model_transforms: list[Callable[[torch.nn.Module], torch.nn.Module]] = field(default_factory=list)
+    """Applied to the model in order, before it is moved to the device."""
+    backend_flags: dict[str, Any] = field(default_factory=dict)
+    """Process-global switches (see BACKEND_FLAGS)."""
+    num_streams: int = 1
+    """1: input copies on the compute stream; 2: the next batch is copied on a side stream."""
+    notes: list[str] = field(default_factory=list)
+    """Plain-language advice that comes with this recipe (e.g. learning-rate scaling)."""

@@ -1,0 +1,71 @@
+"""Start a worker process for one request, with a watchdog, and read back its result."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _worker_env() -> dict[str, str]:
+    # the worker must import what the study process imports (autotune, the user's model module)
+    env = dict(os.environ)
+    paths = [os.getcwd()] + [p for p in sys.path if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def run_worker(request: dict[str, Any], *, timeout_s: float | None = None,
+               log_path: Path | None = None) -> dict[str, Any]:
+    """Run ``python -m autotune.worker`` on ``request``; always returns a result dict.
+
+    status is "ok", "oom", "error" (an exception in the trial), "crashed" (the process died
+    without a result: segfault, kill, sticky CUDA error) or "timeout" (the watchdog killed it).
+    ``worker_start_s`` is the time from spawn until the worker had imported everything.
+    """
+    with tempfile.TemporaryDirectory(prefix="autotune-") as tmp:
+        result_path = Path(tmp) / "result.json"
+        log = open(log_path, "w") if log_path else tempfile.TemporaryFile("w+", dir=tmp)
+        spawned = time.time()
+        proc = subprocess.Popen([sys.executable, "-m", "autotune.worker", str(result_path)],
+                                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                                env=_worker_env(), text=True)
+        try:
+            proc.stdin.write(json.dumps(request))
+            proc.stdin.close()
+            proc.wait(timeout=timeout_s)
+            status = None
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            status = "timeout"
+        except BaseException:  # Ctrl-C in the study: do not leave the worker on the GPU
+            proc.kill()
+            proc.wait()
+            raise
+        finished = time.time()
+        if log_path:
+            log.close()
+            tail = log_path.read_text(errors="replace")[-2000:]
+        else:
+            log.seek(0)
+            tail = log.read()[-2000:]
+            log.close()
+        if status == "timeout":
+            result = {"status": "timeout", "reason": f"no result after {timeout_s:.0f} s; the worker was killed"}
+        elif result_path.exists():
+            result = json.loads(result_path.read_text())
+        else:
+            result = {"status": "crashed",
+                      "reason": f"worker exited with code {proc.returncode} and no result: {tail.strip()[-500:]}"}
+    result["wall_s"] = finished - spawned
+    if "ready_at" in result:
+        result["worker_start_s"] = result["ready_at"] - spawned
+    result["log_tail"] = tail
+    return result

@@ -1,0 +1,41 @@
+"""The search space: which values each knob may take on this device, for this workload."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(kw_only=True)
+class SearchSpace:
+    """What the strategies may choose from. Built once per study from the device and the options.
+
+    It is stored with the study and in config.json, so replaying a trial's parameters
+    (Optuna's FixedTrial) later sees exactly the choices the trial saw.
+    """
+
+    device: str
+    """"cuda" or "cpu"."""
+    precisions: list[str] = field(default_factory=lambda: ["fp32"])
+    """Precision modes the device supports, fp32 first."""
+    batch_sizes: list[int] = field(default_factory=lambda: [32])
+    """Candidate batch sizes (one entry when the user pins --batch-size)."""
+    base_batch_size: int = 32
+    """The batch size the baseline runs with: the user's own, for learning-rate scaling."""
+    alignments: list[int] = field(default_factory=lambda: [1])
+    """Channel multiples to pad Conv/Linear widths to (1 = no padding)."""
+    memory_formats: list[str] = field(default_factory=lambda: ["contiguous"])
+    """"contiguous" and, for models with 4-D inputs, "channels_last"."""
+    stream_counts: list[int] = field(default_factory=lambda: [1])
+    """CUDA streams for the input pipeline (2 = copy the next batch on a side stream)."""
+    cudnn_benchmark: list[bool] = field(default_factory=lambda: [False])
+    """cudnn.benchmark choices (only [False] on CPU)."""
+    thread_counts: list[int] = field(default_factory=list)
+    """CPU intra-op thread counts to try (empty on CUDA)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "SearchSpace":
+        return cls(**data)

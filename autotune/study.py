@@ -1,0 +1,349 @@
+"""The search: create or resume the Optuna study, seed it with the baseline and known-good
+configurations, run trials until the trial count or the wall-clock budget is reached, export."""
+
+from __future__ import annotations
+
+import fcntl
+import re
+import statistics
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import optuna
+from optuna.trial import TrialState
+
+import strategies
+from autotune.errors import ConfigError, WorkloadError
+from autotune.measure import MeasureSettings
+from autotune.objective import Objective, TrialFailed
+from autotune.runner import run_worker
+from autotune.space import SearchSpace
+from autotune.workloads import WorkloadSpec, check_spec
+from strategies import batch_size as batch_size_strategy
+from strategies import threads as threads_strategy
+
+DEFAULT_BUDGET_S = 600.0  # when neither --trials nor --budget is given
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+
+
+@dataclass(kw_only=True)
+class SearchConfig:
+    """Everything `autotune search` was asked to do; validated on creation."""
+
+    workload: WorkloadSpec
+    device: str = "auto"
+    """"cuda", "cpu" or "auto" (CUDA when there is a GPU)."""
+    out_dir: Path | None = None
+    """None: reports/<model>-<device>/."""
+    storage: str | None = None
+    """Optuna storage URL; None: SQLite file study.db in the output folder."""
+    study_name: str | None = None
+    trials: int | None = None
+    """Stop once this many trials are finished (resumed ones included)."""
+    budget_s: float | None = None
+    """Stop starting trials when the next one would end after this many seconds."""
+    batch_size: int | None = None
+    """Pin the batch size (no batch search)."""
+    base_batch_size: int | None = None
+    """The batch size the user trains with (the baseline's); default: the pinned one or 256 (GPU) / 16 (CPU)."""
+    min_batch_size: int | None = None
+    max_batch_size: int | None = None
+    input_on_device: bool = False
+    """Keep synthetic batches on the GPU instead of copying them from pinned host memory each step."""
+    seed: int = 0
+    trial_timeout_s: float = 600.0
+    measure: MeasureSettings | None = None
+    command: str = ""
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ConfigError(f"--device {self.device!r}: use cuda, cpu or auto")
+        if self.trials is not None and self.trials < 1:
+            raise ConfigError(f"--trials must be at least 1, got {self.trials}")
+        if self.budget_s is not None and self.budget_s <= 0:
+            raise ConfigError(f"--budget must be positive, got {self.budget_s}")
+        for name in ("batch_size", "base_batch_size", "min_batch_size", "max_batch_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.min_batch_size and self.max_batch_size and self.min_batch_size > self.max_batch_size:
+            raise ConfigError(f"--min-batch-size {self.min_batch_size} is larger than --max-batch-size {self.max_batch_size}")
+        if self.trial_timeout_s <= 0:
+            raise ConfigError("--trial-timeout must be positive")
+
+
+def parse_duration(text: str) -> float:
+    """'10m' -> 600.0; accepts s, m, h and plain seconds."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text)
+    if not match:
+        raise ConfigError(f"--budget {text!r}: write a duration like 90s, 10m or 1.5h")
+    return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[match.group(2)]
+
+
+def device_slug(provenance: dict[str, Any], device: str) -> str:
+    """'NVIDIA H200' -> 'h200'; the CPU -> 'cpu'."""
+    if device != "cuda":
+        return "cpu"
+    name = provenance.get("gpu", "gpu").lower().replace("nvidia", "").replace("geforce", "")
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "gpu"
+
+
+def resolve_device(requested: str) -> str:
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: PyTorch sees no CUDA GPU here (torch.cuda.is_available() is False); "
+                          "use --device cpu, or install a CUDA build of torch")
+    return requested
+
+
+def probe(config: SearchConfig, device: str) -> dict[str, Any]:
+    """Ask a worker what the device can do, and check the model builds."""
+    result = run_worker({"mode": "probe", "device": device, "workload": config.workload.to_dict()}, timeout_s=600)
+    if result["status"] != "ok":
+        if "WorkloadError" in result.get("reason", "") or "ConfigError" in result.get("reason", ""):
+            raise WorkloadError(result["reason"].split(": ", 1)[-1])
+        raise WorkloadError(f"the model {config.workload.model!r} could not be built: {result.get('reason')}\n"
+                            f"{result.get('traceback', '')}")
+    return result
+
+
+def build_space(config: SearchConfig, device: str, info: dict[str, Any]) -> SearchSpace:
+    cuda = device == "cuda"
+    if config.batch_size:
+        batches = [config.batch_size]
+    else:
+        low = config.min_batch_size or (16 if cuda else 4)
+        high = config.max_batch_size or (1024 if cuda else 32)
+        if low > high:
+            raise ConfigError(f"batch range {low}..{high} is empty; set --min-batch-size/--max-batch-size")
+        batches = batch_size_strategy.candidates(low, high)
+    base = config.base_batch_size or config.batch_size or (256 if cuda else 16)
+    base = min(max(base, batches[0]), batches[-1]) if base not in batches else base
+    if base not in batches:
+        batches = sorted(set(batches) | {base})
+    image_like = info.get("input_dim") == 4
+    alignments = [1]
+    if cuda:
+        alignments += [m for m in (8, 16) if info.get("misaligned", {}).get(str(m))]
+    return SearchSpace(
+        device=device,
+        precisions=info["precisions"],
+        batch_sizes=batches,
+        base_batch_size=base,
+        alignments=alignments,
+        memory_formats=["contiguous", "channels_last"] if image_like else ["contiguous"],
+        stream_counts=[1, 2] if cuda and not config.input_on_device else [1],
+        cudnn_benchmark=[False, True] if cuda else [False],
+        thread_counts=[] if cuda else threads_strategy.candidates(),
+    )
+
+
+def _nearest(values: list[int], target: int) -> int:
+    return min(values, key=lambda v: (abs(v - target), v))
+
+
+def seed_configurations(space: SearchSpace) -> list[tuple[str, dict[str, Any]]]:
+    """The FP32 baseline first, then configurations the guides call good, as Optuna params."""
+    def params(**values: Any) -> dict[str, Any]:
+        out = {}
+        for strategy in strategies.REGISTRY:
+            if not strategy.applies(space):
+                continue
+            for key, value in values.items():
+                if key.startswith(strategy.name + "."):
+                    out[key] = value
+        return out
+
+    base = space.base_batch_size
+    baseline = params(**{
+        "precision.mode": "fp32", "batch_size.batch_size": base, "channel_alignment.multiple": 1,
+        "memory_format.format": "contiguous", "cudnn.benchmark": False, "streams.num_streams": 1,
+        "threads.num_threads": max(space.thread_counts) if space.thread_counts else 0,
+    })
+    seeds = [("baseline", baseline)]
+    fast_format = "channels_last" if "channels_last" in space.memory_formats else "contiguous"
+    common = {"memory_format.format": fast_format, "cudnn.benchmark": True, "channel_alignment.multiple": 1,
+              "streams.num_streams": max(space.stream_counts),
+              "threads.num_threads": max(space.thread_counts) if space.thread_counts else 0}
+    scaler = {"grad_scaler.init_scale": 2.0**16, "grad_scaler.growth_factor": 2.0,
+              "grad_scaler.backoff_factor": 0.5, "grad_scaler.growth_interval": 2000}
+    if space.device == "cuda":
+        wanted = [("fp16", 256), ("fp16", 512), ("bf16", 256)]
+    else:
+        wanted = [("bf16", base), ("fp32", max(space.batch_sizes))]
+    seen = [baseline]
+    for mode, batch in wanted:
+        if mode not in space.precisions:
+            continue
+        p = params(**common, **(scaler if mode == "fp16" else {}), **{
+            "precision.mode": mode, "batch_size.batch_size": _nearest(space.batch_sizes, batch)})
+        if p not in seen:
+            seen.append(p)
+            seeds.append(("known-good", p))
+    return seeds
+
+
+def counted_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """Finished trials with a recorded outcome. A trial whose search process was killed has
+    none (it is failed on resume and re-run), so no trial is counted twice."""
+    return [t for t in study.get_trials(deepcopy=False, states=FINISHED) if "status" in t.user_attrs]
+
+
+def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
+    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if not t.user_attrs.get("unstable")]
+    return max(done, key=lambda t: t.value) if done else None
+
+
+def baseline_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        if t.user_attrs.get("role") == "baseline":
+            return t
+    return None
+
+
+@dataclass
+class SearchResult:
+    study: optuna.Study
+    out_dir: Path
+    space: SearchSpace
+    probe: dict[str, Any]
+    elapsed_s: float
+    new_trials: int
+    files: dict[str, Path] = field(default_factory=dict)
+
+
+class _Lock:
+    """One search per output folder at a time; holding it also proves that RUNNING trials in the
+    folder's own SQLite study belong to a search process that died."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = open(path, "w")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.close()
+            raise ConfigError(f"another `autotune search` is running on {path.parent}; wait for it to end, "
+                              "or give this one another --out") from None
+
+    def release(self) -> None:
+        fcntl.flock(self.file, fcntl.LOCK_UN)
+        self.file.close()
+
+
+def open_study(config: SearchConfig, out_dir: Path, name: str, seed: int) -> optuna.Study:
+    url = config.storage or f"sqlite:///{out_dir / 'study.db'}"
+    try:
+        if url.startswith(("sqlite", "postgresql", "mysql")):
+            storage: Any = optuna.storages.RDBStorage(
+                url, heartbeat_interval=10, grace_period=60,
+                failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=1))
+        else:
+            storage = url
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            sampler = optuna.samplers.TPESampler(seed=seed)
+        return optuna.create_study(storage=storage, study_name=name, direction="maximize",
+                                   sampler=sampler, load_if_exists=True)
+    except (ValueError, ImportError, optuna.exceptions.OptunaError) as exc:
+        raise ConfigError(f"--storage {url!r} cannot be opened ({exc}); give an Optuna storage URL such as "
+                          "sqlite:///study.db or postgresql://user@host/db") from exc
+
+
+def recover_dead_trials(study: optuna.Study) -> list[int]:
+    """Fail the trials a killed search left RUNNING and queue each for one re-run."""
+    recovered = []
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+        study._storage.set_trial_system_attr(trial._trial_id, "fail_reason", "search process died; re-queued")
+        if not trial.system_attrs.get("failed_trial"):
+            study.enqueue_trial(trial.params, user_attrs={k: v for k, v in trial.user_attrs.items() if k == "role"},
+                                skip_if_exists=False)
+        recovered.append(trial.number)
+    return recovered
+
+
+def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | None = None) -> SearchResult:
+    """Run (or resume) a search and export its results. ``on_event(kind, payload)`` reports
+    progress: ("start", info), ("trial", FrozenTrial), ("end", None)."""
+    emit = on_event or (lambda kind, payload: None)
+    if config.trials is None and config.budget_s is None:
+        config.budget_s = DEFAULT_BUDGET_S
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    check_spec(config.workload)
+    device = resolve_device(config.device)
+    started = time.time()
+    info = probe(config, device)
+    space = build_space(config, device, info)
+    slug = device_slug(info["provenance"], device)
+    out_dir = Path(config.out_dir or Path("reports") / f"{config.workload.short_name}-{slug}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "logs").mkdir(exist_ok=True)
+    lock = _Lock(out_dir / ".search.lock")
+    try:
+        name = config.study_name or f"{config.workload.short_name}-{slug}"
+        own_storage = config.storage is None
+        study = open_study(config, out_dir, name, config.seed)
+        if study.trials:
+            # a resumed study gets a fresh sampler seed, so it does not re-propose the same sequence
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                study.sampler = optuna.samplers.TPESampler(seed=config.seed + len(study.trials))
+        stored_space = study.user_attrs.get("space")
+        if stored_space is not None and stored_space != space.to_dict():
+            raise ConfigError(
+                f"study {name!r} in {study._storage!s} was made with another search space ({stored_space}); "
+                "resume it with the same options, or start a new one with another --study-name or --out")
+        if stored_space is None:
+            study.set_user_attr("space", space.to_dict())
+            study.set_user_attr("workload", config.workload.to_dict())
+            study.set_user_attr("device", device)
+            study.set_user_attr("provenance", info["provenance"])
+            for role, params in seed_configurations(space):
+                study.enqueue_trial(params, user_attrs={"role": role})
+        recovered = recover_dead_trials(study) if own_storage else []
+        measure = config.measure = config.measure or MeasureSettings.for_device(device)
+        objective = Objective(space=space, workload=config.workload.to_dict(), measure=measure.to_dict(),
+                              input_on_device=config.input_on_device, seed=config.seed,
+                              trial_timeout_s=config.trial_timeout_s, log_dir=out_dir / "logs")
+        emit("start", {"space": space, "probe": info, "out_dir": out_dir, "study": study,
+                       "recovered": recovered, "done": len(counted_trials(study)), "config": config})
+        walls: list[float] = []
+        new_trials = 0
+
+        def stop_rule(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+            nonlocal new_trials
+            if "status" in trial.user_attrs:
+                new_trials += 1
+                if "duplicate_of" not in trial.user_attrs:
+                    walls.append(trial.user_attrs.get("timing", {}).get("wall_s", 0.0))
+            emit("trial", trial)
+            if config.trials is not None and len(counted_trials(study)) >= config.trials:
+                study.stop()
+            if config.budget_s is not None:
+                elapsed = time.time() - started
+                expected = statistics.median(walls) if walls else 0.0
+                if elapsed + expected > config.budget_s:
+                    study.stop()
+
+        remaining = None if config.trials is None else config.trials - len(counted_trials(study))
+        if remaining is None or remaining > 0:
+            timeout = None if config.budget_s is None else max(1.0, config.budget_s - (time.time() - started))
+            study.optimize(objective, n_trials=None, timeout=timeout, callbacks=[stop_rule], catch=(TrialFailed,),
+                           gc_after_trial=False, show_progress_bar=False)
+        from autotune.export import export
+
+        files = export(study, out_dir, config=config, space=space, probe=info)
+        emit("end", None)
+        return SearchResult(study=study, out_dir=out_dir, space=space, probe=info,
+                            elapsed_s=time.time() - started, new_trials=new_trials, files=files)
+    finally:
+        lock.release()
+
+

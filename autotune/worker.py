@@ -1,0 +1,212 @@
+"""The isolated worker: one process per trial builds the model, runs the measured steps, exits.
+
+A fresh process per trial means global flags (TF32, cudnn.benchmark, threads), the caching
+allocator's state, cuDNN's algorithm cache and a sticky CUDA error never reach the next trial
+(timm's bulk_runner does the same). The study process talks to it through a JSON request on
+stdin and a JSON result file.
+
+    python -m autotune.worker RESULT.json < REQUEST.json
+"""
+
+from __future__ import annotations
+
+import time
+
+READY_AT = time.time()  # overwritten once imports are done: worker start cost = import + spawn
+
+import itertools  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import traceback  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+import strategies  # noqa: E402
+from autotune.config import TunedConfig, load  # noqa: E402
+from autotune.measure import MeasureSettings, measure, memory_figures  # noqa: E402
+from autotune.space import SearchSpace  # noqa: E402
+from autotune.workloads import WorkloadSpec, build  # noqa: E402
+
+READY_AT = time.time()
+
+NUM_HOST_BATCHES = 3  # distinct batches, cycled, so consecutive steps never reuse one buffer
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """OOM in any of its disguises: torch's own error, the CPU allocator, cuDNN/cuBLAS failing to
+    allocate, or any of these wrapped in another exception."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, torch.OutOfMemoryError):
+            return True
+        text = str(exc)
+        if any(s in text for s in ("out of memory", "can't allocate memory", "CUDNN_STATUS_ALLOC_FAILED",
+                                   "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_NOT_SUPPORTED")):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _watch_parent() -> None:
+    """Exit when the study process dies (a killed search must not leave a worker on the GPU)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def provenance() -> dict[str, Any]:
+    """Where a figure was measured: GPU, driver, CUDA, cuDNN, torch, CPU."""
+    info: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "num_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+    }
+    try:
+        import torchvision
+
+        info["torchvision"] = torchvision.__version__
+    except ImportError:
+        pass
+    try:
+        import optuna
+
+        info["optuna"] = optuna.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(
+            gpu=props.name,
+            gpu_memory_bytes=props.total_memory,
+            compute_capability=f"{props.major}.{props.minor}",
+            num_sms=props.multi_processor_count,
+            cuda=torch.version.cuda,
+            cudnn=torch.backends.cudnn.version(),
+        )
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            driver = pynvml.nvmlSystemGetDriverVersion()
+            info["driver"] = driver.decode() if isinstance(driver, bytes) else driver
+            pynvml.nvmlShutdown()
+        except Exception as exc:  # no NVML: the rest of the provenance still stands
+            info["driver"] = f"unknown ({type(exc).__name__})"
+    return info
+
+
+def probe(request: dict[str, Any]) -> dict[str, Any]:
+    """Describe the device and check the workload builds (before a study starts)."""
+    from strategies.channel_alignment import misaligned_layers
+    from strategies.precision import supported_modes
+
+    device = request["device"]
+    result: dict[str, Any] = {"provenance": provenance(), "cuda_available": torch.cuda.is_available()}
+    if device == "cuda":
+        result["precisions"] = supported_modes("cuda")
+    else:
+        result["precisions"] = supported_modes("cpu")
+    workload = build(WorkloadSpec.from_dict(request["workload"]))
+    x, _ = workload.batch(2, torch.Generator().manual_seed(0))
+    result["input_dim"] = x.dim() if isinstance(x, torch.Tensor) else None
+    result["input_shape"] = list(workload.input_shape)
+    result["num_parameters"] = sum(p.numel() for p in workload.model.parameters())
+    result["misaligned"] = {str(m): misaligned_layers(workload.model, m) for m in (8, 16)}
+    return result
+
+
+def _host_batches(workload, batch_size: int, device: str, on_device: bool, seed: int) -> list[Any]:
+    generator = torch.Generator().manual_seed(seed)
+    batches = [workload.batch(batch_size, generator) for _ in range(NUM_HOST_BATCHES)]
+    if device == "cuda":
+        if on_device:
+            return [tuple(t.to("cuda") for t in b) for b in batches]
+        return [tuple(t.pin_memory() for t in b) for b in batches]
+    return batches
+
+
+def run_trial(request: dict[str, Any]) -> dict[str, Any]:
+    """Build the model through TunedConfig (what user code does), warm up, measure."""
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    if request.get("config_path"):
+        cfg = load(request["config_path"])  # `autotune verify`: re-measure an exported config
+        spec = WorkloadSpec.from_dict(cfg.info["workload"])
+        settings = MeasureSettings(**cfg.info.get("measure", {})) if "measure" in cfg.info else MeasureSettings.for_device(cfg.device)
+        input_on_device = cfg.info.get("input_on_device", False)
+    else:
+        space = SearchSpace.from_dict(request["space"])
+        cfg = TunedConfig(strategies.knobs_from_dict(request["knobs"]), space)
+        spec = WorkloadSpec.from_dict(request["workload"])
+        settings = MeasureSettings(**request["measure"])
+        input_on_device = request.get("input_on_device", False)
+    device = cfg.device
+    seed = int(request.get("seed", 0))
+    torch.manual_seed(seed)
+    workload = build(spec)
+    model = workload.model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+    model, optimizer = cfg.prepare(model, optimizer)
+    step = cfg.train_step(model, optimizer, workload.loss_fn)
+    batches = _host_batches(workload, cfg.batch_size, device, input_on_device, seed)
+    stream = iter(cfg.loader(itertools.cycle(batches)))
+    last_loss: list[torch.Tensor] = []
+
+    def one_step() -> None:
+        x, y = next(stream)
+        last_loss[:] = [step(x, y)]
+
+    timings["build_s"] = time.perf_counter() - t0
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    m = measure(one_step, device, settings)
+    loss = float(last_loss[0].float().item())
+    figures = m.to_dict()
+    figures.update(memory_figures(device))
+    figures["samples_per_s"] = cfg.batch_size * 1e3 / m.step_time_ms
+    figures["batch_size"] = cfg.batch_size
+    figures["final_loss"] = loss
+    figures["loss_finite"] = bool(torch.isfinite(torch.tensor(loss)))
+    figures.update(timings)
+    return {"status": "ok", "figures": figures, "knobs": strategies.knobs_to_dict(cfg.knobs)}
+
+
+def main(argv: list[str]) -> int:
+    result_path = argv[1]
+    _watch_parent()
+    request = json.load(sys.stdin)
+    try:
+        if request.get("mode") == "probe":
+            result = {"status": "ok", **probe(request)}
+        else:
+            result = run_trial(request)
+    except Exception as exc:  # reported to the study, which records it on the trial
+        if is_out_of_memory(exc):
+            result = {"status": "oom", "reason": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
+        else:
+            result = {"status": "error", "reason": f"{type(exc).__name__}: {exc}"[:2000],
+                      "traceback": traceback.format_exc()[-4000:]}
+    result["ready_at"] = READY_AT
+    result["done_at"] = time.time()
+    tmp = result_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, default=str)
+    os.replace(tmp, result_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,180 @@
+"""Workloads: a model, a synthetic batch maker and a loss, named on the command line.
+
+``--model`` takes any torchvision classification model by name (``resnet50``, ``vit_b_16``)
+or ``package.module:factory``, a callable that returns an ``nn.Module`` or a :class:`Workload`.
+No weights are downloaded: random initialisation is enough to measure speed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from autotune.errors import ConfigError, WorkloadError
+
+
+@dataclass(kw_only=True)
+class Workload:
+    """What a trial trains. A user's factory may return one of these instead of a bare model."""
+
+    model: nn.Module
+    """The model, on the CPU, in training mode."""
+    make_batch: Callable[[int, torch.Generator], tuple[Any, torch.Tensor]] | None = None
+    """(batch_size, generator) -> (inputs, targets) on the CPU; None: random images of input_shape
+    and random class labels."""
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] = field(default_factory=nn.CrossEntropyLoss)
+    """(model output, targets) -> scalar loss."""
+    input_shape: tuple[int, ...] = (3, 224, 224)
+    """Shape of one input sample (used when make_batch is None)."""
+    num_classes: int = 1000
+    """Number of classes of the random labels (used when make_batch is None)."""
+
+    def batch(self, batch_size: int, generator: torch.Generator) -> tuple[Any, torch.Tensor]:
+        """One synthetic batch on the CPU: random normal inputs (never zeros, which can run
+        faster than real data) and uniform random labels."""
+        if self.make_batch is not None:
+            return self.make_batch(batch_size, generator)
+        x = torch.randn((batch_size, *self.input_shape), generator=generator)
+        y = torch.randint(0, self.num_classes, (batch_size,), generator=generator)
+        return x, y
+
+
+@dataclass(kw_only=True)
+class WorkloadSpec:
+    """How to build a workload, as given on the command line; JSON-serialisable."""
+
+    model: str
+    input_shape: tuple[int, ...] | None = None
+    """None: the model's default (3x224x224; 3x299x299 for inception_v3)."""
+    num_classes: int = 1000
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "input_shape": list(self.input_shape) if self.input_shape else None,
+                "num_classes": self.num_classes}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "WorkloadSpec":
+        shape = data.get("input_shape")
+        return cls(model=data["model"], input_shape=tuple(shape) if shape else None,
+                   num_classes=int(data.get("num_classes", 1000)))
+
+    @property
+    def short_name(self) -> str:
+        """A name fit for a folder: the torchvision name or the factory's name."""
+        return self.model.rsplit(":", 1)[-1].replace(".", "_")
+
+
+def torchvision_models() -> list[str]:
+    """The classification models torchvision can build by name."""
+    import torchvision
+
+    return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def parse_input_shape(text: str) -> tuple[int, ...]:
+    """'3x64x64' -> (3, 64, 64)."""
+    try:
+        shape = tuple(int(part) for part in text.lower().replace(",", "x").split("x"))
+    except ValueError:
+        raise ConfigError(f"--input-shape {text!r} is not of the form CxHxW, e.g. 3x224x224") from None
+    if not shape or any(d <= 0 for d in shape):
+        raise ConfigError(f"--input-shape {text!r}: every dimension must be a positive integer, e.g. 3x224x224")
+    return shape
+
+
+def _default_shape(name: str) -> tuple[int, ...]:
+    return (3, 299, 299) if name == "inception_v3" else (3, 224, 224)
+
+
+def check_spec(spec: WorkloadSpec) -> None:
+    """Fail early, with the fix, on a --model value that cannot work (without building it)."""
+    if spec.num_classes < 1:
+        raise ConfigError(f"--num-classes must be at least 1, got {spec.num_classes}")
+    if ":" in spec.model:
+        _load_factory(spec.model)
+        return
+    names = torchvision_models()
+    if spec.model not in names:
+        close = difflib.get_close_matches(spec.model, names, n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise WorkloadError(
+            f"unknown model {spec.model!r}{hint} `autotune models` lists the torchvision names; "
+            "for your own model pass package.module:factory"
+        )
+
+
+def _load_factory(target: str) -> Callable[..., Any]:
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        raise WorkloadError(f"--model {target!r}: write package.module:factory, e.g. mypkg.models:build_net")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise WorkloadError(
+            f"--model {target!r}: cannot import module {module_name!r} ({exc}); "
+            "is its package installed or on PYTHONPATH?"
+        ) from exc
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            public = [n for n in dir(module) if not n.startswith("_")]
+            close = difflib.get_close_matches(part, public, n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise WorkloadError(f"--model {target!r}: module {module_name!r} has no attribute {part!r}{hint}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise WorkloadError(f"--model {target!r}: {attr!r} is not callable; it must be a function returning an nn.Module")
+    return obj
+
+
+def build(spec: WorkloadSpec) -> Workload:
+    """Build the workload on the CPU, in training mode, with random weights."""
+    check_spec(spec)
+    if ":" in spec.model:
+        factory = _load_factory(spec.model)
+        kwargs = {}
+        try:
+            params = inspect.signature(factory).parameters
+        except (TypeError, ValueError):
+            params = {}
+        if "num_classes" in params:
+            kwargs["num_classes"] = spec.num_classes
+        made = factory(**kwargs)
+        if isinstance(made, Workload):
+            workload = made
+            if spec.input_shape is not None:
+                workload.input_shape = spec.input_shape
+        elif isinstance(made, nn.Module):
+            workload = Workload(model=made, input_shape=spec.input_shape or (3, 224, 224),
+                                num_classes=spec.num_classes)
+        else:
+            raise WorkloadError(
+                f"--model {spec.model!r} returned {type(made).__name__}; the factory must return an "
+                "nn.Module or an autotune.Workload"
+            )
+    else:
+        import torchvision
+
+        kwargs = {"weights": None, "num_classes": spec.num_classes}
+        if spec.model in ("inception_v3", "googlenet"):
+            kwargs["init_weights"] = True  # silences torchvision's warning; random init either way
+        model = torchvision.models.get_model(spec.model, **kwargs)
+        workload = Workload(model=model, input_shape=spec.input_shape or _default_shape(spec.model),
+                            num_classes=spec.num_classes)
+    workload.model.train()
+    return workload
+
+
+def logits(output: Any) -> Any:
+    """The main output of a model whose training forward returns extras (Inception, GoogLeNet)."""
+    if hasattr(output, "logits"):
+        return output.logits
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    return output

@@ -1,0 +1,62 @@
+"""The knobs autotune searches, one module each, applied in the order of ``REGISTRY``.
+
+Order matters in two ways, both visible here: a strategy's ``suggest`` sees the configs of the
+strategies before it (grad_scaler follows precision), and ``apply`` runs in this order, so
+model transforms compose predictably (channels are padded before the memory format is set).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from autotune.recipe import Recipe
+from autotune.space import SearchSpace
+from strategies.base import Strategy
+from strategies.batch_size import BatchSize
+from strategies.channel_alignment import ChannelAlignment
+from strategies.cudnn import Cudnn
+from strategies.grad_scaler import GradScalerStrategy
+from strategies.memory_format import MemoryFormat
+from strategies.precision import Precision
+from strategies.streams import Streams
+from strategies.threads import Threads
+
+REGISTRY: list[Strategy] = [
+    Precision(),
+    GradScalerStrategy(),
+    BatchSize(),
+    ChannelAlignment(),
+    MemoryFormat(),
+    Cudnn(),
+    Streams(),
+    Threads(),
+]
+
+BY_NAME: dict[str, Strategy] = {s.name: s for s in REGISTRY}
+
+
+def sample(trial, space: SearchSpace) -> dict[str, Any]:
+    """Sample every knob from an Optuna trial (or replay a FixedTrial): name -> Config."""
+    chosen: dict[str, Any] = {}
+    for strategy in REGISTRY:
+        chosen[strategy.name] = strategy.suggest(trial, space, chosen) if strategy.applies(space) else strategy.default()
+    return chosen
+
+
+def build_recipe(knobs: Mapping[str, Any], device: str) -> Recipe:
+    """Apply every knob's config, in registry order, to a fresh recipe."""
+    recipe = Recipe(device=device)
+    for strategy in REGISTRY:
+        strategy.apply(knobs.get(strategy.name, strategy.default()), recipe)
+    return recipe
+
+
+def knobs_to_dict(knobs: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    return {name: BY_NAME[name].to_dict(cfg) for name, cfg in knobs.items()}
+
+
+def knobs_from_dict(data: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    return {name: BY_NAME[name].from_dict(values) for name, values in data.items()}
+
+
+__all__ = ["REGISTRY", "BY_NAME", "Strategy", "sample", "build_recipe", "knobs_to_dict", "knobs_from_dict"]

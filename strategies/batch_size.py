@@ -1,0 +1,58 @@
+"""batch_size: samples per optimizer step.
+
+A batch that does not fit in memory is a result ("does not fit"), recorded by the trial, never a
+crash. When the chosen batch differs from the user's own, the recipe says how to scale the
+learning rate (the linear scaling rule of Goyal et al., 2017), since a larger batch takes
+fewer, larger steps per epoch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from autotune.recipe import Recipe
+from autotune.space import SearchSpace
+from strategies.base import Strategy
+
+# multiples of 8 (Tensor-Core friendly), roughly geometric
+CANDIDATES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096]
+
+
+def candidates(low: int, high: int) -> list[int]:
+    """Candidate batch sizes in [low, high]; the bounds themselves are always included."""
+    values = sorted({v for v in CANDIDATES if low <= v <= high} | {low, high})
+    return values
+
+
+class BatchSize(Strategy):
+    name = "batch_size"
+
+    @dataclass(kw_only=True, frozen=True)
+    class Config:
+        batch_size: int = 32
+        """Samples per optimizer step."""
+        base_batch_size: int = 32
+        """The user's batch size, that the learning rate is tuned for."""
+
+        @property
+        def lr_scale(self) -> float:
+            """Linear scaling rule: multiply the learning rate by this."""
+            return self.batch_size / self.base_batch_size
+
+    def default(self) -> Config:
+        return self.Config()
+
+    def suggest(self, trial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
+        value = trial.suggest_categorical(self.param("batch_size"), space.batch_sizes)
+        return self.Config(batch_size=value, base_batch_size=space.base_batch_size)
+
+    def apply(self, config: Config, recipe: Recipe) -> None:
+        recipe.batch_size = config.batch_size
+        recipe.base_batch_size = config.base_batch_size
+        if config.batch_size != config.base_batch_size:
+            recipe.notes.append(
+                f"batch size {config.batch_size} instead of {config.base_batch_size}: scale the learning "
+                f"rate by {config.lr_scale:g} (linear scaling rule; cfg.scaled_lr(base_lr) does it), "
+                f"with a few epochs of warm-up when the factor is large"
+            )

@@ -1,0 +1,34 @@
+"""cudnn: torch.backends.cudnn.benchmark on or off.
+
+With benchmark on, cuDNN times its convolution algorithms for each new input shape and keeps
+the fastest; it costs time in the first steps (which the measurement's warm-up absorbs) and
+may pick algorithms with larger workspaces (which the memory figure includes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from autotune.recipe import Recipe
+from autotune.space import SearchSpace
+from strategies.base import Strategy
+
+
+class Cudnn(Strategy):
+    name = "cudnn"
+
+    @dataclass(kw_only=True, frozen=True)
+    class Config:
+        benchmark: bool = False
+        """torch.backends.cudnn.benchmark."""
+
+    def applies(self, space: SearchSpace) -> bool:
+        return len(space.cudnn_benchmark) > 1
+
+    def suggest(self, trial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
+        return self.Config(benchmark=trial.suggest_categorical(self.param("benchmark"), space.cudnn_benchmark))
+
+    def apply(self, config: Config, recipe: Recipe) -> None:
+        if recipe.device == "cuda":
+            recipe.backend_flags["cudnn_benchmark"] = config.benchmark

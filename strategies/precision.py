@@ -1,0 +1,62 @@
+"""precision: FP32, TF32, or automatic mixed precision (fp16 / bf16 autocast).
+
+Only modes the device supports are offered (TF32 needs Ampere or newer, bf16 autocast needs
+hardware bf16 on CUDA). "fp32" really is FP32: PyTorch lets cuDNN use TF32 for convolutions by
+default, so the baseline switches TF32 off explicitly. Under autocast, the ops that stay in
+float32 may use TF32 where the device has it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from autotune.recipe import Recipe
+from autotune.space import SearchSpace
+from strategies.base import Strategy
+
+AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class Precision(Strategy):
+    name = "precision"
+
+    @dataclass(kw_only=True, frozen=True)
+    class Config:
+        mode: str = "fp32"
+        """fp32 | tf32 | fp16 | bf16 (the last two are autocast modes)."""
+
+    def applies(self, space: SearchSpace) -> bool:
+        return len(space.precisions) > 1
+
+    def suggest(self, trial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
+        return self.Config(mode=trial.suggest_categorical(self.param("mode"), space.precisions))
+
+    def apply(self, config: Config, recipe: Recipe) -> None:
+        recipe.autocast_dtype = AUTOCAST_DTYPES.get(config.mode)
+        if recipe.device == "cuda":
+            fp32_math = "ieee" if config.mode == "fp32" else "tf32"
+            if config.mode != "tf32" and not tf32_supported():
+                fp32_math = "ieee"
+            recipe.backend_flags["matmul_fp32_precision"] = fp32_math
+            recipe.backend_flags["conv_fp32_precision"] = fp32_math
+
+
+def tf32_supported() -> bool:
+    """TF32 Tensor Cores exist from compute capability 8.0 (Ampere) on."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
+
+
+def supported_modes(device: str) -> list[str]:
+    """The precision modes this device can run, fp32 first."""
+    if device == "cpu":
+        return ["fp32", "bf16"]
+    modes = ["fp32"]
+    if tf32_supported():
+        modes.append("tf32")
+    modes.append("fp16")
+    if torch.cuda.is_bf16_supported(including_emulation=False):
+        modes.append("bf16")
+    return modes

@@ -1,0 +1,47 @@
+"""threads: intra-op CPU threads (torch.set_num_threads), searched on CPU only.
+
+More threads are not always faster: small ops pay synchronisation, and hyper-threads share
+execution units. Measured per model.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from autotune.recipe import Recipe
+from autotune.space import SearchSpace
+from strategies.base import Strategy
+
+
+def candidates(num_cpus: int | None = None) -> list[int]:
+    """1, 2, 4, ... up to the CPUs this process may use, and that number itself."""
+    if num_cpus is None:
+        num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = num_cpus
+    values, v = set(), 1
+    while v < n:
+        values.add(v)
+        v *= 2
+    values.add(n)
+    return sorted(values)
+
+
+class Threads(Strategy):
+    name = "threads"
+
+    @dataclass(kw_only=True, frozen=True)
+    class Config:
+        num_threads: int = 0
+        """torch.set_num_threads value; 0 leaves PyTorch's default."""
+
+    def applies(self, space: SearchSpace) -> bool:
+        return bool(space.thread_counts)
+
+    def suggest(self, trial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
+        return self.Config(num_threads=trial.suggest_categorical(self.param("num_threads"), space.thread_counts))
+
+    def apply(self, config: Config, recipe: Recipe) -> None:
+        if config.num_threads > 0:
+            recipe.backend_flags["num_threads"] = config.num_threads
