@@ -38,6 +38,8 @@ def _add_search(sub: argparse._SubParsersAction) -> None:
                         "learning-rate scaling (default: --batch-size, else 256 on GPU, 16 on CPU)")
     p.add_argument("--min-batch-size", type=int, help="smallest batch to try (default 16 GPU, 4 CPU)")
     p.add_argument("--max-batch-size", type=int, help="largest batch to try (default 1024 GPU, 32 CPU)")
+    p.add_argument("--precisions", help="comma-separated modes to search, e.g. fp32,bf16 (default: all the "
+                                        "device runs natively; fp32 is always the baseline)")
     p.add_argument("--input-on-device", action="store_true",
                    help="keep synthetic batches on the GPU (default: copy them from pinned host memory "
                         "each step, as a data loader does)")
@@ -141,7 +143,9 @@ def cmd_search(args: argparse.Namespace) -> int:
         workload=spec, device=args.device, out_dir=args.out, storage=args.storage, study_name=args.study_name,
         trials=args.trials, budget_s=parse_duration(args.budget) if args.budget else None,
         batch_size=args.batch_size, base_batch_size=args.base_batch_size, min_batch_size=args.min_batch_size,
-        max_batch_size=args.max_batch_size, input_on_device=args.input_on_device, seed=args.seed,
+        max_batch_size=args.max_batch_size,
+        precisions=[m.strip() for m in args.precisions.split(",")] if args.precisions else None,
+        input_on_device=args.input_on_device, seed=args.seed,
         trial_timeout_s=args.trial_timeout, command="autotune " + shlex.join(sys.argv[1:]),
     )
     if args.min_measure_time is not None:

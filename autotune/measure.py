@@ -36,7 +36,7 @@ class MeasureSettings:
     @classmethod
     def for_device(cls, device: str) -> "MeasureSettings":
         if device == "cpu":
-            return cls(min_warmup_steps=2, max_warmup_s=30.0, steady_tolerance=0.10, min_steps=3,
+            return cls(min_warmup_steps=1, max_warmup_s=30.0, steady_tolerance=0.10, min_steps=3,
                        min_time_s=2.0, max_steps=100, spread_tolerance=0.15, max_remeasure=1)
         return cls()
 
@@ -105,10 +105,10 @@ def measure(step: Callable[[], Any], device: str, settings: MeasureSettings) -> 
     warm = timer.run(step, settings.min_warmup_steps)
     num_warmup = settings.min_warmup_steps
     step_ms = statistics.median(warm[-max(1, len(warm) // 2):])
-    # windows of about half a second (at least 3 steps) until the median stops moving
+    # windows of about half a second (at least 2 steps) until the median stops moving
     previous, steady = None, False
     while True:
-        window = max(3, min(50, int(500 / max(step_ms, 1e-3))))
+        window = max(2, min(50, int(500 / max(step_ms, 1e-3))))
         times = timer.run(step, window)
         num_warmup += window
         step_ms = statistics.median(times)

@@ -33,7 +33,7 @@ def run_worker(request: dict[str, Any], *, timeout_s: float | None = None,
         result_path = Path(tmp) / "result.json"
         log = open(log_path, "w") if log_path else tempfile.TemporaryFile("w+", dir=tmp)
         spawned = time.time()
-        proc = subprocess.Popen([sys.executable, "-m", "autotune.worker", str(result_path)],
+        proc = subprocess.Popen([sys.executable, "-m", "autotune.worker", str(result_path), str(os.getpid())],
                                 stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
                                 env=_worker_env(), text=True)
         try:

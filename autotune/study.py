@@ -51,6 +51,8 @@ class SearchConfig:
     """The batch size the user trains with (the baseline's); default: the pinned one or 256 (GPU) / 16 (CPU)."""
     min_batch_size: int | None = None
     max_batch_size: int | None = None
+    precisions: list[str] | None = None
+    """Restrict (or, for bf16 on a CPU without native bf16, extend) the precision modes searched."""
     input_on_device: bool = False
     """Keep synthetic batches on the GPU instead of copying them from pinned host memory each step."""
     seed: int = 0
@@ -71,6 +73,12 @@ class SearchConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
         if self.min_batch_size and self.max_batch_size and self.min_batch_size > self.max_batch_size:
             raise ConfigError(f"--min-batch-size {self.min_batch_size} is larger than --max-batch-size {self.max_batch_size}")
+        known = ("fp32", "tf32", "fp16", "bf16")
+        for mode in self.precisions or []:
+            if mode not in known:
+                raise ConfigError(f"--precisions: unknown mode {mode!r}; choose from {', '.join(known)}")
+        if self.precisions is not None and "fp32" not in self.precisions:
+            raise ConfigError("--precisions must include fp32: the FP32 baseline is what every figure is compared with")
         if self.trial_timeout_s <= 0:
             raise ConfigError("--trial-timeout must be positive")
 
@@ -131,9 +139,16 @@ def build_space(config: SearchConfig, device: str, info: dict[str, Any]) -> Sear
     alignments = [1]
     if cuda:
         alignments += [m for m in (8, 16) if info.get("misaligned", {}).get(str(m))]
+    precisions = info["precisions"]
+    if config.precisions is not None:
+        unsupported = [m for m in config.precisions if m not in precisions and not (m == "bf16" and not cuda)]
+        if unsupported:
+            raise ConfigError(f"--precisions {','.join(config.precisions)}: this device does not support "
+                              f"{', '.join(unsupported)} (it supports {', '.join(precisions)})")
+        precisions = [m for m in ("fp32", "tf32", "fp16", "bf16") if m in config.precisions]
     return SearchSpace(
         device=device,
-        precisions=info["precisions"],
+        precisions=precisions,
         batch_sizes=batches,
         base_batch_size=base,
         alignments=alignments,
@@ -240,14 +255,16 @@ class _Lock:
 def open_study(config: SearchConfig, out_dir: Path, name: str, seed: int) -> optuna.Study:
     url = config.storage or f"sqlite:///{out_dir / 'study.db'}"
     try:
-        if url.startswith(("sqlite", "postgresql", "mysql")):
-            storage: Any = optuna.storages.RDBStorage(
-                url, heartbeat_interval=10, grace_period=60,
-                failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=1))
-        else:
-            storage = url
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            if url.startswith(("sqlite", "postgresql", "mysql")):
+                # heartbeats let a shared storage notice a search process that died mid-trial;
+                # its trial is failed and re-run once
+                storage: Any = optuna.storages.RDBStorage(
+                    url, heartbeat_interval=10, grace_period=60,
+                    heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1))
+            else:
+                storage = url
             sampler = optuna.samplers.TPESampler(seed=seed)
         return optuna.create_study(storage=storage, study_name=name, direction="maximize",
                                    sampler=sampler, load_if_exists=True)
@@ -257,14 +274,20 @@ def open_study(config: SearchConfig, out_dir: Path, name: str, seed: int) -> opt
 
 
 def recover_dead_trials(study: optuna.Study) -> list[int]:
-    """Fail the trials a killed search left RUNNING and queue each for one re-run."""
+    """Fail the trials a killed search left RUNNING and queue each for one re-run.
+
+    Only called while holding the output folder's lock on its own SQLite study, which proves no
+    other process is running them.
+    """
     recovered = []
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
         study._storage.set_trial_system_attr(trial._trial_id, "fail_reason", "search process died; re-queued")
-        if not trial.system_attrs.get("failed_trial"):
-            study.enqueue_trial(trial.params, user_attrs={k: v for k, v in trial.user_attrs.items() if k == "role"},
-                                skip_if_exists=False)
+        study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+        if "retry_of" not in trial.user_attrs:
+            attrs = {"retry_of": trial.number}
+            if "role" in trial.user_attrs:
+                attrs["role"] = trial.user_attrs["role"]
+            study.enqueue_trial(trial.params, user_attrs=attrs, skip_if_exists=False)
         recovered.append(trial.number)
     return recovered
 

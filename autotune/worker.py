@@ -5,21 +5,36 @@ allocator's state, cuDNN's algorithm cache and a sticky CUDA error never reach t
 (timm's bulk_runner does the same). The study process talks to it through a JSON request on
 stdin and a JSON result file.
 
-    python -m autotune.worker RESULT.json < REQUEST.json
+    python -m autotune.worker RESULT.json STUDY_PID < REQUEST.json
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
 import time
 
-READY_AT = time.time()  # overwritten once imports are done: worker start cost = import + spawn
+
+def _watch_parent(expected_parent: int) -> None:
+    """Exit when the study process dies: a killed search must not leave a worker on the GPU.
+    Started before the heavy imports, since the study can die while the worker imports torch."""
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != expected_parent:
+                os._exit(3)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+if __name__ == "__main__" and len(sys.argv) > 2:
+    _watch_parent(int(sys.argv[2]))
 
 import itertools  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
 import platform  # noqa: E402
-import sys  # noqa: E402
-import threading  # noqa: E402
 import traceback  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -50,19 +65,6 @@ def is_out_of_memory(exc: BaseException) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
-
-
-def _watch_parent() -> None:
-    """Exit when the study process dies (a killed search must not leave a worker on the GPU)."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while True:
-            time.sleep(0.5)
-            if os.getppid() != parent:
-                os._exit(3)
-
-    threading.Thread(target=watch, daemon=True).start()
 
 
 def provenance() -> dict[str, Any]:
@@ -186,7 +188,6 @@ def run_trial(request: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     result_path = argv[1]
-    _watch_parent()
     request = json.load(sys.stdin)
     try:
         if request.get("mode") == "probe":

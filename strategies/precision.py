@@ -1,7 +1,7 @@
 """precision: FP32, TF32, or automatic mixed precision (fp16 / bf16 autocast).
 
-Only modes the device supports are offered (TF32 needs Ampere or newer, bf16 autocast needs
-hardware bf16 on CUDA). "fp32" really is FP32: PyTorch lets cuDNN use TF32 for convolutions by
+Only modes the device supports are offered (TF32 needs Ampere or newer, bf16 needs hardware
+bf16: Ampere or newer on CUDA, AVX512-BF16 or AMX on a CPU; ``--precisions`` overrides). "fp32" really is FP32: PyTorch lets cuDNN use TF32 for convolutions by
 default, so the baseline switches TF32 off explicitly. Under autocast, the ops that stay in
 float32 may use TF32 where the device has it.
 """
@@ -49,10 +49,20 @@ def tf32_supported() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
 
 
+def cpu_has_bf16() -> bool:
+    """Native bf16 arithmetic (AVX512-BF16 or AMX); without it bf16 is emulated and slower than fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
 def supported_modes(device: str) -> list[str]:
-    """The precision modes this device can run, fp32 first."""
+    """The precision modes this device runs natively, fp32 first."""
     if device == "cpu":
-        return ["fp32", "bf16"]
+        return ["fp32", "bf16"] if cpu_has_bf16() else ["fp32"]
     modes = ["fp32"]
     if tf32_supported():
         modes.append("tf32")

@@ -1,0 +1,74 @@
+"""Small models for end-to-end tests, importable as --model fake_models:NAME (tests/ on PYTHONPATH)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+
+def tiny_cnn(num_classes: int = 10) -> nn.Module:
+    """A few conv layers: fast on two CPU cores, still has convs for memory_format to act on."""
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, num_classes),
+    )
+
+
+class _OOMAbove(nn.Module):
+    """Raises the error PyTorch raises when a batch does not fit, for batches >= limit."""
+
+    def __init__(self, limit: int, num_classes: int) -> None:
+        super().__init__()
+        self.limit = limit
+        self.net = tiny_cnn(num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= self.limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {x.shape[0]} GiB (test model)")
+        return self.net(x)
+
+
+def oom_above_16(num_classes: int = 10) -> nn.Module:
+    return _OOMAbove(17, num_classes)
+
+
+class _CrashUnderAutocast(nn.Module):
+    """Kills its process (as a segfault would) when run under autocast."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.net = tiny_cnn(num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type):
+            os._exit(9)
+        return self.net(x)
+
+
+def crash_under_autocast(num_classes: int = 10) -> nn.Module:
+    return _CrashUnderAutocast(num_classes)
+
+
+class _Slow(nn.Module):
+    """Each step sleeps, so a test can kill the search while a trial is running."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.net = tiny_cnn(num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import time
+
+        time.sleep(0.05)
+        return self.net(x)
+
+
+def slow_cnn(num_classes: int = 10) -> nn.Module:
+    return _Slow(num_classes)
+
+
+def not_a_model():
+    return 42

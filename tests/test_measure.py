@@ -1,0 +1,94 @@
+"""measure: warm-up until steady, a median step time close to the truth, noisy runs re-measured.
+
+Steps are ``time.sleep`` calls of known length, so the expected figures are known; the settings
+are small (0.1 s of timed steps) to keep each test well under a second or two.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from autotune.measure import Measurement, MeasureSettings, measure
+
+
+def fast_settings(**overrides) -> MeasureSettings:
+    values = dict(min_warmup_steps=2, max_warmup_s=5.0, steady_tolerance=0.2, min_steps=8, min_time_s=0.1,
+                  max_steps=60, spread_tolerance=0.5, max_remeasure=2)
+    values.update(overrides)
+    return MeasureSettings(**values)
+
+
+class SleepStep:
+    """A step that sleeps ``durations_ms(i)`` milliseconds on its i-th call, and counts calls."""
+
+    def __init__(self, durations_ms) -> None:
+        self.durations_ms = durations_ms
+        self.calls = 0
+
+    def __call__(self) -> None:
+        time.sleep(self.durations_ms(self.calls) / 1e3)
+        self.calls += 1
+
+
+def test_median_of_a_known_step_time() -> None:
+    settings = fast_settings()
+    step = SleepStep(lambda i: 10.0)
+    result = measure(step, "cpu", settings)
+
+    assert isinstance(result, Measurement)
+    assert result.step_time_ms == pytest.approx(10.0, rel=0.3)
+    assert result.step_time_p10_ms <= result.step_time_ms <= result.step_time_p90_ms
+    assert result.num_steps >= settings.min_steps
+    # at least min_time_s of timed steps, unless max_steps caps it
+    assert result.num_steps >= min(settings.max_steps, int(settings.min_time_s * 1e3 / 12))
+    assert result.num_steps <= settings.max_steps
+    assert result.steady and not result.noisy
+    assert result.num_remeasured == 0
+    assert result.num_warmup_steps >= settings.min_warmup_steps
+    # every call is accounted for as either warm-up or timed
+    assert step.calls == result.num_warmup_steps + result.num_steps
+    assert result.warmup_s >= result.num_warmup_steps * 0.009
+    assert result.measure_s >= result.num_steps * 0.009
+    assert result.measure_s < 5.0
+    assert result.to_dict()["step_time_ms"] == result.step_time_ms
+
+
+def test_slow_first_steps_are_warm_up() -> None:
+    # the first 10 calls are slow (allocator, cudnn.benchmark, ...), then it is fast for good;
+    # one minimal warm-up step, so the slow ones reach the windows that decide steadiness
+    step = SleepStep(lambda i: 30.0 if i < 10 else 5.0)
+    result = measure(step, "cpu", fast_settings(min_warmup_steps=1))
+
+    assert result.steady
+    assert result.num_warmup_steps >= 10  # all slow calls were absorbed by the warm-up
+    assert result.step_time_ms == pytest.approx(5.0, rel=0.3)
+    assert result.step_time_p90_ms < 15.0  # no slow step leaked into the timed window
+
+
+def test_alternating_step_times_are_noisy_and_remeasured() -> None:
+    # (the median of a two-valued window flips with its parity, so warm-up may never agree:
+    # cap it short)
+    settings = fast_settings(spread_tolerance=0.05, max_remeasure=2, max_warmup_s=0.5)
+    step = SleepStep(lambda i: 5.0 if i % 2 else 15.0)
+    result = measure(step, "cpu", settings)
+
+    assert result.spread > settings.spread_tolerance
+    assert result.noisy
+    assert result.num_remeasured == settings.max_remeasure
+    assert result.step_time_p10_ms < 8.0 and result.step_time_p90_ms > 12.0
+    # the spread reported is that of the window kept
+    expected = (result.step_time_p90_ms - result.step_time_p10_ms) / result.step_time_ms
+    assert result.spread == pytest.approx(expected)
+    # each of the 1 + max_remeasure windows was run
+    assert step.calls >= result.num_warmup_steps + (1 + settings.max_remeasure) * result.num_steps
+
+
+def test_device_defaults_differ() -> None:
+    cpu, cuda = MeasureSettings.for_device("cpu"), MeasureSettings.for_device("cuda")
+    assert cpu != cuda
+    assert cpu.to_dict() != cuda.to_dict()
+    # CPU steps are slower and noisier: fewer steps, a wider tolerance
+    assert cpu.max_steps <= cuda.max_steps
+    assert cpu.spread_tolerance >= cuda.spread_tolerance

@@ -1,0 +1,192 @@
+"""End to end, as a user runs it: `autotune search` in a subprocess, with real trial workers and
+a real SQLite study, then the exported config trained through autotune.load."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import optuna
+import pandas as pd
+import pytest
+import torch
+
+import autotune
+from conftest import ROOT, TESTS, run_cli
+
+SMALL = ["--device", "cpu", "--input-shape", "3x32x32", "--num-classes", "10", "--min-measure-time", "0.3"]
+
+
+def _study(out):
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.load_study(study_name=None, storage=f"sqlite:///{out / 'study.db'}")
+
+
+def _train_through_config(path, steps=8):
+    """What the README's training loop does, on a tiny model."""
+    cfg = autotune.load(path)
+    torch.manual_seed(0)
+    model = __import__("fake_models").tiny_cnn(10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.scaled_lr(0.05), momentum=0.9)
+    model, optimizer = cfg.prepare(model, optimizer)
+    scaler = cfg.grad_scaler()
+    loss_fn = torch.nn.CrossEntropyLoss()
+    x = torch.randn(cfg.batch_size, 3, 32, 32)
+    y = torch.randint(0, 10, (cfg.batch_size,))
+    losses = []
+    for xb, yb in cfg.loader([(x, y)] * steps):
+        optimizer.zero_grad(set_to_none=True)
+        with cfg.autocast():
+            loss = loss_fn(model(xb), yb)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.slow
+def test_cpu_search_exports_a_config_that_trains(tmp_path):
+    out = tmp_path / "out"
+    proc = run_cli("search", "--model", "fake_models:tiny_cnn", *SMALL, "--trials", "6", "--out", str(out))
+    assert "speed-up over the FP32 baseline" in proc.stderr
+    data = json.loads((out / "config.json").read_text())
+    trials = pd.read_csv(out / "trials.csv")
+    assert len(trials) == 6
+    assert trials.loc[0, "role"] == "baseline" and trials.loc[0, "config"].startswith("fp32, contiguous")
+    assert (trials["state"] == "COMPLETE").all()
+    best = trials.loc[trials["samples_per_s"].idxmax()]
+    assert data["figures"]["samples_per_s"] == pytest.approx(best["samples_per_s"])
+    assert data["study"]["trial_number"] == best["number"]
+    # every knob's value, the parameters that replay it, provenance and the search's own cost
+    assert set(data["knobs"]) >= {"precision", "batch_size", "memory_format", "threads"}
+    assert data["params"]["batch_size.batch_size"] == data["knobs"]["batch_size"]["batch_size"]
+    assert data["provenance"]["torch"] == torch.__version__
+    assert data["search"]["num_trials"] == 6 and data["search"]["measure_s"] > 0
+    assert (trials["worker_start_s"] > 0).all() and (trials["measure_s"] > 0).all()
+    assert data["baseline"]["figures"]["samples_per_s"] > 0
+    losses = _train_through_config(out)
+    assert losses[-1] < losses[0]
+
+    # the same command again resumes: nothing new to do at 6 trials, the study is unchanged
+    run_cli("search", "--model", "fake_models:tiny_cnn", *SMALL, "--trials", "6", "--out", str(out))
+    assert len(_study(out).trials) == 6
+    # ... and asking for more runs only the difference
+    run_cli("search", "--model", "fake_models:tiny_cnn", *SMALL, "--trials", "7", "--out", str(out))
+    assert len(_study(out).trials) == 7
+
+    # re-measuring the exported config through autotune.load in a fresh worker
+    proc = run_cli("verify", str(out))
+    verdict = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert verdict["recorded"] == pytest.approx(data["figures"]["samples_per_s"])
+    assert verdict["median"] > 0
+
+
+@pytest.mark.slow
+def test_resume_after_the_search_process_is_killed(tmp_path):
+    out = tmp_path / "out"
+    args = ["search", "--model", "fake_models:slow_cnn", *SMALL, "--min-measure-time", "1.0",
+            "--trials", "5", "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT)]))
+    proc = subprocess.Popen([sys.executable, "-m", "autotune", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # kill it once two trials are finished and a third is running
+    deadline = time.time() + 300
+    finished_before = []
+    while time.time() < deadline:
+        time.sleep(0.5)
+        if not (out / "study.db").exists():
+            continue
+        try:
+            trials = _study(out).trials
+        except Exception:  # the study is still being created
+            continue
+        done = [t for t in trials if t.state.is_finished()]
+        running = [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+        if len(done) >= 2 and running:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            finished_before = [(t.number, t.params, t.value) for t in done]
+            killed = running[0].number
+            break
+    assert finished_before, "the search never reached two finished trials"
+    for _ in range(20):  # the orphaned worker notices its parent is gone and exits
+        time.sleep(0.5)
+        workers = subprocess.run(["pgrep", "-f", "autotune.worker"], capture_output=True, text=True).stdout.split()
+        if not workers:
+            break
+    assert not workers, f"workers left running after the search was killed: {workers}"
+
+    run_cli("search", *args[1:])
+    study = _study(out)
+    trials = study.trials
+    by_number = {t.number: t for t in trials}
+    for number, params, value in finished_before:  # completed trials are kept as they were
+        assert by_number[number].params == params and by_number[number].value == value
+    assert by_number[killed].state == optuna.trial.TrialState.FAIL
+    assert "status" not in by_number[killed].user_attrs
+    retried = [t for t in trials if t.user_attrs.get("retry_of") == killed]
+    assert len(retried) == 1 and retried[0].params == by_number[killed].params
+    assert retried[0].state == optuna.trial.TrialState.COMPLETE
+    counted = [t for t in trials if "status" in t.user_attrs]
+    assert len(counted) == 5  # no trial counted twice
+    assert pd.read_csv(out / "trials.csv").shape[0] == len(trials)
+
+
+@pytest.mark.slow
+def test_a_batch_that_does_not_fit_is_recorded_and_the_study_goes_on(tmp_path):
+    out = tmp_path / "out"
+    run_cli("search", "--model", "fake_models:oom_above_16", *SMALL, "--min-batch-size", "8",
+            "--max-batch-size", "32", "--trials", "5", "--out", str(out))
+    trials = pd.read_csv(out / "trials.csv")
+    big = trials[trials["param.batch_size.batch_size"] > 16]
+    assert len(big) >= 1  # the known-good seed at the largest batch
+    assert (big["state"] == "PRUNED").all()
+    assert big["reason"].str.contains("does not fit at batch").all()
+    small = trials[trials["param.batch_size.batch_size"] <= 16]
+    assert (small["state"] == "COMPLETE").all()
+    assert json.loads((out / "config.json").read_text())["knobs"]["batch_size"]["batch_size"] <= 16
+
+
+@pytest.mark.slow
+def test_a_crashing_worker_fails_its_trial_and_the_study_goes_on(tmp_path):
+    out = tmp_path / "out"
+    run_cli("search", "--model", "fake_models:crash_under_autocast", *SMALL, "--precisions", "fp32,bf16",
+            "--trials", "4", "--out", str(out))
+    trials = pd.read_csv(out / "trials.csv")
+    crashed = trials[trials["param.precision.mode"] == "bf16"]
+    assert len(crashed) >= 1
+    assert (crashed["state"] == "FAIL").all()
+    assert crashed["reason"].str.contains("exited with code 9").all()
+    assert (trials[trials["param.precision.mode"] == "fp32"]["state"] == "COMPLETE").all()
+    assert len(trials) == 4
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "resnet5"], "did you mean resnet50"),
+        (["--model", "no_such_pkg.models:build"], "cannot import module 'no_such_pkg.models'"),
+        (["--model", "fake_models:tiny_cn"], "did you mean tiny_cnn"),
+        (["--model", "fake_models:not_a_model"], "must return an nn.Module"),
+        (["--model", "resnet18", "--budget", "ten minutes"], "write a duration like"),
+        (["--model", "resnet18", "--input-shape", "3xx4"], "CxHxW"),
+        (["--model", "resnet18", "--precisions", "fp8"], "unknown mode 'fp8'"),
+        (["--model", "resnet18", "--trials", "0"], "--trials must be at least 1"),
+    ],
+)
+def test_bad_input_gets_a_clear_error(tmp_path, args, message):
+    proc = run_cli("search", *args, "--device", "cpu", "--out", str(tmp_path / "o"), check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert message in " ".join(proc.stderr.split())
+    assert "Traceback" not in proc.stderr
+
+
+def test_models_lists_torchvision_names():
+    proc = run_cli("models")
+    names = proc.stdout.split()
+    assert "resnet50" in names and "vit_b_16" in names
