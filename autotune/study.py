@@ -189,7 +189,8 @@ def seed_configurations(space: SearchSpace) -> list[tuple[str, dict[str, Any]]]:
     scaler = {"grad_scaler.init_scale": 2.0**16, "grad_scaler.growth_factor": 2.0,
               "grad_scaler.backoff_factor": 0.5, "grad_scaler.growth_interval": 2000}
     if space.device == "cuda":
-        wanted = [("fp16", 256), ("fp16", 512), ("bf16", 256)]
+        # the guides' recipe (fp16 AMP + channels_last) at growing batches, and bf16 at a middle one
+        wanted = [("fp16", 256), ("fp16", 512), ("fp16", 1024), ("bf16", 512)]
     else:
         wanted = [("bf16", base), ("fp32", max(space.batch_sizes))]
     seen = [baseline]

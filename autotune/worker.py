@@ -130,7 +130,18 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _host_batches(workload, batch_size: int, device: str, on_device: bool, seed: int) -> list[Any]:
+def _input_batches(workload, batch_size: int, device: str, on_device: bool, seed: int) -> list[Any]:
+    """Distinct random batches, cycled by the measured loop: in pinned host memory (copied each
+    step, as from a DataLoader with pin_memory=True) or, with on_device, already on the GPU."""
+    if device == "cuda" and workload.make_batch is None:
+        # generating a large batch on the CPU takes seconds per trial; on the GPU, milliseconds
+        generator = torch.Generator(device="cuda").manual_seed(seed)
+        batches = []
+        for _ in range(NUM_HOST_BATCHES):
+            x = torch.randn((batch_size, *workload.input_shape), generator=generator, device="cuda")
+            y = torch.randint(0, workload.num_classes, (batch_size,), generator=generator, device="cuda")
+            batches.append((x, y) if on_device else (x.cpu().pin_memory(), y.cpu().pin_memory()))
+        return batches
     generator = torch.Generator().manual_seed(seed)
     batches = [workload.batch(batch_size, generator) for _ in range(NUM_HOST_BATCHES)]
     if device == "cuda":
@@ -163,7 +174,7 @@ def run_trial(request: dict[str, Any]) -> dict[str, Any]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
     model, optimizer = cfg.prepare(model, optimizer)
     step = cfg.train_step(model, optimizer, workload.loss_fn)
-    batches = _host_batches(workload, cfg.batch_size, device, input_on_device, seed)
+    batches = _input_batches(workload, cfg.batch_size, device, input_on_device, seed)
     stream = iter(cfg.loader(itertools.cycle(batches)))
     last_loss: list[torch.Tensor] = []
 

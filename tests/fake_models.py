@@ -72,3 +72,37 @@ def slow_cnn(num_classes: int = 10) -> nn.Module:
 
 def not_a_model():
     return 42
+
+
+class _DeviceAssert(nn.Module):
+    """Triggers a device-side assert (a sticky CUDA error: only a new process recovers)."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.net = tiny_cnn(num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type):
+            index = torch.tensor([10**6], device=x.device)
+            x = x.flatten()[index].reshape(1, 1, 1, 1).expand_as(x) + x
+        return self.net(x)
+
+
+def device_assert_under_autocast(num_classes: int = 10) -> nn.Module:
+    return _DeviceAssert(num_classes)
+
+
+class _OddWidths(nn.Module):
+    """Linear widths that are not multiples of 8 (Tensor Cores want them padded)."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 1001), nn.ReLU(), nn.Linear(1001, 4097),
+                                 nn.ReLU(), nn.Linear(4097, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def odd_widths(num_classes: int = 10) -> nn.Module:
+    return _OddWidths(num_classes)

@@ -245,8 +245,12 @@ def test_scaled_lr(tmp_path: Path, batch: int) -> None:
     assert cfg.scaled_lr(0.1) == pytest.approx(0.1 * batch / CPU_SPACE.base_batch_size)
 
 
-def test_channels_last_prepare_and_loader(tmp_path: Path) -> None:
-    cfg = load_cpu(tmp_path, **{"memory_format.format": "channels_last"})
+@pytest.mark.parametrize("multiple", [1, 8])
+def test_channels_last_prepare_and_loader(tmp_path: Path, multiple: int) -> None:
+    space = dataclasses.replace(CPU_SPACE, alignments=[1, 8])
+    params = cpu_params(**{"memory_format.format": "channels_last", "channel_alignment.multiple": multiple})
+    cfg = autotune.load(saved_config(tmp_path, params, space))
+    assert cfg.knobs["channel_alignment"].multiple == multiple
     model = resnet18()
     reference = copy.deepcopy(model)
     params_before = list(model.parameters())
@@ -256,6 +260,8 @@ def test_channels_last_prepare_and_loader(tmp_path: Path) -> None:
     conv_weights = [m.weight for m in model.modules() if isinstance(m, nn.Conv2d)]
     assert conv_weights and all(w.is_contiguous(memory_format=torch.channels_last) for w in conv_weights)
     assert not model.conv1.weight.is_contiguous()  # really converted, not trivially both
+    # padding (conv1 has 3 input channels) keeps the same module and parameter objects
+    assert getattr(model.conv1, "aligned_to", None) == ((8, 64) if multiple == 8 else None)
 
     # the optimizer built before prepare still holds, and updates, the prepared model's parameters
     assert all(a is b for a, b in zip(model.parameters(), params_before, strict=True))
