@@ -65,15 +65,18 @@ class TunedConfig:
                               "(or its output folder)") from None
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path} is not valid JSON ({exc}); re-export it with `autotune search`") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path} holds a JSON {type(data).__name__}, not the object `autotune search` writes")
         for key in ("space", "params", "knobs"):
-            if key not in data:
-                raise ConfigError(f"{path} has no {key!r} entry: it was not written by `autotune search`")
-        space = SearchSpace.from_dict(data["space"])
+            if not isinstance(data.get(key), dict):
+                raise ConfigError(f"{path} has no {key!r} object: it was not written by `autotune search`")
         try:
+            space = SearchSpace.from_dict(data["space"])
             cfg = cls.from_params(data["params"], space, info=data)
-        except (ValueError, KeyError) as exc:
-            raise ConfigError(f"{path}: its parameters do not replay on this version of autotune ({exc})") from None
-        recorded = strategies.knobs_from_dict(data["knobs"])
+            recorded = strategies.knobs_from_dict(data["knobs"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{path}: its space, parameters or knobs do not replay on this version of "
+                              f"autotune ({type(exc).__name__}: {exc}); re-export it with `autotune search`") from None
         if recorded != cfg.knobs:
             raise ConfigError(
                 f"{path}: replaying its parameters gives {strategies.knobs_to_dict(cfg.knobs)}, not the "

@@ -33,6 +33,18 @@ class MeasureSettings:
     max_remeasure: int = 2
     """How many times a noisy measurement is repeated (the least noisy one is kept)."""
 
+    def __post_init__(self) -> None:
+        for name in ("min_warmup_steps", "min_steps", "max_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MeasureSettings.{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_steps < self.min_steps:
+            raise ValueError(f"MeasureSettings.max_steps ({self.max_steps}) is below min_steps ({self.min_steps})")
+        for name in ("max_warmup_s", "min_time_s", "steady_tolerance", "spread_tolerance"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"MeasureSettings.{name} must not be negative")
+        if self.max_remeasure < 0:
+            raise ValueError("MeasureSettings.max_remeasure must not be negative")
+
     @classmethod
     def for_device(cls, device: str) -> "MeasureSettings":
         if device == "cpu":
@@ -109,6 +121,7 @@ def measure(step: Callable[[], Any], device: str, settings: MeasureSettings) -> 
     previous, steady = None, False
     while True:
         window = max(2, min(50, int(500 / max(step_ms, 1e-3))))
+        window += window % 2  # even, so a step time that alternates has a stable median
         times = timer.run(step, window)
         num_warmup += window
         step_ms = statistics.median(times)

@@ -102,7 +102,7 @@ def check_spec(spec: WorkloadSpec) -> None:
     names = torchvision_models()
     if spec.model not in names:
         close = difflib.get_close_matches(spec.model, names, n=3, cutoff=0.6)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        hint = f"; did you mean {', '.join(close)}?" if close else "."
         raise WorkloadError(
             f"unknown model {spec.model!r}{hint} `autotune models` lists the torchvision names; "
             "for your own model pass package.module:factory"
@@ -120,6 +120,9 @@ def _load_factory(target: str) -> Callable[..., Any]:
             f"--model {target!r}: cannot import module {module_name!r} ({exc}); "
             "is its package installed or on PYTHONPATH?"
         ) from exc
+    except Exception as exc:  # the user's module itself failed while importing
+        raise WorkloadError(f"--model {target!r}: importing {module_name!r} raised "
+                            f"{type(exc).__name__}: {exc}; fix the module, then run again") from exc
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -153,6 +156,8 @@ def build(spec: WorkloadSpec) -> Workload:
         elif isinstance(made, nn.Module):
             workload = Workload(model=made, input_shape=spec.input_shape or (3, 224, 224),
                                 num_classes=spec.num_classes)
+            if "num_classes" not in params:
+                workload.num_classes = _output_width(workload, spec)
         else:
             raise WorkloadError(
                 f"--model {spec.model!r} returned {type(made).__name__}; the factory must return an "
@@ -169,6 +174,18 @@ def build(spec: WorkloadSpec) -> Workload:
                             num_classes=spec.num_classes)
     workload.model.train()
     return workload
+
+
+def _output_width(workload: Workload, spec: WorkloadSpec) -> int:
+    """Classes of a factory-made model that was not told --num-classes: its output width, so the
+    synthetic labels are valid targets for it."""
+    x, _ = workload.batch(2, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = logits(workload.model(x))
+    if not isinstance(out, torch.Tensor) or out.dim() < 2:
+        raise WorkloadError(f"--model {spec.model!r}: its output is not (batch, classes) logits; return an "
+                            "autotune.Workload with your own make_batch and loss_fn instead")
+    return int(out.shape[-1])
 
 
 def logits(output: Any) -> Any:

@@ -33,7 +33,7 @@ class Strategy(abc.ABC):
     Config: ClassVar[type]
 
     def applies(self, space: SearchSpace) -> bool:
-        """Whether this knob is searched at all on this space (e.g. cudnn only on CUDA)."""
+        """Whether this knob exists at all on this space (threads only on a CPU, say)."""
         return True
 
     @abc.abstractmethod
@@ -50,6 +50,13 @@ class Strategy(abc.ABC):
     def param(self, field: str) -> str:
         """The Optuna parameter name of one of this strategy's fields."""
         return f"{self.name}.{field}"
+
+    def choose(self, trial: optuna.trial.BaseTrial, field: str, choices: list[Any]) -> Any:
+        """Sample ``field`` among ``choices``; a single choice is taken as it is, with no Optuna
+        parameter (nothing to search, and replay gives the same value from the same space)."""
+        if len(choices) == 1:
+            return choices[0]
+        return trial.suggest_categorical(self.param(field), choices)
 
     def default(self) -> Any:
         """The untuned value, used when the knob does not apply."""

@@ -44,7 +44,7 @@ class BatchSize(Strategy):
         return self.Config()
 
     def suggest(self, trial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
-        value = trial.suggest_categorical(self.param("batch_size"), space.batch_sizes)
+        value = self.choose(trial, "batch_size", space.batch_sizes)
         return self.Config(batch_size=value, base_batch_size=space.base_batch_size)
 
     def apply(self, config: Config, recipe: Recipe) -> None:

@@ -195,13 +195,10 @@ class ChannelAlignment(Strategy):
         multiple: int = 1
         """Pad layer widths up to a multiple of this (1 = no padding)."""
 
-    def applies(self, space: SearchSpace) -> bool:
-        return len(space.alignments) > 1
-
     def suggest(self, trial: optuna.trial.BaseTrial, space: SearchSpace,
                 chosen: Mapping[str, Any]) -> Config:
         return self.Config(
-            multiple=trial.suggest_categorical(self.param("multiple"), space.alignments))
+            multiple=self.choose(trial, "multiple", space.alignments))
 
     def apply(self, config: Config, recipe: Recipe) -> None:
         if config.multiple > 1:

@@ -23,11 +23,8 @@ class Cudnn(Strategy):
         benchmark: bool = False
         """torch.backends.cudnn.benchmark."""
 
-    def applies(self, space: SearchSpace) -> bool:
-        return len(space.cudnn_benchmark) > 1
-
     def suggest(self, trial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
-        return self.Config(benchmark=trial.suggest_categorical(self.param("benchmark"), space.cudnn_benchmark))
+        return self.Config(benchmark=self.choose(trial, "benchmark", space.cudnn_benchmark))
 
     def apply(self, config: Config, recipe: Recipe) -> None:
         if recipe.device == "cuda":

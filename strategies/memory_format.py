@@ -26,11 +26,8 @@ class MemoryFormat(Strategy):
         format: str = "contiguous"
         """contiguous | channels_last."""
 
-    def applies(self, space: SearchSpace) -> bool:
-        return len(space.memory_formats) > 1
-
     def suggest(self, trial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
-        return self.Config(format=trial.suggest_categorical(self.param("format"), space.memory_formats))
+        return self.Config(format=self.choose(trial, "format", space.memory_formats))
 
     def apply(self, config: Config, recipe: Recipe) -> None:
         recipe.memory_format = FORMATS[config.format]

@@ -28,18 +28,14 @@ class Precision(Strategy):
         mode: str = "fp32"
         """fp32 | tf32 | fp16 | bf16 (the last two are autocast modes)."""
 
-    def applies(self, space: SearchSpace) -> bool:
-        return len(space.precisions) > 1
-
     def suggest(self, trial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
-        return self.Config(mode=trial.suggest_categorical(self.param("mode"), space.precisions))
+        return self.Config(mode=self.choose(trial, "mode", space.precisions))
 
     def apply(self, config: Config, recipe: Recipe) -> None:
         recipe.autocast_dtype = AUTOCAST_DTYPES.get(config.mode)
         if recipe.device == "cuda":
+            # a recipe depends on its knobs alone: on a GPU without TF32 the switch does nothing
             fp32_math = "ieee" if config.mode == "fp32" else "tf32"
-            if config.mode != "tf32" and not tf32_supported():
-                fp32_math = "ieee"
             recipe.backend_flags["matmul_fp32_precision"] = fp32_math
             recipe.backend_flags["conv_fp32_precision"] = fp32_math
 

@@ -27,11 +27,8 @@ class Streams(Strategy):
         num_streams: int = 1
         """1: copies on the compute stream; 2: the next batch is copied on a side stream."""
 
-    def applies(self, space: SearchSpace) -> bool:
-        return len(space.stream_counts) > 1
-
     def suggest(self, trial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
-        return self.Config(num_streams=trial.suggest_categorical(self.param("num_streams"), space.stream_counts))
+        return self.Config(num_streams=self.choose(trial, "num_streams", space.stream_counts))
 
     def apply(self, config: Config, recipe: Recipe) -> None:
         recipe.num_streams = config.num_streams

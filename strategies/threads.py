@@ -40,7 +40,7 @@ class Threads(Strategy):
         return bool(space.thread_counts)
 
     def suggest(self, trial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
-        return self.Config(num_threads=trial.suggest_categorical(self.param("num_threads"), space.thread_counts))
+        return self.Config(num_threads=self.choose(trial, "num_threads", space.thread_counts))
 
     def apply(self, config: Config, recipe: Recipe) -> None:
         if config.num_threads > 0:

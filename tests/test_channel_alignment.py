@@ -212,9 +212,10 @@ def test_strategy_suggest_and_apply() -> None:
     strategy = ChannelAlignment()
     assert strategy.name == "channel_alignment"
     assert strategy.default() == ChannelAlignment.Config(multiple=1)
-    assert not strategy.applies(SearchSpace(device="cpu"))
+    # a single choice is taken without an Optuna parameter
+    assert strategy.suggest(optuna.trial.FixedTrial({}), SearchSpace(device="cpu", alignments=[16]), {}) == \
+        ChannelAlignment.Config(multiple=16)
     space = SearchSpace(device="cuda", alignments=[1, 8, 16])
-    assert strategy.applies(space)
 
     trial = optuna.trial.FixedTrial({"channel_alignment.multiple": 8})
     config = strategy.suggest(trial, space, {})

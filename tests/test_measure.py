@@ -41,12 +41,15 @@ def test_median_of_a_known_step_time() -> None:
     assert result.step_time_ms == pytest.approx(10.0, rel=0.3)
     assert result.step_time_p10_ms <= result.step_time_ms <= result.step_time_p90_ms
     assert result.num_steps >= settings.min_steps
-    # at least min_time_s of timed steps, unless max_steps caps it
-    assert result.num_steps >= min(settings.max_steps, int(settings.min_time_s * 1e3 / 12))
+    # at least min_time_s of timed steps (max_steps does not cap it here)
+    assert result.num_steps * result.step_time_ms >= 0.9 * settings.min_time_s * 1e3
+    assert result.measure_s >= 0.9 * settings.min_time_s
     assert result.num_steps <= settings.max_steps
     assert result.steady and not result.noisy
     assert result.num_remeasured == 0
-    assert result.num_warmup_steps >= settings.min_warmup_steps
+    # warm-up stops as soon as two windows (of at most 50 steps) agree
+    assert settings.min_warmup_steps < result.num_warmup_steps <= settings.min_warmup_steps + 3 * 50
+    assert result.warmup_s < settings.max_warmup_s
     # every call is accounted for as either warm-up or timed
     assert step.calls == result.num_warmup_steps + result.num_steps
     assert result.warmup_s >= result.num_warmup_steps * 0.009
@@ -83,6 +86,23 @@ def test_alternating_step_times_are_noisy_and_remeasured() -> None:
     assert result.spread == pytest.approx(expected)
     # each of the 1 + max_remeasure windows was run
     assert step.calls >= result.num_warmup_steps + (1 + settings.max_remeasure) * result.num_steps
+
+
+def test_noisy_window_is_measured_again_and_the_quiet_one_kept() -> None:
+    # 5 ms steps: the first window is 2 steps, then windows of 50 until two agree (at once, with
+    # this tolerance), so warm-up is 102 calls and the first timed window is calls 102..111
+    settings = fast_settings(min_warmup_steps=2, steady_tolerance=1.0, min_steps=10, min_time_s=0.01,
+                             max_steps=10, spread_tolerance=0.6, max_remeasure=2)
+    first_window = range(102, 112)
+    step = SleepStep(lambda i: (20.0 if i % 2 else 5.0) if i in first_window else 5.0)
+    result = measure(step, "cpu", settings)
+
+    assert result.num_warmup_steps == 102
+    assert result.num_remeasured == 1
+    assert not result.noisy
+    assert result.step_time_ms == pytest.approx(5.0, rel=0.3)
+    assert result.step_time_p90_ms < 10.0  # the noisy window was not kept
+    assert step.calls == 102 + 2 * 10
 
 
 def test_device_defaults_differ() -> None:

@@ -21,6 +21,7 @@ import strategies
 from autotune.recipe import BACKEND_FLAGS, Recipe, backend_flags
 from autotune.space import SearchSpace
 from strategies import batch_size as batch_size_strategy
+from strategies import precision as precision_module
 from strategies import threads as threads_strategy
 from strategies.batch_size import BatchSize
 from strategies.precision import Precision
@@ -307,7 +308,10 @@ def _precision_recipe(mode: str, device: str = "cuda") -> Recipe:
     return recipe
 
 
-def test_fp32_on_cuda_is_true_fp32() -> None:
+@pytest.mark.parametrize("has_tf32", [True, False])
+def test_fp32_on_cuda_is_true_fp32(has_tf32: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # PyTorch lets cuDNN use TF32 by default on Ampere and newer: fp32 must switch it off there too
+    monkeypatch.setattr(precision_module, "tf32_supported", lambda: has_tf32)
     recipe = _precision_recipe("fp32")
     assert recipe.autocast_dtype is None
     assert recipe.backend_flags["matmul_fp32_precision"] == "ieee"
@@ -321,6 +325,14 @@ def test_tf32_on_cuda_allows_tf32() -> None:
     recipe = _precision_recipe("tf32")
     assert recipe.autocast_dtype is None
     assert recipe.backend_flags == {"matmul_fp32_precision": "tf32", "conv_fp32_precision": "tf32"}
+
+
+@pytest.mark.parametrize("mode", ["fp16", "bf16"])
+def test_autocast_float32_ops_may_use_tf32_whatever_gpu_builds_the_recipe(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a recipe depends on its knobs alone (on a GPU without TF32 the switch is a no-op)
+    for has_tf32 in (True, False):
+        monkeypatch.setattr(precision_module, "tf32_supported", lambda: has_tf32)
+        assert _precision_recipe(mode).backend_flags == {"matmul_fp32_precision": "tf32", "conv_fp32_precision": "tf32"}
 
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
