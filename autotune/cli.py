@@ -159,15 +159,15 @@ def cmd_search(args: argparse.Namespace) -> int:
     finally:
         if view.task is not None:
             view.progress.stop()
-    _print_summary(result.out_dir, result.elapsed_s)
-    return 0
+    return 0 if _print_summary(result.out_dir, result.elapsed_s) else 1
 
 
-def _print_summary(out_dir: Path, elapsed_s: float | None = None) -> None:
+def _print_summary(out_dir: Path, elapsed_s: float | None = None) -> bool:
+    """Print the baseline, the best and the search's cost; False when nothing was measured."""
     path = out_dir / "config.json"
     if not path.exists():
         console.print(f"[red]no trial finished successfully[/]; see {out_dir / 'trials.csv'} and {out_dir / 'logs'}")
-        return
+        return False
     data = json.loads(path.read_text())
     table = Table(title=f"{data['workload']['model']} on {data['provenance'].get('gpu', 'CPU')}")
     for col in ("", "configuration", "samples/s", "step ms", "peak GiB"):
@@ -189,6 +189,7 @@ def _print_summary(out_dir: Path, elapsed_s: float | None = None) -> None:
     for note in data.get("notes", []):
         console.print(f"note: {note}")
     console.print(f"wrote {path} and {out_dir / 'trials.csv'}")
+    return True
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -220,8 +221,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     cfg = load(args.config)
     console.print(cfg.describe())
-    _print_summary(args.config if args.config.is_dir() else args.config.parent)
-    return 0
+    return 0 if _print_summary(args.config if args.config.is_dir() else args.config.parent) else 1
 
 
 def cmd_models(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,8 @@ class Objective:
     """Callable for ``study.optimize``: returns samples/s, or prunes with a reason."""
 
     def __init__(self, *, space, workload: dict[str, Any], measure: dict[str, Any], input_on_device: bool,
-                 seed: int, trial_timeout_s: float, log_dir: Path | None = None) -> None:
+                 seed: int, trial_timeout_s: float, log_dir: Path | None = None,
+                 deadline: float | None = None) -> None:
         self.space = space
         self.workload = workload
         self.measure = measure
@@ -32,6 +34,9 @@ class Objective:
         self.seed = seed
         self.trial_timeout_s = trial_timeout_s
         self.log_dir = log_dir
+        self.deadline = deadline
+        """Wall-clock time (time.time()) at which the search budget ends; a trial still running
+        then is stopped, so --budget is a limit and not a hint."""
 
     def __call__(self, trial: optuna.Trial) -> float:
         knobs = strategies.sample(trial, self.space)
@@ -56,7 +61,21 @@ class Objective:
             "seed": self.seed,
         }
         log_path = self.log_dir / f"trial-{trial.number:04d}.log" if self.log_dir else None
-        result = run_worker(request, timeout_s=self.trial_timeout_s, log_path=log_path)
+        timeout = self.trial_timeout_s
+        cut_by_budget = self.deadline is not None and self.deadline - time.time() < timeout
+        if cut_by_budget:
+            timeout = max(1.0, self.deadline - time.time())
+        result = run_worker(request, timeout_s=timeout, log_path=log_path)
+        if result["status"] == "timeout" and cut_by_budget:
+            # not the configuration's fault: no "status", so it is not counted, and a resumed
+            # search may measure it again
+            trial.set_user_attr("reason", f"the search budget ran out {timeout:.0f} s into this trial; "
+                                          "re-queued for the next run")
+            attrs = {"retry_of": trial.number}
+            if "role" in trial.user_attrs:
+                attrs["role"] = trial.user_attrs["role"]
+            trial.study.enqueue_trial(trial.params, user_attrs=attrs, skip_if_exists=False)
+            raise TrialFailed(f"trial {trial.number} stopped at the end of the search budget")
         figures = result.get("figures")
         timing = {"worker_start_s": result.get("worker_start_s"), "wall_s": result["wall_s"]}
         if figures:

@@ -335,7 +335,8 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         measure = config.measure = config.measure or MeasureSettings.for_device(device)
         objective = Objective(space=space, workload=config.workload.to_dict(), measure=measure.to_dict(),
                               input_on_device=config.input_on_device, seed=config.seed,
-                              trial_timeout_s=config.trial_timeout_s, log_dir=out_dir / "logs")
+                              trial_timeout_s=config.trial_timeout_s, log_dir=out_dir / "logs",
+                              deadline=None if config.budget_s is None else started + config.budget_s)
         emit("start", {"space": space, "probe": info, "out_dir": out_dir, "study": study,
                        "recovered": recovered, "done": len(counted_trials(study)), "config": config})
         walls: list[float] = []

@@ -190,3 +190,24 @@ def test_models_lists_torchvision_names():
     proc = run_cli("models")
     names = proc.stdout.split()
     assert "resnet50" in names and "vit_b_16" in names
+
+
+@pytest.mark.slow
+def test_the_budget_is_a_limit_and_a_cut_trial_is_not_lost(tmp_path):
+    out = tmp_path / "out"
+    slow = ["search", "--model", "fake_models:slow_cnn", "--device", "cpu", "--input-shape", "3x32x32",
+            "--num-classes", "10", "--out", str(out)]
+    started = time.time()
+    proc = run_cli(*slow, "--budget", "12s", "--min-measure-time", "60", check=False)
+    elapsed = time.time() - started
+    assert proc.returncode == 1 and "no trial finished successfully" in proc.stderr
+    assert elapsed < 12 + 15, f"a 12 s budget took {elapsed:.0f} s"  # interpreter start and export aside
+    first = _study(out).trials[0]
+    assert first.state == optuna.trial.TrialState.FAIL and "budget ran out" in first.user_attrs["reason"]
+    assert "status" not in first.user_attrs  # not counted as a measured trial
+    # the next run measures the cut baseline again (after the seeds queued before it)
+    run_cli(*slow, "--trials", "2", "--min-measure-time", "0.3")
+    retried = [t for t in _study(out).trials if t.user_attrs.get("retry_of") == 0]
+    assert len(retried) == 1 and retried[0].user_attrs["role"] == "baseline"
+    assert retried[0].state == optuna.trial.TrialState.COMPLETE and retried[0].params == first.params
+    assert json.loads((out / "config.json").read_text())["baseline"]["trial_number"] == retried[0].number

@@ -1,0 +1,36 @@
+"""The example reports committed under reports/ load through autotune.load as user code would."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+import autotune
+from conftest import ROOT
+
+REPORTS = sorted((ROOT / "reports").glob("*/config.json"))
+
+
+def test_there_is_a_gpu_report():
+    assert any(json.loads(p.read_text())["device"] == "cuda" for p in REPORTS)
+
+
+@pytest.mark.parametrize("path", REPORTS, ids=lambda p: p.parent.name)
+def test_report_replays_and_is_consistent(path: Path, monkeypatch):
+    data = json.loads(path.read_text())
+    if data["device"] == "cuda" and not torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # replay only; nothing runs
+    cfg = autotune.load(path)
+    assert cfg.batch_size == data["knobs"]["batch_size"]["batch_size"]
+    trials = pd.read_csv(path.parent / "trials.csv")
+    best = trials.loc[trials["samples_per_s"].idxmax()]
+    assert data["figures"]["samples_per_s"] == pytest.approx(best["samples_per_s"])
+    baseline = trials[trials["role"] == "baseline"].iloc[0]
+    assert baseline["config"].startswith("fp32, contiguous")
+    assert data["speedup_vs_baseline"] == pytest.approx(best["samples_per_s"] / baseline["samples_per_s"])
+    for key in ("torch", "gpu", "driver", "cuda", "cudnn") if data["device"] == "cuda" else ("torch",):
+        assert data["provenance"].get(key), key
