@@ -1,0 +1,108 @@
+"""report.html in a real browser (headless Chromium, offline): no console errors, every plot
+drawn with a size, the trials table sorts by a click on its header; a full-page screenshot
+goes to tests/artifacts/report.png for a human to look at."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+
+from autotune.report import write_report
+from conftest import ROOT
+from test_report import load, tiny_search
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+SCREENSHOT = ROOT / "tests" / "artifacts" / "report.png"
+
+pytestmark = pytest.mark.skipif(
+    not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
+    reason="needs Debian's chromium and chromium-driver (/usr/bin/chromium, /usr/bin/chromedriver): "
+           "apt-get install chromium chromium-driver")
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    out = tiny_search(tmp_path_factory)
+    study, config = load(out)
+    files = write_report(study, out, config)
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--no-first-run"):
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options, service=Service(str(CHROMEDRIVER)))
+    try:
+        driver.set_window_size(1280, 1000)
+        driver.get(files["report.html"].resolve().as_uri())
+        driver.study = study
+        yield driver
+    finally:
+        driver.quit()
+
+
+def column(driver, key: str) -> list[float | None]:
+    return driver.execute_script(
+        "return Array.from(document.querySelectorAll('#trials tbody td[data-key=\"' + arguments[0] + '\"]'))"
+        ".map(td => td.dataset.value === '' ? null : parseFloat(td.dataset.value));", key)
+
+
+def expected(values: list[float | None], descending: bool) -> list[float | None]:
+    """The order the page promises: numeric, empty cells last either way."""
+    present = sorted((v for v in values if v is not None), reverse=descending)
+    return present + [None] * (len(values) - len(present))
+
+
+def test_every_plot_is_drawn(browser):
+    boxes = browser.execute_script(
+        "return Array.from(document.querySelectorAll('.plot svg')).map(svg => {"
+        "  const r = svg.getBoundingClientRect();"
+        "  return [svg.closest('.plot').dataset.plot, r.width, r.height]; });")
+    assert {"throughput-memory", "knob-precision-memory_format", "batch-size"} <= {name for name, _, _ in boxes}
+    for name, width, height in boxes:
+        assert width > 50 and height > 50, (name, width, height)
+
+
+def test_clicking_a_header_sorts_the_table(browser):
+    header = browser.find_element(By.CSS_SELECTOR, '#trials th[data-key="samples_per_s"]')
+    before = column(browser, "samples_per_s")
+    assert len(before) == len(browser.study.trials)
+    assert sum(v is not None for v in before) >= 2
+    header.click()
+    first = column(browser, "samples_per_s")
+    direction = header.get_attribute("aria-sort")
+    assert direction in ("ascending", "descending")
+    assert first == expected(before, descending=direction == "descending")
+    header.click()
+    second = column(browser, "samples_per_s")
+    assert header.get_attribute("aria-sort") == ("ascending" if direction == "descending" else "descending")
+    assert second == expected(before, descending=direction != "descending")
+    # the rows move whole: each row's trial number still goes with its own figures
+    numbers = browser.execute_script(
+        "return Array.from(document.querySelectorAll('#trials tbody tr')).map(tr => +tr.dataset.number);")
+    rates = {t.number: t.user_attrs.get("figures", {}).get("samples_per_s") for t in browser.study.trials}
+    assert [rates[n] for n in numbers] == pytest.approx(second)
+    browser.find_element(By.CSS_SELECTOR, '#trials th[data-key="number"]').click()  # back to trial order
+    browser.find_element(By.CSS_SELECTOR, '#trials th[data-key="number"]').click()
+
+
+def test_full_page_screenshot(browser):
+    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+    height, chrome = browser.execute_script(
+        "return [document.documentElement.scrollHeight, window.outerHeight - window.innerHeight]")
+    browser.set_window_size(1280, height + chrome)  # the viewport holds the whole page
+    browser.execute_script("window.scrollTo(0, 0)")
+    assert browser.save_screenshot(str(SCREENSHOT))
+    assert SCREENSHOT.stat().st_size > 20_000
+
+
+def test_no_console_errors(browser):
+    # last, so errors raised by the clicks above count too
+    severe = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+    assert severe == []
