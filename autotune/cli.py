@@ -1,4 +1,4 @@
-"""Command line: autotune search | verify | show | models."""
+"""Command line: autotune search | verify | report | compare | show | models."""
 
 from __future__ import annotations
 
@@ -58,6 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="re-measure an exported config through autotune.load, in a fresh worker")
     p.add_argument("config", type=Path, help="config.json or its folder")
     p.add_argument("--repeat", type=int, default=1, help="independent re-measurements (fresh worker each)")
+    p = sub.add_parser("report", help="(re)write report.html, report.md and trials.csv of a search")
+    p.add_argument("folder", type=Path, nargs="?", help="the search's output folder (holds study.db)")
+    p.add_argument("--storage", help="an Optuna storage URL instead of FOLDER/study.db")
+    p.add_argument("--study-name", help="the study in that storage (default: the folder's, or the only one)")
+    p.add_argument("--out", type=Path, help="where to write (default: FOLDER, else reports/<study-name>)")
+    p = sub.add_parser("compare", help="compare output folders from different GPUs, torch versions or models")
+    p.add_argument("folders", type=Path, nargs="+", help="two or more output folders of `autotune search`")
+    p.add_argument("--out", type=Path, default=Path("reports/compare"), help="where compare.html/.md go")
+    p.add_argument("--allow-different-models", action="store_true",
+                   help="compare runs of different models (refused by default)")
     p = sub.add_parser("show", help="print an exported configuration")
     p.add_argument("config", type=Path)
     sub.add_parser("models", help="list the torchvision model names --model accepts")
@@ -216,6 +226,49 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    import optuna
+
+    from autotune.errors import ConfigError
+    from autotune.export import trials_frame
+    from autotune.report import write_report
+
+    if args.folder is None and args.storage is None:
+        raise ConfigError("give the search's output folder, or --storage URL (and --study-name)")
+    config = None
+    if args.folder is not None and (args.folder / "config.json").exists():
+        config = json.loads((args.folder / "config.json").read_text())
+    storage = args.storage
+    if storage is None:
+        if not (args.folder / "study.db").exists():
+            raise ConfigError(f"{args.folder} holds no study.db; pass the folder `autotune search` wrote, "
+                              "or --storage URL --study-name NAME")
+        storage = f"sqlite:///{args.folder / 'study.db'}"
+    name = args.study_name or (config or {}).get("study", {}).get("study_name")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        study = optuna.load_study(study_name=name, storage=storage)
+    except (KeyError, ValueError) as exc:
+        raise ConfigError(f"cannot load study {name!r} from the storage ({exc}); "
+                          "`optuna studies --storage URL` lists the names") from None
+    out = args.out or args.folder or Path("reports") / study.study_name
+    out.mkdir(parents=True, exist_ok=True)
+    trials_frame(study).to_csv(out / "trials.csv", index=False)
+    files = write_report(study, out, config)
+    for path in [out / "trials.csv", *files.values()]:
+        console.print(f"wrote {path}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from autotune.compare import compare
+
+    result = compare(args.folders, args.out, allow_different_models=args.allow_different_models)
+    console.print(result.table)
+    console.print(f"wrote {result.html} and {result.markdown}")
+    return 0
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     from autotune.config import load
 
@@ -236,7 +289,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"search": cmd_search, "verify": cmd_verify, "show": cmd_show, "models": cmd_models}[args.command]
+    handler = {"search": cmd_search, "verify": cmd_verify, "report": cmd_report, "compare": cmd_compare,
+               "show": cmd_show, "models": cmd_models}[args.command]
     try:
         return handler(args)
     except AutotuneError as exc:

@@ -4,6 +4,7 @@ configurations, run trials until the trial count or the wall-clock budget is rea
 from __future__ import annotations
 
 import fcntl
+import json
 import re
 import statistics
 import time
@@ -363,8 +364,11 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
             study.optimize(objective, n_trials=None, timeout=timeout, callbacks=[stop_rule], catch=(TrialFailed,),
                            gc_after_trial=False, show_progress_bar=False)
         from autotune.export import export
+        from autotune.report import write_report
 
         files = export(study, out_dir, config=config, space=space, probe=info)
+        exported = json.loads(files["config.json"].read_text()) if "config.json" in files else None
+        files.update(write_report(study, out_dir, exported))
         emit("end", None)
         return SearchResult(study=study, out_dir=out_dir, space=space, probe=info,
                             elapsed_s=time.time() - started, new_trials=new_trials, files=files)

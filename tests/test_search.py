@@ -79,6 +79,27 @@ def test_cpu_search_exports_a_config_that_trains(tmp_path):
     run_cli("search", "--model", "fake_models:tiny_cnn", *SMALL, "--trials", "7", "--out", str(out))
     assert len(_study(out).trials) == 7
 
+    # the report came with the search, and `autotune report` rewrites it, from the folder or a URL
+    html = (out / "report.html").read_text()
+    assert "fake_models:tiny_cnn" in html and 'id="trials"' in html
+    (out / "report.html").unlink()
+    run_cli("report", str(out))
+    assert (out / "report.html").exists()
+    elsewhere = tmp_path / "again"
+    run_cli("report", "--storage", f"sqlite:///{out / 'study.db'}", "--study-name", data["study"]["study_name"],
+            "--out", str(elsewhere))
+    assert {p.name for p in elsewhere.iterdir()} == {"report.html", "report.md", "trials.csv"}
+    assert pd.read_csv(elsewhere / "trials.csv").shape[0] == 7
+    bad = run_cli("report", "--storage", f"sqlite:///{out / 'study.db'}", "--study-name", "nope", check=False)
+    assert bad.returncode == 2 and "cannot load study 'nope'" in bad.stderr
+
+    # compare against the committed GPU report: a different model is refused unless asked for
+    gpu = ROOT / "reports" / "resnet50-h200"
+    refused = run_cli("compare", str(gpu), str(out), "--out", str(tmp_path / "cmp"), check=False)
+    assert refused.returncode == 2 and "--allow-different-models" in " ".join(refused.stderr.split())
+    run_cli("compare", str(gpu), str(out), "--out", str(tmp_path / "cmp"), "--allow-different-models")
+    assert (tmp_path / "cmp" / "compare.html").exists() and (tmp_path / "cmp" / "compare.md").exists()
+
     # re-measuring the exported config through autotune.load in a fresh worker
     proc = run_cli("verify", str(out))
     verdict = json.loads(proc.stdout.strip().splitlines()[-1])
