@@ -142,6 +142,14 @@ class _ProgressView:
         self.progress.update(self.task, description=f"{done} trials, {best_text}", status=f"~{left_s:,.0f}s left")
 
 
+def _command_line(args: argparse.Namespace) -> str:
+    """The command as typed, for config.json and the report, without a storage password."""
+    from autotune.study import mask_url
+
+    argv = [mask_url(a) if args.storage and a == args.storage else a for a in sys.argv[1:]]
+    return "autotune " + shlex.join(argv)
+
+
 def cmd_search(args: argparse.Namespace) -> int:
     from autotune.measure import MeasureSettings
     from autotune.study import SearchConfig, parse_duration, run_search
@@ -156,7 +164,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         max_batch_size=args.max_batch_size,
         precisions=[m.strip() for m in args.precisions.split(",")] if args.precisions else None,
         input_on_device=args.input_on_device, seed=args.seed,
-        trial_timeout_s=args.trial_timeout, command="autotune " + shlex.join(sys.argv[1:]),
+        trial_timeout_s=args.trial_timeout, command=_command_line(args),
     )
     if args.min_measure_time is not None:
         from autotune.study import resolve_device
@@ -287,8 +295,16 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sigterm_as_interrupt(signum, frame) -> None:
+    # `kill` stops a search as cleanly as Ctrl-C: the trial in flight is recorded, outputs written
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import signal
+
+    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     handler = {"search": cmd_search, "verify": cmd_verify, "report": cmd_report, "compare": cmd_compare,
                "show": cmd_show, "models": cmd_models}[args.command]
     try:
@@ -297,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[red]error:[/] {exc}")
         return 2
     except KeyboardInterrupt:
-        console.print("interrupted: finished trials are kept in the study; run the same command to resume")
+        console.print("interrupted: finished trials are kept in the study and the outputs were written; "
+                      "run the same command to resume")
         return 130
 
 

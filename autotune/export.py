@@ -75,7 +75,9 @@ def export(study: optuna.Study, out_dir: Path, *, config, space: SearchSpace, pr
     def total(key: str) -> float:
         return round(sum(x.get(key) or 0.0 for x in timing), 2)
 
-    url = config.storage or f"sqlite:///{out_dir.resolve() / 'study.db'}"
+    from autotune.study import mask_url
+
+    url = mask_url(config.storage) if config.storage else f"sqlite:///{out_dir.resolve() / 'study.db'}"
     info: dict[str, Any] = {
         "autotune_version": autotune.__version__,
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

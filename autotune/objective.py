@@ -65,16 +65,20 @@ class Objective:
         cut_by_budget = self.deadline is not None and self.deadline - time.time() < timeout
         if cut_by_budget:
             timeout = max(1.0, self.deadline - time.time())
-        result = run_worker(request, timeout_s=timeout, log_path=log_path)
+        try:
+            result = run_worker(request, timeout_s=timeout, log_path=log_path)
+        except KeyboardInterrupt:
+            # the search was stopped (Ctrl-C, SIGTERM): this configuration is not at fault and
+            # the next run measures it again
+            trial.set_user_attr("reason", "the search was interrupted during this trial; re-queued for the next run")
+            self._requeue(trial)
+            raise
         if result["status"] == "timeout" and cut_by_budget:
             # not the configuration's fault: no "status", so it is not counted, and a resumed
             # search may measure it again
             trial.set_user_attr("reason", f"the search budget ran out {timeout:.0f} s into this trial; "
                                           "re-queued for the next run")
-            attrs = {"retry_of": trial.number}
-            if "role" in trial.user_attrs:
-                attrs["role"] = trial.user_attrs["role"]
-            trial.study.enqueue_trial(trial.params, user_attrs=attrs, skip_if_exists=False)
+            self._requeue(trial)
             raise TrialFailed(f"trial {trial.number} stopped at the end of the search budget")
         figures = result.get("figures")
         timing = {"worker_start_s": result.get("worker_start_s"), "wall_s": result["wall_s"]}
@@ -88,6 +92,13 @@ class Objective:
             trial.set_user_attr("figures", figures)
         return self._conclude(trial, result["status"], result.get("reason"), figures,
                               traceback=result.get("traceback") or result.get("log_tail"))
+
+    @staticmethod
+    def _requeue(trial: optuna.Trial) -> None:
+        attrs = {"retry_of": trial.number}
+        if "role" in trial.user_attrs:
+            attrs["role"] = trial.user_attrs["role"]
+        trial.study.enqueue_trial(trial.params, user_attrs=attrs, skip_if_exists=False)
 
     def _conclude(self, trial: optuna.Trial, status: str | None, reason: str | None,
                   figures: dict[str, Any] | None, traceback: str | None = None) -> float:

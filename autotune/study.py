@@ -84,6 +84,16 @@ class SearchConfig:
             raise ConfigError("--trial-timeout must be positive")
 
 
+def mask_url(url: str) -> str:
+    """A storage URL fit for logs, reports and error messages: the password replaced by ***."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # not a database URL (a journal file path, say): nothing to hide
+        return re.sub(r"(//[^:/@]+:)[^@/]*@", r"\1***@", url)
+
+
 def parse_duration(text: str) -> float:
     """'10m' -> 600.0; accepts s, m, h and plain seconds."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text)
@@ -225,6 +235,18 @@ def baseline_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
     return None
 
 
+def _write_outputs(study: optuna.Study, out_dir: Path, config: SearchConfig, space: SearchSpace,
+                   info: dict[str, Any]) -> dict[str, Path]:
+    """config.json and trials.csv, then report.html and report.md."""
+    from autotune.export import export
+    from autotune.report import write_report
+
+    files = export(study, out_dir, config=config, space=space, probe=info)
+    exported = json.loads(files["config.json"].read_text()) if "config.json" in files else None
+    files.update(write_report(study, out_dir, exported))
+    return files
+
+
 @dataclass
 class SearchResult:
     study: optuna.Study
@@ -270,9 +292,19 @@ def open_study(config: SearchConfig, out_dir: Path, name: str, seed: int) -> opt
             sampler = optuna.samplers.TPESampler(seed=seed)
         return optuna.create_study(storage=storage, study_name=name, direction="maximize",
                                    sampler=sampler, load_if_exists=True)
-    except (ValueError, ImportError, optuna.exceptions.OptunaError) as exc:
-        raise ConfigError(f"--storage {url!r} cannot be opened ({exc}); give an Optuna storage URL such as "
-                          "sqlite:///study.db or postgresql://user@host/db") from exc
+    except (ValueError, ImportError, optuna.exceptions.OptunaError, _sqlalchemy_error()) as exc:
+        reason = str(exc).splitlines()[0].replace(url, mask_url(url))
+        raise ConfigError(f"--storage {mask_url(url)!r} cannot be opened ({reason}); give an Optuna storage URL "
+                          "such as sqlite:///study.db or postgresql://user@host/db") from None
+
+
+def _sqlalchemy_error() -> type[Exception]:
+    try:
+        from sqlalchemy.exc import SQLAlchemyError
+
+        return SQLAlchemyError
+    except ImportError:
+        return optuna.exceptions.OptunaError
 
 
 def recover_dead_trials(study: optuna.Study) -> list[int]:
@@ -359,17 +391,18 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
                     study.stop()
 
         remaining = None if config.trials is None else config.trials - len(counted_trials(study))
+        interrupted = None
         if remaining is None or remaining > 0:
             timeout = None if config.budget_s is None else max(1.0, config.budget_s - (time.time() - started))
-            study.optimize(objective, n_trials=None, timeout=timeout, callbacks=[stop_rule], catch=(TrialFailed,),
-                           gc_after_trial=False, show_progress_bar=False)
-        from autotune.export import export
-        from autotune.report import write_report
-
-        files = export(study, out_dir, config=config, space=space, probe=info)
-        exported = json.loads(files["config.json"].read_text()) if "config.json" in files else None
-        files.update(write_report(study, out_dir, exported))
+            try:
+                study.optimize(objective, n_trials=None, timeout=timeout, callbacks=[stop_rule],
+                               catch=(TrialFailed,), gc_after_trial=False, show_progress_bar=False)
+            except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: what was measured is still exported
+                interrupted = exc
+        files = _write_outputs(study, out_dir, config, space, info)
         emit("end", None)
+        if interrupted is not None:
+            raise interrupted
         return SearchResult(study=study, out_dir=out_dir, space=space, probe=info,
                             elapsed_s=time.time() - started, new_trials=new_trials, files=files)
     finally:

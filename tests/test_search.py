@@ -232,3 +232,48 @@ def test_the_budget_is_a_limit_and_a_cut_trial_is_not_lost(tmp_path):
     assert len(retried) == 1 and retried[0].user_attrs["role"] == "baseline"
     assert retried[0].state == optuna.trial.TrialState.COMPLETE and retried[0].params == first.params
     assert json.loads((out / "config.json").read_text())["baseline"]["trial_number"] == retried[0].number
+
+
+@pytest.mark.slow
+def test_sigterm_stops_cleanly_writes_the_outputs_and_the_next_run_resumes(tmp_path):
+    out = tmp_path / "out"
+    args = ["search", "--model", "fake_models:slow_cnn", *SMALL, "--min-measure-time", "1.0",
+            "--trials", "4", "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT)]))
+    proc = subprocess.Popen([sys.executable, "-m", "autotune", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        time.sleep(0.5)
+        try:
+            trials = _study(out).trials
+        except Exception:
+            continue
+        if sum(t.state.is_finished() for t in trials) >= 1 and any(
+                t.state == optuna.trial.TrialState.RUNNING for t in trials):
+            break
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "outputs were written" in stderr
+    assert (out / "config.json").exists() and (out / "report.html").exists()
+    trials = _study(out).trials
+    cut = [t for t in trials if "interrupted" in t.user_attrs.get("reason", "")]
+    assert len(cut) == 1 and cut[0].state == optuna.trial.TrialState.FAIL and "status" not in cut[0].user_attrs
+    run_cli(*args)
+    trials = _study(out).trials
+    retried = [t for t in trials if t.user_attrs.get("retry_of") == cut[0].number]
+    assert len(retried) == 1 and retried[0].state == optuna.trial.TrialState.COMPLETE
+    assert sum("status" in t.user_attrs for t in trials) == 4
+
+
+def test_storage_passwords_never_reach_messages(tmp_path):
+    secret = "s3cret-pw"
+    proc = run_cli("search", "--model", "fake_models:tiny_cnn", *SMALL, "--trials", "1", "--out", str(tmp_path / "o"),
+                   "--storage", f"mysql://bob:{secret}@127.0.0.1:1/tune", check=False, timeout=120)
+    assert proc.returncode == 2 and "cannot be opened" in proc.stderr
+    assert secret not in proc.stderr + proc.stdout and "bob:***@" in proc.stderr
+    from autotune.study import mask_url
+
+    assert mask_url(f"postgresql://bob:{secret}@db:5432/tune") == "postgresql://bob:***@db:5432/tune"
+    assert mask_url("sqlite:///reports/x/study.db") == "sqlite:///reports/x/study.db"
