@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
@@ -67,6 +68,9 @@ class TunedConfig:
             raise ConfigError(f"{path} is not valid JSON ({exc}); re-export it with `autotune search`") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path} holds a JSON {type(data).__name__}, not the object `autotune search` writes")
+        if isinstance(data.get("format"), int) and data["format"] > FORMAT_VERSION:
+            raise ConfigError(f"{path} is format {data['format']}, newer than this autotune reads "
+                              f"({FORMAT_VERSION}); upgrade autotune (pip install -U autotune)")
         for key in ("space", "params", "knobs"):
             if not isinstance(data.get(key), dict):
                 raise ConfigError(f"{path} has no {key!r} object: it was not written by `autotune search`")
@@ -85,6 +89,11 @@ class TunedConfig:
         if space.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"{path} was tuned for CUDA but this process has no GPU; run on a GPU, or "
                               "tune for this machine with `autotune search --device cpu`")
+        differs = _provenance_differences(data.get("provenance") or {}, space.device)
+        if differs:
+            warnings.warn(f"{path} was measured with {'; '.join(differs)}: the configuration still runs, "
+                          "but its figures may not hold here; `autotune search` re-tunes for this machine",
+                          stacklevel=3)
         return cfg
 
     def to_dict(self) -> dict[str, Any]:
@@ -150,6 +159,18 @@ class TunedConfig:
 
     def __repr__(self) -> str:
         return f"TunedConfig({self.describe()})"
+
+
+def _provenance_differences(recorded: Mapping[str, Any], device: str) -> list[str]:
+    """What differs between where a config was measured and this process (GPU model, torch)."""
+    differs = []
+    if recorded.get("torch") and recorded["torch"] != torch.__version__:
+        differs.append(f"torch {recorded['torch']} (here {torch.__version__})")
+    if device == "cuda" and recorded.get("gpu") and torch.cuda.is_available():
+        here = torch.cuda.get_device_name(0)
+        if here != recorded["gpu"]:
+            differs.append(f"GPU {recorded['gpu']} (here {here})")
+    return differs
 
 
 def load(path: str | Path) -> TunedConfig:

@@ -121,6 +121,24 @@ def resolve_device(requested: str) -> str:
     return requested
 
 
+def _check_writable(out_dir: Path, min_free_bytes: int = 50 * 2**20) -> None:
+    """Fail before any device time is spent when results could not be saved."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe_file = out_dir / ".write-test"
+        probe_file.write_text("ok")
+        probe_file.unlink()
+    except OSError as exc:
+        raise ConfigError(f"cannot write to the output folder {out_dir} ({exc.strerror or exc}); "
+                          "choose another with --out") from None
+    import shutil
+
+    free = shutil.disk_usage(out_dir).free
+    if free < min_free_bytes:
+        raise ConfigError(f"only {free / 2**20:.0f} MiB free under {out_dir}; free some space or choose "
+                          "another --out (the study, logs and report need about 50 MiB)")
+
+
 def probe(config: SearchConfig, device: str) -> dict[str, Any]:
     """Ask a worker what the device can do, and check the model builds."""
     result = run_worker({"mode": "probe", "device": device, "workload": config.workload.to_dict()}, timeout_s=600)
@@ -335,12 +353,14 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     check_spec(config.workload)
     device = resolve_device(config.device)
+    # before any device time: the folder (or, by default, reports/) must take the results
+    _check_writable(Path(config.out_dir) if config.out_dir else Path("reports"))
     started = time.time()
     info = probe(config, device)
     space = build_space(config, device, info)
     slug = device_slug(info["provenance"], device)
     out_dir = Path(config.out_dir or Path("reports") / f"{config.workload.short_name}-{slug}")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    _check_writable(out_dir)
     (out_dir / "logs").mkdir(exist_ok=True)
     lock = _Lock(out_dir / ".search.lock")
     try:

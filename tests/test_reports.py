@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pandas as pd
@@ -23,8 +24,15 @@ def test_there_is_a_gpu_report():
 def test_report_replays_and_is_consistent(path: Path, monkeypatch):
     data = json.loads(path.read_text())
     if data["device"] == "cuda" and not torch.cuda.is_available():
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # replay only; nothing runs
-    cfg = autotune.load(path)
+        # replay only; nothing runs on the (absent) GPU
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: data["provenance"]["gpu"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = autotune.load(path)
+    said = " ".join(str(w.message) for w in caught)
+    if data["provenance"]["torch"] != torch.__version__:  # measured elsewhere: the user is told
+        assert f"torch {data['provenance']['torch']} (here {torch.__version__})" in said
     assert cfg.batch_size == data["knobs"]["batch_size"]["batch_size"]
     trials = pd.read_csv(path.parent / "trials.csv")
     best = trials.loc[trials["samples_per_s"].idxmax()]

@@ -277,3 +277,12 @@ def test_storage_passwords_never_reach_messages(tmp_path):
 
     assert mask_url(f"postgresql://bob:{secret}@db:5432/tune") == "postgresql://bob:***@db:5432/tune"
     assert mask_url("sqlite:///reports/x/study.db") == "sqlite:///reports/x/study.db"
+
+
+def test_an_unwritable_output_folder_is_refused_before_any_trial(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    proc = run_cli("search", "--model", "fake_models:tiny_cnn", *SMALL, "--trials", "1",
+                   "--out", str(blocker / "out"), check=False, timeout=120)
+    assert proc.returncode == 2 and "cannot write to the output folder" in proc.stderr
+    assert "choose another with --out" in " ".join(proc.stderr.split())
