@@ -12,10 +12,8 @@ a precision mode not searched) reads "-" or "not measured", never an estimate.
 from __future__ import annotations
 
 import datetime as dt
-import io
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -26,6 +24,7 @@ from rich.text import Text
 
 from autotune.errors import ConfigError
 from autotune.objective import describe
+from autotune.report import inline_svg
 
 PRECISION_MODES = ("fp32", "tf32", "fp16", "bf16")
 """The precision modes the search knows, in the order the speed-up table lists them."""
@@ -476,6 +475,7 @@ td.diff { background: #fff3c4; font-weight: 600; }
 th[scope=row] { background: #fafafc; font-weight: 500; }
 .note { color: #5f5f6a; font-size: .9rem; }
 figure { margin: 1rem 0; } svg { max-width: 100%; height: auto; }
+figure svg * { stroke-linejoin: round; stroke-linecap: butt; }
 footer { margin-top: 2rem; color: #8a8a95; font-size: .8rem; }
 </style>
 </head>
@@ -558,12 +558,4 @@ def _chart_svg(runs: list[Run], columns: list[str], speedups: dict[str, list[flo
         right.margins(x=0.15)
         if modes:
             right.legend(loc="lower right", fontsize=8)
-        buf = io.StringIO()
-        fig.savefig(buf, format="svg", metadata={"Date": None})
-    svg = buf.getvalue()
-    # inline in HTML: no XML prolog, DOCTYPE, RDF metadata or namespace URLs (the HTML parser puts
-    # <svg> in the SVG namespace itself), so the page names no external address
-    svg = svg[svg.index("<svg"):]
-    svg = re.sub(r"<metadata>.*?</metadata>", "", svg, flags=re.S)
-    svg = re.sub(r'\s+xmlns(:\w+)?="[^"]*"', "", svg)
-    return svg
+        return inline_svg(fig, "compare")

@@ -621,7 +621,7 @@ _RC = {"font.size": 9, "axes.titlesize": 10, "axes.labelsize": 9, "legend.fontsi
        "xtick.labelsize": 8, "ytick.labelsize": 8, "svg.fonttype": "path"}
 
 
-def _svg(fig: Figure, name: str) -> str:
+def inline_svg(fig: Figure, name: str) -> str:
     """The figure as an <svg> element fit to inline in HTML: no XML prolog, DOCTYPE, namespace
     URLs or metadata, and ids unique to this plot (several SVGs share one document)."""
     buf = io.StringIO()
@@ -714,23 +714,32 @@ def _legend(ax) -> None:
         ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, borderaxespad=0.0)
 
 
-def _plot_throughput_memory(d: _Data) -> _Plot | None:
-    m = d.measured[d.measured["peak_memory_gb"].notna()]
+def _front_plot(d: _Data, column: str, xlabel: str, name: str, height: float) -> tuple[str, int, int] | None:
+    """samples/s against a cost to minimise (memory, energy), with the Pareto front dashed:
+    (svg, configurations on the front, configurations plotted)."""
+    m = d.measured[d.measured[column].notna()]
     if m.empty:
         return None
     with matplotlib.rc_context(_RC):
-        fig, ax = _figure(7.2, 4.2)
-        n = _front_line(ax, m, "peak_memory_gb", "samples_per_s", x_low=True)
-        _scatter(ax, m, "peak_memory_gb", "samples_per_s")
-        _label_points(ax, d, m, "peak_memory_gb", "samples_per_s")
-        ax.set_xlabel("peak memory (GiB)")
+        fig, ax = _figure(7.2, height)
+        n = _front_line(ax, m, column, "samples_per_s", x_low=True)
+        _scatter(ax, m, column, "samples_per_s")
+        _label_points(ax, d, m, column, "samples_per_s")
+        ax.set_xlabel(xlabel)
         ax.set_ylabel("samples/s")
         ax.ticklabel_format(axis="both", useOffset=False, style="plain")
         ax.margins(x=0.15, y=0.15)
         _legend(ax)
-        svg = _svg(fig, "throughput-memory")
+        return inline_svg(fig, name), n, len(m)
+
+
+def _plot_throughput_memory(d: _Data) -> _Plot | None:
+    made = _front_plot(d, "peak_memory_gb", "peak memory (GiB)", "throughput-memory", 4.2)
+    if made is None:
+        return None
+    svg, n, count = made
     return _Plot("throughput-memory", "Throughput versus peak memory", svg,
-                 f"{len(m)} measured configurations; the dashed line is the Pareto front ({n} configurations "
+                 f"{count} measured configurations; the dashed line is the Pareto front ({n} configurations "
                  "no other one beats on both speed and memory).")
 
 
@@ -750,7 +759,7 @@ def _plot_speed_accuracy(d: _Data) -> _Plot | None:
         ax.set_ylabel("samples/s")
         ax.margins(x=0.15, y=0.15)
         _legend(ax)
-        svg = _svg(fig, "speed-accuracy")
+        svg = inline_svg(fig, "speed-accuracy")
     return _Plot("speed-accuracy", "Speed versus accuracy", svg,
                  f"{len(m)} configurations with an accuracy check; the dashed line is the Pareto front ({n}).")
 
@@ -792,7 +801,7 @@ def _plot_precision_format(d: _Data) -> _Plot | None:
         ax.set_ylabel("samples/s (bar: best, line: median)")
         ax.legend(title="memory format", loc="lower left", bbox_to_anchor=(0.0, 1.02), ncols=len(formats),
                   frameon=False, borderaxespad=0.0)
-        svg = _svg(fig, "knob-precision-memory_format")
+        svg = inline_svg(fig, "knob-precision-memory_format")
     return _Plot("knob-precision-memory_format", "Precision × memory format", svg,
                  "Best (bar) and median (black line) samples/s of the measured configurations; n: how many.")
 
@@ -808,7 +817,7 @@ def _plot_knob(effect: dict[str, Any]) -> _Plot:
         ax.set_xticks(range(len(rows)), [r["label"] for r in rows])
         ax.set_title(effect["label"])
         ax.set_ylabel("samples/s")
-        svg = _svg(fig, name)
+        svg = inline_svg(fig, name)
     return _Plot(name, effect["label"], svg)
 
 
@@ -842,27 +851,18 @@ def _plot_batch(d: _Data) -> _Plot | None:
         ax_rate.set_title("throughput")
         ax_mem.set_title("memory")
         ax_rate.legend(title="precision", frameon=False)
-        svg = _svg(fig, "batch-size")
+        svg = inline_svg(fig, "batch-size")
     return _Plot("batch-size", "Throughput and memory versus batch size", svg,
                  "One line per precision: the fastest configuration measured at each batch size.")
 
 
 def _plot_energy(d: _Data) -> _Plot | None:
-    m = d.measured[d.measured["joules_per_sample"].notna()]
-    if m.empty:
+    made = _front_plot(d, "joules_per_sample", "energy per sample (J)", "energy", 3.8)
+    if made is None:
         return None
-    with matplotlib.rc_context(_RC):
-        fig, ax = _figure(7.2, 3.8)
-        n = _front_line(ax, m, "joules_per_sample", "samples_per_s", x_low=True)
-        _scatter(ax, m, "joules_per_sample", "samples_per_s")
-        _label_points(ax, d, m, "joules_per_sample", "samples_per_s")
-        ax.set_xlabel("energy per sample (J)")
-        ax.set_ylabel("samples/s")
-        ax.margins(x=0.15, y=0.15)
-        _legend(ax)
-        svg = _svg(fig, "energy")
+    svg, n, count = made
     return _Plot("energy", "Throughput versus energy per sample", svg,
-                 f"{len(m)} configurations with energy measured; dashed: Pareto front ({n}).")
+                 f"{count} configurations with energy measured; dashed: Pareto front ({n}).")
 
 
 def _plot_profile(profiles: list[dict[str, Any]]) -> _Plot | None:
@@ -888,7 +888,7 @@ def _plot_profile(profiles: list[dict[str, Any]]) -> _Plot | None:
         ax.set_xlabel("share of GPU time per step")
         handles, names = ax.get_legend_handles_labels()
         fig.legend(handles, names, loc="outside lower center", ncols=4, frameon=False)
-        svg = _svg(fig, "profile")
+        svg = inline_svg(fig, "profile")
     return _Plot("profile", "Where the step time goes", svg)
 
 

@@ -280,21 +280,17 @@ def test_channels_last_prepare_and_loader(tmp_path: Path, multiple: int) -> None
 
 
 def test_a_newer_format_is_refused_with_the_fix(tmp_path):
-    import json as _json
-
     space = SearchSpace(device="cpu", precisions=["fp32"], batch_sizes=[4, 8], base_batch_size=4)
     path = tmp_path / "config.json"
     TunedConfig.from_params({"batch_size.batch_size": 8}, space).save(path)
-    data = _json.loads(path.read_text())
+    data = json.loads(path.read_text())
     data["format"] = 99
-    path.write_text(_json.dumps(data))
+    path.write_text(json.dumps(data))
     with pytest.raises(autotune.ConfigError, match="newer than this autotune reads.*upgrade"):
         autotune.load(path)
 
 
 def test_a_config_from_another_torch_warns_what_differs(tmp_path):
-    import json as _json
-
     space = SearchSpace(device="cpu", precisions=["fp32"], batch_sizes=[4, 8], base_batch_size=4)
     path = tmp_path / "config.json"
     TunedConfig.from_params({"batch_size.batch_size": 8}, space,
