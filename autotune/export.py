@@ -11,9 +11,11 @@ import optuna
 import pandas as pd
 
 import autotune
+import strategies
 from autotune.config import TunedConfig
 from autotune.objective import describe
 from autotune.space import SearchSpace
+from autotune.study import baseline_trial, best_trial, counted_trials
 
 
 def trials_frame(study: optuna.Study) -> pd.DataFrame:
@@ -51,21 +53,14 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _best(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
-    from autotune.study import best_trial
-
-    return best_trial(study)
-
-
 def export(study: optuna.Study, out_dir: Path, *, config, space: SearchSpace, probe: dict[str, Any]) -> dict[str, Path]:
-    from autotune.study import baseline_trial, counted_trials
 
     out_dir = Path(out_dir)
     files = {}
     frame = trials_frame(study)
     files["trials.csv"] = out_dir / "trials.csv"
     frame.to_csv(files["trials.csv"], index=False)
-    best = _best(study)
+    best = best_trial(study)
     if best is None:
         return files
     base = baseline_trial(study)
@@ -111,8 +106,6 @@ def export(study: optuna.Study, out_dir: Path, *, config, space: SearchSpace, pr
         info["memory_vs_baseline"] = f["peak_memory_bytes"] / b["peak_memory_bytes"]
     cfg = TunedConfig.from_params(best.params, space, info=info)
     recorded = best.user_attrs["knobs"]
-    import strategies
-
     if strategies.knobs_to_dict(cfg.knobs) != recorded:
         raise AssertionError(f"replaying trial {best.number}'s params gives {cfg.knobs}, not {recorded}")
     files["config.json"] = out_dir / "config.json"

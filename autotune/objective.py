@@ -21,6 +21,15 @@ class TrialFailed(Exception):
     """The worker crashed, timed out or raised: recorded on the trial, and the study goes on."""
 
 
+def requeue(study: optuna.Study, trial: optuna.Trial | optuna.trial.FrozenTrial) -> None:
+    """Queue a trial's parameters to be measured again (its role kept), for a trial that was cut
+    short through no fault of its configuration."""
+    attrs = {"retry_of": trial.number}
+    if "role" in trial.user_attrs:
+        attrs["role"] = trial.user_attrs["role"]
+    study.enqueue_trial(trial.params, user_attrs=attrs, skip_if_exists=False)
+
+
 class Objective:
     """Callable for ``study.optimize``: returns samples/s, or prunes with a reason."""
 
@@ -71,14 +80,14 @@ class Objective:
             # the search was stopped (Ctrl-C, SIGTERM): this configuration is not at fault and
             # the next run measures it again
             trial.set_user_attr("reason", "the search was interrupted during this trial; re-queued for the next run")
-            self._requeue(trial)
+            requeue(trial.study, trial)
             raise
         if result["status"] == "timeout" and cut_by_budget:
             # not the configuration's fault: no "status", so it is not counted, and a resumed
             # search may measure it again
             trial.set_user_attr("reason", f"the search budget ran out {timeout:.0f} s into this trial; "
                                           "re-queued for the next run")
-            self._requeue(trial)
+            requeue(trial.study, trial)
             raise TrialFailed(f"trial {trial.number} stopped at the end of the search budget")
         figures = result.get("figures")
         timing = {"worker_start_s": result.get("worker_start_s"), "wall_s": result["wall_s"]}
@@ -92,13 +101,6 @@ class Objective:
             trial.set_user_attr("figures", figures)
         return self._conclude(trial, result["status"], result.get("reason"), figures,
                               traceback=result.get("traceback") or result.get("log_tail"))
-
-    @staticmethod
-    def _requeue(trial: optuna.Trial) -> None:
-        attrs = {"retry_of": trial.number}
-        if "role" in trial.user_attrs:
-            attrs["role"] = trial.user_attrs["role"]
-        trial.study.enqueue_trial(trial.params, user_attrs=attrs, skip_if_exists=False)
 
     def _conclude(self, trial: optuna.Trial, status: str | None, reason: str | None,
                   figures: dict[str, Any] | None, traceback: str | None = None) -> float:

@@ -19,7 +19,7 @@ from optuna.trial import TrialState
 import strategies
 from autotune.errors import ConfigError, WorkloadError
 from autotune.measure import MeasureSettings
-from autotune.objective import Objective, TrialFailed
+from autotune.objective import Objective, TrialFailed, requeue
 from autotune.runner import run_worker
 from autotune.space import SearchSpace
 from autotune.workloads import WorkloadSpec, check_spec
@@ -335,11 +335,8 @@ def recover_dead_trials(study: optuna.Study) -> list[int]:
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         study._storage.set_trial_system_attr(trial._trial_id, "fail_reason", "search process died; re-queued")
         study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
-        if "retry_of" not in trial.user_attrs:
-            attrs = {"retry_of": trial.number}
-            if "role" in trial.user_attrs:
-                attrs["role"] = trial.user_attrs["role"]
-            study.enqueue_trial(trial.params, user_attrs=attrs, skip_if_exists=False)
+        if "retry_of" not in trial.user_attrs:  # re-run once: a trial that dies twice stays failed
+            requeue(study, trial)
         recovered.append(trial.number)
     return recovered
 
