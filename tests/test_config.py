@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import autotune
+import strategies
 from autotune.config import TunedConfig
 from autotune.recipe import BACKEND_FLAGS
 from autotune.space import SearchSpace
@@ -132,6 +133,26 @@ def test_knobs_edited_by_hand_are_refused(tmp_path: Path) -> None:
     with pytest.raises(autotune.ConfigError, match="edited by hand") as info:
         autotune.load(path)
     assert str(path) in str(info.value)
+
+
+def test_a_config_written_before_a_knob_existed_loads_with_its_default(tmp_path: Path) -> None:
+    """A knob added in a later version is absent from older files; it replays to its default."""
+    path = saved_config(tmp_path, cpu_params(**{"memory_format.format": "channels_last"}))
+    data = json.loads(path.read_text())
+    del data["knobs"]["cudnn"]
+    path.write_text(json.dumps(data))
+    cfg = autotune.load(path)
+    assert cfg.knobs["cudnn"] == strategies.BY_NAME["cudnn"].default()
+    assert cfg.recipe.memory_format is torch.channels_last
+
+
+def test_a_missing_knob_that_is_not_at_its_default_is_refused(tmp_path: Path) -> None:
+    path = saved_config(tmp_path, cpu_params(**{"threads.num_threads": 2}))
+    data = json.loads(path.read_text())
+    del data["knobs"]["threads"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(autotune.ConfigError, match="edited by hand"):
+        autotune.load(path)
 
 
 def test_params_that_do_not_replay_are_refused(tmp_path: Path) -> None:
