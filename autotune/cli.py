@@ -151,6 +151,7 @@ def _command_line(args: argparse.Namespace) -> str:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
+    from autotune.errors import ConfigError
     from autotune.measure import MeasureSettings
     from autotune.study import SearchConfig, parse_duration, run_search
     from autotune.workloads import WorkloadSpec, parse_input_shape
@@ -169,8 +170,14 @@ def cmd_search(args: argparse.Namespace) -> int:
     if args.min_measure_time is not None:
         from autotune.study import resolve_device
 
-        config.measure = MeasureSettings.for_device(resolve_device(args.device))
-        config.measure.min_time_s = args.min_measure_time
+        import dataclasses
+
+        # replace() validates the new value (a typo like 0 or -1 gets a clear error)
+        try:
+            config.measure = dataclasses.replace(MeasureSettings.for_device(resolve_device(args.device)),
+                                                 min_time_s=args.min_measure_time)
+        except ValueError as exc:
+            raise ConfigError(f"--min-measure-time {args.min_measure_time:g}: {exc}") from None
     view = _ProgressView(config)
     try:
         result = run_search(config, on_event=view)
@@ -254,6 +261,9 @@ def cmd_report(args: argparse.Namespace) -> int:
         storage = f"sqlite:///{args.folder / 'study.db'}"
     name = args.study_name or (config or {}).get("study", {}).get("study_name")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    from autotune.storage import open_storage
+
+    storage = open_storage(storage)  # a clear error, password masked, for a URL that does not open
     try:
         study = optuna.load_study(study_name=name, storage=storage)
     except (KeyError, ValueError) as exc:

@@ -22,11 +22,13 @@ from autotune.measure import MeasureSettings
 from autotune.objective import Objective, TrialFailed, requeue
 from autotune.runner import run_worker
 from autotune.space import SearchSpace
+from autotune.storage import mask_url, open_storage  # noqa: F401  (mask_url: used by export and cli)
 from autotune.workloads import WorkloadSpec, check_spec
 from strategies import batch_size as batch_size_strategy
 from strategies import threads as threads_strategy
 
 DEFAULT_BUDGET_S = 600.0  # when neither --trials nor --budget is given
+MIN_BUDGET_S = 10.0
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
@@ -66,8 +68,9 @@ class SearchConfig:
             raise ConfigError(f"--device {self.device!r}: use cuda, cpu or auto")
         if self.trials is not None and self.trials < 1:
             raise ConfigError(f"--trials must be at least 1, got {self.trials}")
-        if self.budget_s is not None and self.budget_s <= 0:
-            raise ConfigError(f"--budget must be positive, got {self.budget_s}")
+        if self.budget_s is not None and self.budget_s < MIN_BUDGET_S:
+            raise ConfigError(f"--budget {self.budget_s:g}s cannot hold a single trial (a worker start, a warm-up "
+                              f"and seconds of timed steps); give at least {MIN_BUDGET_S:.0f}s, typically 10m")
         for name in ("batch_size", "base_batch_size", "min_batch_size", "max_batch_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -82,16 +85,6 @@ class SearchConfig:
             raise ConfigError("--precisions must include fp32: the FP32 baseline is what every figure is compared with")
         if self.trial_timeout_s <= 0:
             raise ConfigError("--trial-timeout must be positive")
-
-
-def mask_url(url: str) -> str:
-    """A storage URL fit for logs, reports and error messages: the password replaced by ***."""
-    try:
-        from sqlalchemy.engine import make_url
-
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # not a database URL (a journal file path, say): nothing to hide
-        return re.sub(r"(//[^:/@]+:)[^@/]*@", r"\1***@", url)
 
 
 def parse_duration(text: str) -> float:
@@ -294,35 +287,12 @@ class _Lock:
         self.file.close()
 
 
-def open_study(config: SearchConfig, out_dir: Path, name: str, seed: int) -> optuna.Study:
-    url = config.storage or f"sqlite:///{out_dir / 'study.db'}"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            if url.startswith(("sqlite", "postgresql", "mysql")):
-                # heartbeats let a shared storage notice a search process that died mid-trial;
-                # its trial is failed and re-run once
-                storage: Any = optuna.storages.RDBStorage(
-                    url, heartbeat_interval=10, grace_period=60,
-                    heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1))
-            else:
-                storage = url
-            sampler = optuna.samplers.TPESampler(seed=seed)
-        return optuna.create_study(storage=storage, study_name=name, direction="maximize",
-                                   sampler=sampler, load_if_exists=True)
-    except (ValueError, ImportError, optuna.exceptions.OptunaError, _sqlalchemy_error()) as exc:
-        reason = str(exc).splitlines()[0].replace(url, mask_url(url))
-        raise ConfigError(f"--storage {mask_url(url)!r} cannot be opened ({reason}); give an Optuna storage URL "
-                          "such as sqlite:///study.db or postgresql://user@host/db") from None
-
-
-def _sqlalchemy_error() -> type[Exception]:
-    try:
-        from sqlalchemy.exc import SQLAlchemyError
-
-        return SQLAlchemyError
-    except ImportError:
-        return optuna.exceptions.OptunaError
+def open_study(storage: optuna.storages.BaseStorage, name: str, seed: int) -> optuna.Study:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        sampler = optuna.samplers.TPESampler(seed=seed)
+    return optuna.create_study(storage=storage, study_name=name, direction="maximize",
+                               sampler=sampler, load_if_exists=True)
 
 
 def recover_dead_trials(study: optuna.Study) -> list[int]:
@@ -352,6 +322,8 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
     device = resolve_device(config.device)
     # before any device time: the folder (or, by default, reports/) must take the results
     _check_writable(Path(config.out_dir) if config.out_dir else Path("reports"))
+    # a user's storage URL is checked (and its tables created) before any device time
+    storage = open_storage(config.storage) if config.storage else None
     started = time.time()
     info = probe(config, device)
     space = build_space(config, device, info)
@@ -363,7 +335,8 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
     try:
         name = config.study_name or f"{config.workload.short_name}-{slug}"
         own_storage = config.storage is None
-        study = open_study(config, out_dir, name, config.seed)
+        storage = storage or open_storage(f"sqlite:///{out_dir / 'study.db'}")
+        study = open_study(storage, name, config.seed)
         if study.trials:
             # a resumed study gets a fresh sampler seed, so it does not re-propose the same sequence
             with warnings.catch_warnings():
@@ -372,7 +345,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         stored_space = study.user_attrs.get("space")
         if stored_space is not None and stored_space != space.to_dict():
             raise ConfigError(
-                f"study {name!r} in {study._storage!s} was made with another search space ({stored_space}); "
+                f"study {name!r} in {mask_url(config.storage or str(out_dir / 'study.db'))} was made with another search space ({stored_space}); "
                 "resume it with the same options, or start a new one with another --study-name or --out")
         if stored_space is None:
             study.set_user_attr("space", space.to_dict())

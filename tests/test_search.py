@@ -198,6 +198,9 @@ def test_a_crashing_worker_fails_its_trial_and_the_study_goes_on(tmp_path):
         (["--model", "resnet18", "--input-shape", "3xx4"], "CxHxW"),
         (["--model", "resnet18", "--precisions", "fp8"], "unknown mode 'fp8'"),
         (["--model", "resnet18", "--trials", "0"], "--trials must be at least 1"),
+        (["--model", "resnet18", "--budget", "3s"], "cannot hold a single trial"),
+        (["--model", "resnet18", "--min-batch-size", "64", "--max-batch-size", "8"], "is larger than --max-batch-size"),
+        (["--model", "resnet18", "--min-measure-time", "-1"], "--min-measure-time -1: MeasureSettings.min_time_s must not be negative"),
     ],
 )
 def test_bad_input_gets_a_clear_error(tmp_path, args, message):

@@ -1,0 +1,168 @@
+"""The study's storage: opened (and checked) before any device time, retried while it is busy
+or briefly unreachable, and named in messages without its password.
+
+A search may run for an hour against a shared PostgreSQL server or a SQLite file that another
+process (``autotune report``, a second search) is reading. A storage that is locked or drops its
+connection for a moment must not turn a measured trial into a failed one, so every call to the
+database is retried with exponential backoff; only an outage longer than ``patience_s`` stops the
+search, with a message that says how to resume.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import threading
+import time
+import warnings
+from typing import Any, Callable
+
+import optuna
+from optuna.storages import RDBStorage
+
+from autotune.errors import AutotuneError, ConfigError
+
+log = logging.getLogger("autotune.storage")
+
+DEFAULT_PATIENCE_S = 120.0
+"""How long a storage may stay unreachable before the search stops (it resumes on the next run)."""
+
+
+class StorageUnavailable(AutotuneError):
+    """The storage stayed unreachable for longer than the search waits."""
+
+
+def mask_url(url: str) -> str:
+    """A storage URL fit for logs, reports and error messages: the password replaced by ***."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # not a database URL (a journal file path, say): nothing to hide
+        return re.sub(r"(//[^:/@]+:)[^@/]*@", r"\1***@", url)
+
+
+_PERMANENT = ("no such table", "no such column", "syntax error", "readonly database", "read-only")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """A database error that may go away by itself: locked, busy, connection lost or refused,
+    pool exhausted. Wrong SQL, a missing table or a constraint violation are not."""
+    from sqlalchemy import exc as sa
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, sa.IntegrityError):
+            return False
+        if isinstance(exc, sa.OperationalError):
+            return not any(s in str(exc).lower() for s in _PERMANENT)
+        if isinstance(exc, (sa.TimeoutError, sa.InterfaceError)):
+            return True
+        if isinstance(exc, sa.DBAPIError) and exc.connection_invalidated:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+class RetryingRDBStorage(RDBStorage):
+    """Optuna's RDBStorage whose every call is retried, with backoff, while the database is busy
+    or unreachable. Optuna wraps it in its usual cache (it is an RDBStorage), and heartbeats go
+    through it too, so a brief outage neither fails a trial nor marks a live one stale."""
+
+    patience_s: float = DEFAULT_PATIENCE_S
+    max_backoff_s: float = 8.0
+    _depth = threading.local()  # only the outermost call retries; nested calls just raise
+
+    def _retrying(self, call: Callable[..., Any], name: str, *args: Any, **kwargs: Any) -> Any:
+        depth = getattr(self._depth, "n", 0)
+        if depth:
+            return call(self, *args, **kwargs)
+        started = time.monotonic()
+        delay = 0.25
+        attempt = 0
+        while True:
+            self._depth.n = depth + 1
+            try:
+                result = call(self, *args, **kwargs)
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                waited = time.monotonic() - started
+                cause = _first_line(exc)
+                if waited + delay > self.patience_s:
+                    raise StorageUnavailable(
+                        f"the study storage {mask_url(self.url)} has been busy or unreachable for {waited:.0f} s "
+                        f"({cause}); every finished trial is saved in it: run the same command again to resume "
+                        "once it is back") from None
+                attempt += 1
+                if attempt == 1:
+                    log.warning("storage %s busy or unreachable during %s (%s); retrying for up to %.0f s",
+                                mask_url(self.url), name, cause, self.patience_s)
+                time.sleep(delay)
+                delay = min(delay * 2, self.max_backoff_s)
+                continue
+            finally:
+                self._depth.n = depth
+            if attempt:
+                log.warning("storage %s reachable again after %.1f s (%d retries of %s)",
+                            mask_url(self.url), time.monotonic() - started, attempt, name)
+            return result
+
+
+def _first_line(exc: BaseException) -> str:
+    inner = exc.__cause__ or exc
+    text = str(getattr(inner, "orig", None) or inner).splitlines()[0][:200]
+    return f"{type(inner).__name__}: {text}"
+
+
+def _wrap(name: str) -> None:
+    original = getattr(RDBStorage, name)
+
+    @functools.wraps(original)
+    def method(self: RetryingRDBStorage, *args: Any, **kwargs: Any) -> Any:
+        return self._retrying(original, name, *args, **kwargs)
+
+    setattr(RetryingRDBStorage, name, method)
+
+
+# every database call Optuna makes, public and the private ones its cache calls
+_NOT_DB_CALLS = {"get_heartbeat_interval", "get_heartbeat_stale_trial_callback", "get_failed_trial_callback",
+                 "remove_session", "upgrade", "get_current_version", "get_head_version", "get_all_versions"}
+for _name, _value in list(vars(RDBStorage).items()):
+    if callable(_value) and not _name.startswith("__") and _name not in _NOT_DB_CALLS and not isinstance(
+            _value, (staticmethod, classmethod)):
+        _wrap(_name)
+
+
+def open_storage(url: str, *, engine_kwargs: dict[str, Any] | None = None,
+                 patience_s: float | None = None) -> RetryingRDBStorage:
+    """Open (and create the tables of) an Optuna database storage, or fail with a message that
+    says how to fix the URL, masking its password. Calls are retried while the database is busy;
+    heartbeats let a search process that dies mid-trial have that trial failed and re-run once."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            kwargs = dict(engine_kwargs or {})
+            if not url.startswith("sqlite"):
+                kwargs.setdefault("pool_pre_ping", True)  # a server restart leaves dead pooled connections
+            storage = RetryingRDBStorage(
+                url, engine_kwargs=kwargs, heartbeat_interval=10, grace_period=60,
+                heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1))
+            if patience_s is not None:
+                storage.patience_s = patience_s
+            return storage
+    except (ValueError, ImportError, optuna.exceptions.OptunaError, _sqlalchemy_error()) as exc:
+        reason = str(exc).splitlines()[0].replace(url, mask_url(url)) if str(exc) else type(exc).__name__
+        raise ConfigError(f"--storage {mask_url(url)!r} cannot be opened ({reason}); give an Optuna storage URL "
+                          "such as sqlite:///study.db or postgresql://user@host/db") from None
+
+
+def _sqlalchemy_error() -> type[Exception]:
+    try:
+        from sqlalchemy.exc import SQLAlchemyError
+
+        return SQLAlchemyError
+    except ImportError:
+        return optuna.exceptions.OptunaError
