@@ -12,13 +12,28 @@ from pathlib import Path
 from typing import Any
 
 
+# The worker is started through -c rather than -m: -m would put the current directory first on
+# sys.path before any of our code runs, and a file there (torch.py, optuna.py) would replace the
+# real module. The current directory goes last instead: a module the user names with --model
+# still imports from it.
+_BOOT = ("import os, sys; cwd = os.getcwd(); "
+         "sys.path[:] = [p for p in sys.path if p not in ('', cwd)] + [cwd]; "
+         "import runpy; runpy.run_module('autotune.worker', run_name='__main__', alter_sys=True)")
+
+
 def _worker_env() -> dict[str, str]:
     # the worker must import what the study process imports (autotune, the user's model module)
     env = dict(os.environ)
-    paths = [os.getcwd()] + [p for p in sys.path if p]
+    cwd = os.getcwd()
+    paths = [p for p in sys.path if p and p != cwd] + [cwd]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
+
+
+def worker_command(*args: str) -> list[str]:
+    """The command line of a worker process (``args`` become its sys.argv[1:])."""
+    return [sys.executable, "-c", _BOOT, *args]
 
 
 def run_worker(request: dict[str, Any], *, timeout_s: float | None = None,
@@ -33,7 +48,7 @@ def run_worker(request: dict[str, Any], *, timeout_s: float | None = None,
         result_path = Path(tmp) / "result.json"
         log = open(log_path, "w") if log_path else tempfile.TemporaryFile("w+", dir=tmp)
         spawned = time.time()
-        proc = subprocess.Popen([sys.executable, "-m", "autotune.worker", str(result_path), str(os.getpid())],
+        proc = subprocess.Popen(worker_command(str(result_path), str(os.getpid())),
                                 stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
                                 env=_worker_env(), text=True)
         try:
