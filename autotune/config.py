@@ -130,10 +130,16 @@ class TunedConfig:
 
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
                 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-        """Set the backend switches for this process, pad and move the model, move optimizer state."""
+        """Set the backend switches for this process, pad, move and (if tuned so) compile the model;
+        move the optimizer's state and, if tuned so, rebuild it with another implementation.
+
+        Use the returned optimizer: with ``optimizer.implementation`` other than "default" (or CUDA
+        graphs with an Adam-like optimizer, which need ``capturable=True``) it is a new instance of
+        your optimizer's class, with the same param_groups, hyperparameters and state.
+        """
         model = runtime.prepare_model(model, self.recipe)
         if optimizer is not None:
-            runtime.move_optimizer_state(optimizer, self.device)
+            optimizer = runtime.prepare_optimizer(optimizer, self.recipe)
         return model, optimizer
 
     def autocast(self) -> torch.autocast:
@@ -149,7 +155,8 @@ class TunedConfig:
 
     def train_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> runtime.TrainStep:
-        """One callable for the whole optimized step: ``loss = step(x, y)``."""
+        """One callable for the whole optimized step: ``loss = step(x, y)``; with the cuda_graphs
+        knob, the step is captured in a CUDA graph after a few warm-up steps (fixed batch shapes)."""
         return runtime.TrainStep(model, optimizer, loss_fn, self.recipe)
 
     def backend_flags(self) -> contextlib.AbstractContextManager[None]:

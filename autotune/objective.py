@@ -12,6 +12,7 @@ from optuna.trial import TrialState
 
 import strategies
 from autotune.runner import run_worker
+from strategies.compile import COMPILE_ALLOWANCE_S
 
 # trial user attributes that hold a result; copied verbatim when a configuration repeats
 RESULT_ATTRS = ("status", "reason", "figures", "knobs", "timing")
@@ -35,7 +36,7 @@ class Objective:
 
     def __init__(self, *, space, workload: dict[str, Any], measure: dict[str, Any], input_on_device: bool,
                  seed: int, trial_timeout_s: float, log_dir: Path | None = None,
-                 deadline: float | None = None) -> None:
+                 deadline: float | None = None, accuracy=None) -> None:
         self.space = space
         self.workload = workload
         self.measure = measure
@@ -46,6 +47,8 @@ class Objective:
         self.deadline = deadline
         """Wall-clock time (time.time()) at which the search budget ends; a trial still running
         then is stopped, so --budget is a limit and not a hint."""
+        self.accuracy = accuracy
+        """An autotune.accuracy.AccuracyGate, or None when the accuracy check is off."""
 
     def __call__(self, trial: optuna.Trial) -> float:
         knobs = strategies.sample(trial, self.space)
@@ -70,7 +73,8 @@ class Objective:
             "seed": self.seed,
         }
         log_path = self.log_dir / f"trial-{trial.number:04d}.log" if self.log_dir else None
-        timeout = self.trial_timeout_s
+        # a compile trial spends minutes compiling before its first step: not a hang
+        timeout = self.trial_timeout_s + COMPILE_ALLOWANCE_S[knobs["compile"].mode]
         cut_by_budget = self.deadline is not None and self.deadline - time.time() < timeout
         if cut_by_budget:
             timeout = max(1.0, self.deadline - time.time())
@@ -92,7 +96,8 @@ class Objective:
         figures = result.get("figures")
         timing = {"worker_start_s": result.get("worker_start_s"), "wall_s": result["wall_s"]}
         if figures:
-            timing.update(warmup_s=figures["warmup_s"], measure_s=figures["measure_s"], build_s=figures["build_s"])
+            timing.update(warmup_s=figures["warmup_s"], measure_s=figures["measure_s"], build_s=figures["build_s"],
+                          compile_s=figures.get("compile_s", 0.0))
         trial.set_user_attr("timing", timing)
         trial.set_user_attr("status", result["status"])
         if result.get("reason"):
@@ -107,7 +112,9 @@ class Objective:
         if status == "ok" and figures:
             if not figures.get("loss_finite", True):
                 trial.set_user_attr("unstable", True)
-            return float(figures["samples_per_s"])
+            value = float(figures["samples_per_s"])
+            self._check_accuracy(trial, value)
+            return value
         if status == "oom":
             batch = trial.user_attrs["knobs"]["batch_size"]["batch_size"]
             text = f"does not fit at batch {batch}: {reason}"
@@ -116,6 +123,34 @@ class Objective:
             # completed one), so the region that does not fit stops being proposed
             raise optuna.TrialPruned(text)
         raise TrialFailed(f"trial {trial.number} {status}: {reason}" + (f"\n{traceback}" if traceback else ""))
+
+    def _check_accuracy(self, trial: optuna.Trial, value: float) -> None:
+        """Attach accuracy evidence: reused when the numerics key was checked, measured when the
+        trial is on or near the speed frontier; its constraint steers the sampler (Optuna 5's
+        Trial.set_constraint; a trial without one counts as feasible)."""
+        from autotune.accuracy import UNSTABLE_CONSTRAINT
+
+        if self.accuracy is None:
+            return
+        if trial.user_attrs.get("unstable"):
+            trial.set_constraint("accuracy", UNSTABLE_CONSTRAINT)
+            return
+        check = self.accuracy.near_frontier(trial.study, value)
+        timeout = None
+        if self.deadline is not None:
+            left = self.deadline - time.time()
+            check = check and left > 5
+            timeout = min(self.accuracy.timeout_s, max(1.0, left))
+        try:
+            accuracy = self.accuracy.evidence(trial.study, trial.user_attrs["knobs"], check=check, timeout_s=timeout)
+        except KeyboardInterrupt:
+            trial.set_user_attr("reason", "the search was interrupted during this trial's accuracy check; "
+                                          "re-queued for the next run")
+            requeue(trial.study, trial)
+            raise
+        if accuracy is not None:
+            trial.set_user_attr("accuracy", accuracy)
+            trial.set_constraint("accuracy", accuracy["constraint"])
 
     @staticmethod
     def _same_params(trial: optuna.Trial):
@@ -139,6 +174,17 @@ def describe(knobs: dict[str, dict[str, Any]]) -> str:
         parts.append(f"{knobs['streams']['num_streams']} streams")
     if knobs.get("threads", {}).get("num_threads"):
         parts.append(f"{knobs['threads']['num_threads']} threads")
+    if knobs.get("fp32_layers", {}).get("layers", "none") != "none":
+        parts.append(f"fp32 {knobs['fp32_layers']['layers']}")
+    optimizer = knobs.get("optimizer", {})
+    if optimizer.get("implementation", "default") != "default":
+        parts.append(f"{optimizer['implementation']} optimizer")
+    if not optimizer.get("set_to_none", True):
+        parts.append("zero_grad in place")
+    if knobs.get("compile", {}).get("mode", "off") != "off":
+        parts.append(f"compile {knobs['compile']['mode']}")
+    if knobs.get("cuda_graphs", {}).get("enabled"):
+        parts.append("CUDA graphs")
     return ", ".join(parts)
 
 

@@ -102,5 +102,14 @@ class Recipe:
     """Process-global switches (see BACKEND_FLAGS)."""
     num_streams: int = 1
     """1: input copies on the compute stream; 2: the next batch is copied on a side stream."""
+    optimizer_implementation: str = "default"
+    """"default" keeps the user's optimizer; "plain", "foreach" or "fused" rebuilds it with that
+    implementation (same hyperparameters and state)."""
+    zero_grad_set_to_none: bool = True
+    """optimizer.zero_grad(set_to_none=...) in the step."""
+    compile_mode: str | None = None
+    """torch.compile mode the model is compiled with ("default", "reduce-overhead", ...); None: eager."""
+    cuda_graphs: bool = False
+    """Capture the whole step (forward, backward, optimizer step) in one CUDA graph and replay it."""
     notes: list[str] = field(default_factory=list)
     """Plain-language advice that comes with this recipe (e.g. learning-rate scaling)."""

@@ -1,7 +1,8 @@
 """The one training step that trials measure and user code runs: autocast, GradScaler, optimizer.
 
 One path for every precision (as nanoGPT does): autocast is entered with ``enabled=False`` for
-fp32, and the GradScaler is built with ``enabled=False`` unless fp16 needs loss scaling.
+fp32, and the GradScaler is built with ``enabled=False`` unless fp16 needs loss scaling. The same
+step runs eagerly or, with the cuda_graphs knob, captured once in a CUDA graph and replayed.
 """
 
 from __future__ import annotations
@@ -10,14 +11,25 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from autotune.errors import ConfigError
 from autotune.recipe import Recipe, apply_backend_flags
 from autotune.workloads import logits
+from strategies import optimizer as optimizer_strategy
+from strategies.compile import CUDAGRAPH_MODES
+
+GRAPH_WARMUP_STEPS = 3
+"""Eager steps on a side stream before the whole step is captured (PyTorch's CUDA graphs notes:
+lazy initialisation, cudnn.benchmark, compiling and optimizer state happen there, not in capture)."""
 
 
-def autocast(recipe: Recipe) -> torch.autocast:
+def autocast(recipe: Recipe, *, cache_enabled: bool = True) -> torch.autocast:
+    """The recipe's autocast context. A graph capture needs ``cache_enabled=False``: the weight-cast
+    cache would otherwise hold tensors from the graph's pool past the capture."""
     dtype = recipe.autocast_dtype
-    return torch.autocast(recipe.device, dtype=dtype or torch.float32, enabled=dtype is not None)
+    return torch.autocast(recipe.device, dtype=dtype or torch.float32, enabled=dtype is not None,
+                          cache_enabled=cache_enabled)
 
 
 def grad_scaler(recipe: Recipe) -> torch.amp.GradScaler:
@@ -38,7 +50,19 @@ def prepare_model(model: nn.Module, recipe: Recipe, *, set_flags: bool = True) -
     model = model.to(recipe.device)
     if recipe.memory_format is not torch.contiguous_format:
         model = model.to(memory_format=recipe.memory_format)
+    if recipe.compile_mode is not None:
+        # in place: same module, same parameters, same state_dict keys (no "_orig_mod." prefix);
+        # the compile itself happens in the first step
+        model.compile(mode=recipe.compile_mode)
     return model
+
+
+def prepare_optimizer(optimizer: torch.optim.Optimizer, recipe: Recipe) -> torch.optim.Optimizer:
+    """Move the optimizer's state to the device, then rebuild it with the tuned implementation
+    (and ``capturable=True`` when the step is captured in a CUDA graph); call it after the model
+    is on the device, since a fused implementation checks where the parameters are."""
+    move_optimizer_state(optimizer, recipe.device)
+    return optimizer_strategy.rebuild(optimizer, recipe.optimizer_implementation, capturable=recipe.cuda_graphs)
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, device: str | torch.device) -> None:
@@ -53,6 +77,10 @@ class TrainStep:
     """zero_grad -> forward under autocast -> scaled backward -> optimizer step -> scaler update.
 
     Returns the loss as a device tensor (no host synchronisation, so steps queue up on the GPU).
+    With ``recipe.cuda_graphs``, the first GRAPH_WARMUP_STEPS steps run eagerly on a side stream,
+    the next one is captured in a CUDA graph from static copies of its batch, and every step from
+    then on copies its batch into those buffers and replays the graph (batches must keep their
+    shape: a DataLoader with drop_last=True).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -63,12 +91,98 @@ class TrainStep:
         self.loss_fn = loss_fn
         self.recipe = recipe
         self.scaler = scaler if scaler is not None else grad_scaler(recipe)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self._num_graph_warmup = 0
+        self._side_stream: torch.cuda.Stream | None = None
+        self._static: tuple[list[Any], Any, torch.Tensor] | None = None
+        self._static_loss: torch.Tensor | None = None
+
+    @property
+    def num_setup_steps(self) -> int:
+        """Steps before this step runs its steady-state code: the compile (and cudagraph trees'
+        recording) or the graph warm-up and capture. Their time is compile time, not step time."""
+        n = 0
+        if self.recipe.compile_mode is not None:
+            # cudagraph trees run a compiled function once, record it the next time, replay after
+            n = 3 if self.recipe.compile_mode in CUDAGRAPH_MODES else 1
+        if self.recipe.cuda_graphs:
+            n = max(n, GRAPH_WARMUP_STEPS + 1)
+        return n
 
     def __call__(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
-        self.optimizer.zero_grad(set_to_none=True)
-        with autocast(self.recipe):
+        if self.recipe.cuda_graphs:
+            return self._graphed(inputs, targets)
+        if self.recipe.compile_mode in CUDAGRAPH_MODES:
+            # a new iteration: the previous step's graph outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
+        return self._eager(inputs, targets)
+
+    def _eager(self, inputs: Any, targets: torch.Tensor, *, cache_enabled: bool = True) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=self.recipe.zero_grad_set_to_none)
+        with autocast(self.recipe, cache_enabled=cache_enabled):
             loss = self.loss_fn(logits(self.model(inputs)), targets)
         self.scaler.scale(loss).backward()
         self.scaler.step(self.optimizer)
         self.scaler.update()
         return loss.detach()
+
+    def _graphed(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        if self.graph is None and self._num_graph_warmup < GRAPH_WARMUP_STEPS:
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream()
+            side = self._side_stream
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                loss = self._eager(inputs, targets)
+            torch.cuda.current_stream().wait_stream(side)
+            self._num_graph_warmup += 1
+            return loss
+        if self.graph is None:
+            self._capture(inputs, targets)  # the static buffers now hold this batch
+        else:
+            self._copy_in(inputs, targets)
+        assert self.graph is not None and self._static_loss is not None
+        self.graph.replay()
+        return self._static_loss.clone()  # the static loss is overwritten by the next replay
+
+    def _capture(self, inputs: Any, targets: torch.Tensor) -> None:
+        leaves, spec = tree_flatten(inputs)
+        static_leaves = [x.clone() if isinstance(x, torch.Tensor) else x for x in leaves]
+        static_targets = targets.clone()
+        self._static = (static_leaves, spec, static_targets)
+        # as in PyTorch's whole-network example: gradients set to None before capture, so backward
+        # allocates them from the graph's pool and every replay refills them in place
+        self.optimizer.zero_grad(set_to_none=True)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: another thread's CUDA calls (a DataLoader pinning memory) do not break the capture
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self._static_loss = self._eager(tree_unflatten(static_leaves, spec), static_targets,
+                                            cache_enabled=False)
+        self.graph = graph
+
+    def _copy_in(self, inputs: Any, targets: torch.Tensor) -> None:
+        assert self._static is not None
+        static_leaves, spec, static_targets = self._static
+        leaves, got_spec = tree_flatten(inputs)
+        pairs = list(zip(leaves, static_leaves)) + [(targets, static_targets)]
+        if got_spec != spec or any(not _same_kind(new, old) for new, old in pairs):
+            raise ConfigError(
+                "this step was captured in a CUDA graph, which replays fixed shapes: a batch of "
+                f"{_describe(inputs)} differs from the captured {_describe(tree_unflatten(static_leaves, spec))}; "
+                "give every step the same batch shape (DataLoader(..., drop_last=True)), or use a "
+                "configuration with cuda_graphs off")
+        for new, old in pairs:
+            if isinstance(old, torch.Tensor):
+                old.copy_(new, non_blocking=True)
+
+
+def _same_kind(new: Any, old: Any) -> bool:
+    if isinstance(old, torch.Tensor):
+        return (isinstance(new, torch.Tensor) and new.shape == old.shape and new.dtype == old.dtype
+                and new.device == old.device)
+    return new == old
+
+
+def _describe(tree: Any) -> str:
+    leaves, _ = tree_flatten(tree)
+    return ", ".join(f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else repr(x) for x in leaves)

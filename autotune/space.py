@@ -32,6 +32,15 @@ class SearchSpace:
     """cudnn.benchmark choices (only [False] on CPU)."""
     thread_counts: list[int] = field(default_factory=list)
     """CPU intra-op thread counts to try (empty on CUDA)."""
+    optimizer_implementations: list[str] = field(default_factory=lambda: ["default"])
+    """Optimizer implementations to try ("plain", "foreach", "fused"); "default" keeps the user's
+    optimizer as it was built (what configs written before this knob existed did)."""
+    zero_grad_set_to_none: list[bool] = field(default_factory=lambda: [True])
+    """optimizer.zero_grad(set_to_none=...) choices (True is PyTorch's default)."""
+    compile_modes: list[str] = field(default_factory=lambda: ["off"])
+    """torch.compile modes to try; "off" runs eagerly. Only modes the probe found working."""
+    cuda_graphs: list[bool] = field(default_factory=lambda: [False])
+    """Whether the whole step may be captured in one CUDA graph (only [False] on CPU)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

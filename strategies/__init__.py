@@ -14,9 +14,12 @@ from autotune.space import SearchSpace
 from strategies.base import Strategy
 from strategies.batch_size import BatchSize
 from strategies.channel_alignment import ChannelAlignment
+from strategies.compile import Compile
 from strategies.cudnn import Cudnn
+from strategies.cuda_graphs import CudaGraphs
 from strategies.grad_scaler import GradScalerStrategy
 from strategies.memory_format import MemoryFormat
+from strategies.optimizer import Optimizer
 from strategies.precision import Precision
 from strategies.streams import Streams
 from strategies.threads import Threads
@@ -30,6 +33,11 @@ REGISTRY: list[Strategy] = [
     Cudnn(),
     Streams(),
     Threads(),
+    # the step's execution, last: compile sees the model after every transform above, and
+    # cuda_graphs decides after precision, optimizer and compile, which say whether capture is legal
+    Optimizer(),
+    Compile(),
+    CudaGraphs(),
 ]
 
 BY_NAME: dict[str, Strategy] = {s.name: s for s in REGISTRY}

@@ -1,0 +1,130 @@
+"""optimizer: which implementation of the user's optimizer runs the step, and how gradients are cleared.
+
+PyTorch's built-in optimizers have up to three implementations of the same update:
+
+* "plain": a Python loop over the parameters, a few kernels per parameter (PyTorch's default on a CPU);
+* "foreach": the multi-tensor ``torch._foreach_*`` ops, a few kernels per group of parameters
+  (PyTorch's default when every parameter is on a GPU);
+* "fused": one fused kernel does the whole update (``fused=True``; SGD, Adam, AdamW, Adagrad on
+  CUDA and CPU). A fused optimizer also takes GradScaler's unscaling and inf check on the device
+  (``_step_supports_amp_scaling``), so an fp16 step never waits for the host: that is what lets
+  an fp16 step be captured in a CUDA graph (see ``strategies.cuda_graphs``).
+
+They compute the same update; they differ in kernel launches, hence in speed. ``TunedConfig.prepare``
+rebuilds the user's optimizer (same class, param_groups, hyperparameters and state) with the chosen
+implementation, and refuses clearly when that class has no such implementation. "default" (the
+untuned value) keeps the user's optimizer as it was built.
+
+``set_to_none`` is ``optimizer.zero_grad(set_to_none=...)``: True (PyTorch's default) frees the
+gradients and lets backward write them fresh; False zeroes them in place (a memset per gradient),
+which keeps their memory allocated between steps.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from autotune.errors import ConfigError
+from autotune.recipe import Recipe
+from autotune.space import SearchSpace
+from strategies.base import Strategy
+
+IMPLEMENTATIONS = ("default", "plain", "foreach", "fused")
+
+# what a user's optimizer built with default arguments runs (torch.optim.optimizer's
+# _default_to_fused_or_foreach): foreach when every parameter is on a GPU, the plain loop on a CPU
+UNTUNED = {"cuda": "foreach", "cpu": "plain"}
+
+_FLAGS = {"plain": {"foreach": False, "fused": False},
+          "foreach": {"foreach": True, "fused": False},
+          "fused": {"foreach": False, "fused": True}}
+
+
+class Optimizer(Strategy):
+    name = "optimizer"
+
+    @dataclass(kw_only=True, frozen=True)
+    class Config:
+        implementation: str = "default"
+        """default (the user's optimizer as built) | plain | foreach | fused."""
+        set_to_none: bool = True
+        """optimizer.zero_grad(set_to_none=...)."""
+
+        def __post_init__(self) -> None:
+            if self.implementation not in IMPLEMENTATIONS:
+                raise ValueError(f"optimizer.implementation {self.implementation!r}: choose from "
+                                 f"{', '.join(IMPLEMENTATIONS)}")
+
+    def suggest(self, trial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
+        return self.Config(implementation=self.choose(trial, "implementation", space.optimizer_implementations),
+                           set_to_none=self.choose(trial, "set_to_none", space.zero_grad_set_to_none))
+
+    def apply(self, config: Config, recipe: Recipe) -> None:
+        recipe.optimizer_implementation = config.implementation
+        recipe.zero_grad_set_to_none = config.set_to_none
+
+
+def candidates(device: str) -> list[str]:
+    """The implementations worth measuring on ``device``, the untuned one first.
+
+    On a GPU the plain loop is left out: it computes what foreach computes with a few kernel
+    launches per parameter instead of per group, so it is never the faster one there.
+    """
+    return ["foreach", "fused"] if device == "cuda" else ["plain", "fused"]
+
+
+def rebuild(optimizer: torch.optim.Optimizer, implementation: str, *,
+            capturable: bool = False) -> torch.optim.Optimizer:
+    """The user's optimizer with ``implementation`` (and, if asked, ``capturable=True``).
+
+    Returns ``optimizer`` itself when nothing changes. Otherwise a new instance of the same class
+    over the same parameter objects, with every param_group's hyperparameters and the whole state
+    (momentum buffers, moments, step counts) loaded from the old one. Raises ConfigError when the
+    class has no such implementation.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ConfigError(f"optimizer implementation {implementation!r}: choose from {', '.join(IMPLEMENTATIONS)}")
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    flags: dict[str, Any] = dict(_FLAGS.get(implementation, {}))
+    missing = [k for k, v in flags.items() if v and k not in accepted]
+    if missing:
+        raise ConfigError(f"this configuration runs the optimizer's {implementation} implementation, but "
+                          f"{cls.__module__}.{cls.__name__} has none (no {missing[0]!r} argument); use an optimizer "
+                          "that has one (torch.optim.SGD, Adam, AdamW ...), or tune with your optimizer's "
+                          "class, or choose a configuration with optimizer.implementation 'default'")
+    flags = {k: v for k, v in flags.items() if k in accepted}  # "plain" on a class without foreach: as built
+    if capturable:
+        if "capturable" in accepted:
+            flags["capturable"] = True
+        elif not _graph_safe_without_flag(cls):
+            raise ConfigError(f"this configuration captures the training step in a CUDA graph, which needs an "
+                              f"optimizer whose step never waits for the host; {cls.__name__} has no "
+                              "capturable=True option; use SGD, Adam or AdamW, or a configuration with "
+                              "cuda_graphs off")
+    if not flags or all(group.get(k) == v for group in optimizer.param_groups for k, v in flags.items()):
+        return optimizer
+    state = optimizer.state_dict()
+    groups = [{**{k: v for k, v in group.items() if k != "params"}, **flags, "params": group["params"]}
+              for group in optimizer.param_groups]
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    defaults.update(flags)
+    try:
+        new = cls(groups, **defaults)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise ConfigError(f"{cls.__name__} cannot run its {implementation} implementation here ({exc}); "
+                          "choose a configuration with another optimizer.implementation") from None
+    new.load_state_dict(state)
+    # load_state_dict takes the saved groups' values, implementation flags included: set them again
+    for group in new.param_groups:
+        group.update(flags)
+    return new
+
+
+def _graph_safe_without_flag(cls: type) -> bool:
+    """SGD keeps no per-step host state (no step counter), so its step captures as it is."""
+    return issubclass(cls, torch.optim.SGD)
