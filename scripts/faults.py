@@ -40,7 +40,8 @@ def run_fault(fault: str, device: str, workdir: Path) -> tuple[bool, int, str]:
     """One search with the fault injected; returns (survived, trials lost, explanation)."""
     state, reason, _ = FAULTS[fault]
     out = workdir / fault
-    env = dict(os.environ, AUTOTUNE_FAULT=fault, PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT)]))
+    env = dict(os.environ, AUTOTUNE_FAULT=fault,
+               PYTHONPATH=os.pathsep.join(p for p in [str(HERE), str(ROOT), os.environ.get("PYTHONPATH")] if p))
     cmd = [sys.executable, "-m", "autotune", "search", "--model", "fault_models:faulty", "--device", device,
            "--input-shape", "3x32x32", "--num-classes", "10", "--min-batch-size", "8", "--max-batch-size", "32",
            "--base-batch-size", "16", "--min-measure-time", "0.3", "--trial-timeout", "20",

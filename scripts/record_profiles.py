@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
             one()
         torch.cuda.synchronize()
         # a timed window with NVML sampling (no profiler)
-        with NvmlMonitor(interval_s=0.05) as monitor:
+        monitor = NvmlMonitor(interval_s=0.05)
+        try:
             monitor.begin_window()
             t0 = time.perf_counter()
             steps = 0
@@ -87,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
             elapsed = time.perf_counter() - t0
             window = monitor.end_window()
+        finally:
+            monitor.close()
         trace = record(one, args.steps, chrome_trace=args.out / f"{name}.trace.json",
                        meta={"config": name, "model": model_name, "batch": batch, "params": full,
                              "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__})
