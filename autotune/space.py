@@ -32,6 +32,9 @@ class SearchSpace:
     """cudnn.benchmark choices (only [False] on CPU)."""
     thread_counts: list[int] = field(default_factory=list)
     """CPU intra-op thread counts to try (empty on CUDA)."""
+    fp32_layer_sets: list[str] = field(default_factory=lambda: ["none"])
+    """Layer kinds fp32_layers may keep in FP32 under autocast ("none", "norm", "norm+head", ...);
+    only "none" unless the probe found such layers and an autocast mode is searched."""
     optimizer_implementations: list[str] = field(default_factory=lambda: ["default"])
     """Optimizer implementations to try ("plain", "foreach", "fused"); "default" keeps the user's
     optimizer as it was built (what configs written before this knob existed did)."""

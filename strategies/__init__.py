@@ -16,6 +16,7 @@ from strategies.batch_size import BatchSize
 from strategies.channel_alignment import ChannelAlignment
 from strategies.compile import Compile
 from strategies.cudnn import Cudnn
+from strategies.fp32_layers import FP32Layers
 from strategies.cuda_graphs import CudaGraphs
 from strategies.grad_scaler import GradScalerStrategy
 from strategies.memory_format import MemoryFormat
@@ -29,6 +30,7 @@ REGISTRY: list[Strategy] = [
     GradScalerStrategy(),
     BatchSize(),
     ChannelAlignment(),
+    FP32Layers(),  # after padding: it wraps the forward of the (possibly padded) layers
     MemoryFormat(),
     Cudnn(),
     Streams(),
