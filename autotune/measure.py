@@ -73,6 +73,10 @@ class Measurement:
     num_remeasured: int
     warmup_s: float
     measure_s: float
+    compile_s: float = 0.0
+    """Wall time of the setup steps before warm-up: compiling and/or capturing a CUDA graph (0 when
+    the step needs no setup). Kept apart from warm-up and step time: it is paid once per run."""
+    num_setup_steps: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -110,9 +114,21 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def measure(step: Callable[[], Any], device: str, settings: MeasureSettings) -> Measurement:
-    """Warm up until two consecutive windows agree, then time enough steps for a stable median."""
+def measure(step: Callable[[], Any], device: str, settings: MeasureSettings, *,
+            setup_steps: int = 0) -> Measurement:
+    """Run ``setup_steps`` steps that compile or capture (timed apart, as ``compile_s``), warm up
+    until two consecutive windows agree, then time enough steps for a stable median."""
+    if setup_steps < 0:
+        raise ValueError(f"setup_steps must not be negative, got {setup_steps}")
     timer = _Timer(device)
+    compile_s = 0.0
+    if setup_steps:
+        start = time.perf_counter()
+        for _ in range(setup_steps):
+            step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        compile_s = time.perf_counter() - start
     start = time.perf_counter()
     warm = timer.run(step, settings.min_warmup_steps)
     num_warmup = settings.min_warmup_steps
@@ -163,6 +179,8 @@ def measure(step: Callable[[], Any], device: str, settings: MeasureSettings) -> 
         num_remeasured=num_remeasured,
         warmup_s=warmup_s,
         measure_s=measure_s,
+        compile_s=compile_s,
+        num_setup_steps=setup_steps,
     )
 
 

@@ -25,6 +25,8 @@ from autotune.space import SearchSpace
 from autotune.storage import mask_url, open_storage  # noqa: F401  (mask_url: used by export and cli)
 from autotune.workloads import WorkloadSpec, check_spec
 from strategies import batch_size as batch_size_strategy
+from strategies import compile as compile_strategy
+from strategies import optimizer as optimizer_strategy
 from strategies import threads as threads_strategy
 
 DEFAULT_BUDGET_S = 600.0  # when neither --trials nor --budget is given
@@ -58,6 +60,9 @@ class SearchConfig:
     """Restrict (or, for bf16 on a CPU without native bf16, extend) the precision modes searched."""
     input_on_device: bool = False
     """Keep synthetic batches on the GPU instead of copying them from pinned host memory each step."""
+    compile: bool | None = None
+    """Search torch.compile modes: None (default) on a GPU only, True on a CPU too (a CPU compile of
+    even a tiny model takes tens of seconds per trial), False never. Only where the probe compiled."""
     seed: int = 0
     trial_timeout_s: float = 600.0
     measure: MeasureSettings | None = None
@@ -134,13 +139,30 @@ def _check_writable(out_dir: Path, min_free_bytes: int = 50 * 2**20) -> None:
 
 def probe(config: SearchConfig, device: str) -> dict[str, Any]:
     """Ask a worker what the device can do, and check the model builds."""
-    result = run_worker({"mode": "probe", "device": device, "workload": config.workload.to_dict()}, timeout_s=600)
+    result = run_worker({"mode": "probe", "device": device, "workload": config.workload.to_dict(),
+                         "check_compile": compile_wanted(config, device)}, timeout_s=600)
     if result["status"] != "ok":
         if "WorkloadError" in result.get("reason", "") or "ConfigError" in result.get("reason", ""):
             raise WorkloadError(result["reason"].split(": ", 1)[-1])
         raise WorkloadError(f"the model {config.workload.model!r} could not be built: {result.get('reason')}\n"
                             f"{result.get('traceback', '')}")
     return result
+
+
+def compile_wanted(config: SearchConfig, device: str) -> bool:
+    """Whether to search torch.compile: on a GPU unless refused, on a CPU only when asked for."""
+    return config.compile if config.compile is not None else device == "cuda"
+
+
+def _compile_modes(config: SearchConfig, device: str, info: dict[str, Any]) -> list[str]:
+    if not compile_wanted(config, device):
+        return ["off"]
+    check = info.get("compile") or {"works": False, "reason": "the probe did not check it"}
+    if not check.get("works"):
+        warnings.warn(f"torch.compile is not searched: it does not work on this {device} "
+                      f"({check.get('reason')}); the search goes on without it", stacklevel=3)
+        return ["off"]
+    return compile_strategy.candidates(device)
 
 
 def build_space(config: SearchConfig, device: str, info: dict[str, Any]) -> SearchSpace:
@@ -178,11 +200,23 @@ def build_space(config: SearchConfig, device: str, info: dict[str, Any]) -> Sear
         stream_counts=[1, 2] if cuda and not config.input_on_device else [1],
         cudnn_benchmark=[False, True] if cuda else [False],
         thread_counts=[] if cuda else threads_strategy.candidates(),
+        optimizer_implementations=optimizer_strategy.candidates(device),
+        # zeroing in place keeps gradient memory allocated; on a CPU the difference is noise
+        zero_grad_set_to_none=[True, False] if cuda else [True],
+        compile_modes=_compile_modes(config, device, info),
+        cuda_graphs=[False, True] if cuda else [False],
     )
 
 
 def _nearest(values: list[int], target: int) -> int:
     return min(values, key=lambda v: (abs(v - target), v))
+
+
+def _offered(space: SearchSpace, step: dict[str, Any]) -> bool:
+    """Whether the space offers a seed's optimizer, compile and CUDA-graph values."""
+    offers = {"optimizer.implementation": space.optimizer_implementations, "compile.mode": space.compile_modes,
+              "cuda_graphs.enabled": space.cuda_graphs}
+    return all(value in offers[key] for key, value in step.items() if key in offers)
 
 
 def seed_configurations(space: SearchSpace) -> list[tuple[str, dict[str, Any]]]:
@@ -198,33 +232,82 @@ def seed_configurations(space: SearchSpace) -> list[tuple[str, dict[str, Any]]]:
         return out
 
     base = space.base_batch_size
+    # the optimizer as a user builds it with default arguments, eager, no graph capture
+    implementations = space.optimizer_implementations
+    untuned_step = {
+        "optimizer.implementation": (optimizer_strategy.UNTUNED[space.device]
+                                     if optimizer_strategy.UNTUNED[space.device] in implementations
+                                     else implementations[0]),
+        "optimizer.set_to_none": True, "compile.mode": "off", "cuda_graphs.enabled": False}
     baseline = params(**{
         "precision.mode": "fp32", "batch_size.batch_size": base, "channel_alignment.multiple": 1,
         "memory_format.format": "contiguous", "cudnn.benchmark": False, "streams.num_streams": 1,
         "threads.num_threads": max(space.thread_counts) if space.thread_counts else 0,
+        **untuned_step,
     })
     seeds = [("baseline", baseline)]
     fast_format = "channels_last" if "channels_last" in space.memory_formats else "contiguous"
     common = {"memory_format.format": fast_format, "cudnn.benchmark": True, "channel_alignment.multiple": 1,
               "streams.num_streams": max(space.stream_counts),
-              "threads.num_threads": max(space.thread_counts) if space.thread_counts else 0}
+              "threads.num_threads": max(space.thread_counts) if space.thread_counts else 0,
+              **untuned_step}
     scaler = {"grad_scaler.init_scale": 2.0**16, "grad_scaler.growth_factor": 2.0,
               "grad_scaler.backoff_factor": 0.5, "grad_scaler.growth_interval": 2000}
+    wanted: list[tuple[str, int, dict[str, Any]]]
     if space.device == "cuda":
-        # the guides' recipe (fp16 AMP + channels_last) at growing batches, and bf16 at a middle one
-        wanted = [("fp16", 256), ("fp16", 512), ("fp16", 1024), ("bf16", 512)]
+        fused = {"optimizer.implementation": "fused"}
+        wanted = [
+            # what the reference figures call top, first, so a 10-minute search measures them:
+            # bf16 + channels_last + torch.compile (the hand-tuned ~7,200 img/s ResNet-50 step on
+            # an H200) at two batches, and fp16 with the whole step in a CUDA graph (MLPerf's
+            # recipe; legal with fp16 thanks to the fused optimizer's device-side GradScaler step)
+            ("bf16", 256, {**fused, "compile.mode": "default"}),
+            ("bf16", 512, {**fused, "compile.mode": "default"}),
+            ("fp16", 256, {**fused, "cuda_graphs.enabled": True}),
+            # the guides' recipe (fp16 AMP + channels_last) at growing batches, and bf16 at a middle one
+            ("fp16", 256, {}), ("fp16", 512, {}), ("fp16", 1024, {}), ("bf16", 512, {}),
+            # both: the compiled step captured whole
+            ("bf16", 256, {**fused, "compile.mode": "default", "cuda_graphs.enabled": True}),
+        ]
     else:
-        wanted = [("bf16", base), ("fp32", max(space.batch_sizes))]
+        wanted = [("bf16", base, {}), ("fp32", max(space.batch_sizes), {})]
     seen = [baseline]
-    for mode, batch in wanted:
-        if mode not in space.precisions:
+    for mode, batch, step in wanted:
+        if mode not in space.precisions or not _offered(space, step):
             continue
-        p = params(**common, **(scaler if mode == "fp16" else {}), **{
-            "precision.mode": mode, "batch_size.batch_size": _nearest(space.batch_sizes, batch)})
+        p = params(**{**common, **(scaler if mode == "fp16" else {}), **step,
+                      "precision.mode": mode, "batch_size.batch_size": _nearest(space.batch_sizes, batch)})
         if p not in seen:
             seen.append(p)
             seeds.append(("known-good", p))
     return seeds
+
+
+def _compiles(trial: optuna.trial.FrozenTrial) -> bool:
+    return trial.user_attrs.get("knobs", {}).get("compile", {}).get("mode", "off") != "off"
+
+
+def estimate_next_wall(study: optuna.Study, walls: list[tuple[float, bool]]) -> float:
+    """Expected seconds of the next trial, from past trials' walls ``(seconds, compiled)``.
+
+    A trial that compiles takes minutes where an eager one takes seconds, so the two kinds are
+    estimated apart: the next queued configuration's own kind when one is queued (the seeds),
+    otherwise both kinds weighted by how often they came so far.
+    """
+    if not walls:
+        return 0.0
+    by_kind = {kind: [w for w, c in walls if c == kind] for kind in (False, True)}
+    median = {kind: statistics.median(v) for kind, v in by_kind.items() if v}
+
+    def kind_median(kind: bool) -> float:
+        return median.get(kind, median.get(not kind, 0.0))
+
+    waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+    if waiting:
+        fixed = waiting[0].params or waiting[0].system_attrs.get("fixed_params", {})
+        return kind_median(fixed.get("compile.mode", "off") != "off")
+    share = len(by_kind[True]) / len(walls)
+    return share * kind_median(True) + (1 - share) * kind_median(False)
 
 
 def counted_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
@@ -362,7 +445,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
                               deadline=None if config.budget_s is None else started + config.budget_s)
         emit("start", {"space": space, "probe": info, "out_dir": out_dir, "study": study,
                        "recovered": recovered, "done": len(counted_trials(study)), "config": config})
-        walls: list[float] = []
+        walls: list[tuple[float, bool]] = []  # (wall seconds, compiled) of each measured trial
         new_trials = 0
 
         def stop_rule(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
@@ -370,13 +453,13 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
             if "status" in trial.user_attrs:
                 new_trials += 1
                 if "duplicate_of" not in trial.user_attrs:
-                    walls.append(trial.user_attrs.get("timing", {}).get("wall_s", 0.0))
+                    walls.append((trial.user_attrs.get("timing", {}).get("wall_s", 0.0), _compiles(trial)))
             emit("trial", trial)
             if config.trials is not None and len(counted_trials(study)) >= config.trials:
                 study.stop()
             if config.budget_s is not None:
                 elapsed = time.time() - started
-                expected = statistics.median(walls) if walls else 0.0
+                expected = estimate_next_wall(study, walls)
                 if elapsed + expected > config.budget_s:
                     study.stop()
 

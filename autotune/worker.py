@@ -127,6 +127,10 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     result["input_shape"] = list(workload.input_shape)
     result["num_parameters"] = sum(p.numel() for p in workload.model.parameters())
     result["misaligned"] = {str(m): misaligned_layers(workload.model, m) for m in (8, 16)}
+    if request.get("check_compile"):
+        from strategies.compile import check_compile
+
+        result["compile"] = check_compile(device)
     return result
 
 
@@ -185,7 +189,7 @@ def run_trial(request: dict[str, Any]) -> dict[str, Any]:
     timings["build_s"] = time.perf_counter() - t0
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    m = measure(one_step, device, settings)
+    m = measure(one_step, device, settings, setup_steps=step.num_setup_steps)
     loss = float(last_loss[0].float().item())
     figures = m.to_dict()
     figures.update(memory_figures(device))

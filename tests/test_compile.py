@@ -1,0 +1,234 @@
+"""compile knob on CPU: which modes are offered when, a compiled tiny model trains like the eager
+one, and compile time is recorded apart from warm-up and step time (measure, worker, objective,
+budget estimate, trials.csv, report)."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from pathlib import Path
+
+import optuna
+import pandas as pd
+import pytest
+import torch
+
+import strategies
+from autotune.config import TunedConfig
+from autotune.measure import MeasureSettings, measure
+from autotune.objective import Objective, describe
+from autotune.recipe import BACKEND_FLAGS
+from autotune.report import write_report
+from autotune.export import trials_frame
+from autotune.runner import run_worker
+from autotune.space import SearchSpace
+from autotune.study import SearchConfig, build_space, estimate_next_wall
+from autotune.workloads import WorkloadSpec
+from conftest import TESTS
+from strategies import compile as compile_strategy
+from strategies.compile import Compile
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+CPU_SPACE = SearchSpace(device="cpu", batch_sizes=[8], base_batch_size=8, compile_modes=["off", "default"])
+TINY = WorkloadSpec(model="fake_models:tiny_cnn", input_shape=(3, 16, 16), num_classes=10)
+
+
+@pytest.fixture(autouse=True)
+def _restore_globals():
+    saved = {name: getter() for name, (getter, _) in BACKEND_FLAGS.items()}
+    yield
+    for name, value in saved.items():
+        BACKEND_FLAGS[name][1](value)
+
+
+def _info(works: bool = True, reason: str = "") -> dict:
+    return {"precisions": ["fp32"], "input_dim": 4, "misaligned": {}, "compile": {"works": works, "reason": reason}}
+
+
+# which modes, when ------------------------------------------------------------------------------
+
+
+def test_candidates() -> None:
+    assert compile_strategy.candidates("cuda") == ["off", "default", "max-autotune-no-cudagraphs",
+                                                   "reduce-overhead", "max-autotune"]
+    assert compile_strategy.candidates("cpu") == ["off", "default"]  # no CUDA-graph modes on a CPU
+    with pytest.raises(ValueError, match="compile.mode 'fast': choose from off, default"):
+        Compile.Config(mode="fast")
+
+
+@pytest.mark.parametrize(("device", "wanted", "works", "expected"), [
+    ("cuda", None, True, compile_strategy.candidates("cuda")),  # on a GPU by default
+    ("cuda", False, True, ["off"]),                              # refused
+    ("cpu", None, True, ["off"]),                                # CPU: only when asked for
+    ("cpu", True, True, ["off", "default"]),
+])
+def test_build_space_compile_modes(device: str, wanted, works: bool, expected: list[str]) -> None:
+    config = SearchConfig(workload=TINY, compile=wanted)
+    info = _info(works)
+    if device == "cuda":
+        info["precisions"] = ["fp32", "bf16"]
+    assert build_space(config, device, info).compile_modes == expected
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_compile_that_does_not_work_is_not_offered_and_says_why(device: str) -> None:
+    config = SearchConfig(workload=TINY, compile=True)
+    with pytest.warns(UserWarning, match="torch.compile is not searched.*no C\\+\\+ compiler"):
+        space = build_space(config, device, _info(False, "no C++ compiler"))
+    assert space.compile_modes == ["off"]
+
+
+def test_untuned_space_is_eager_with_no_parameter() -> None:
+    trial = optuna.create_study().ask()
+    assert Compile().suggest(trial, SearchSpace(device="cuda"), {}) == Compile.Config(mode="off")
+    assert trial.params == {}
+    assert strategies.build_recipe({"compile": Compile.Config()}, "cuda").compile_mode is None
+
+
+def test_replay_and_describe() -> None:
+    for seed in range(10):
+        trial = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed)).ask()
+        knobs = strategies.sample(trial, CPU_SPACE)
+        assert strategies.sample(optuna.trial.FixedTrial(dict(trial.params)), CPU_SPACE) == knobs
+        text = describe(strategies.knobs_to_dict(knobs))
+        assert ("compile default" in text) == (knobs["compile"].mode == "default")
+
+
+def test_the_probe_check_compiles_on_this_cpu() -> None:
+    # CI has a C++ toolchain; without one this is the message the search would show
+    result = compile_strategy.check_compile("cpu")
+    assert result["works"], result["reason"]
+
+
+# a compiled model trains as the eager one does ---------------------------------------------------
+
+
+def _train(mode: str, steps: int = 3) -> tuple[list[float], torch.nn.Module, torch.nn.Module]:
+    import fake_models
+
+    cfg = TunedConfig.from_params({"compile.mode": mode}, CPU_SPACE)
+    torch.manual_seed(0)
+    original = fake_models.tiny_cnn(10)
+    optimizer = torch.optim.SGD(original.parameters(), lr=0.05, momentum=0.9)
+    model, optimizer = cfg.prepare(original, optimizer)
+    step = cfg.train_step(model, optimizer, torch.nn.functional.cross_entropy)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g))
+               for _ in range(steps)]
+    return [float(step(x, y)) for x, y in batches], model, original
+
+
+def test_compiled_model_trains_to_the_same_loss_as_eager() -> None:
+    eager, eager_model, _ = _train("off")
+    compiled, model, original = _train("default")
+    assert model is original  # compiled in place: same module, parameters, state_dict keys
+    assert list(model.state_dict()) == list(eager_model.state_dict())
+    assert model._compiled_call_impl is not None
+    assert compiled == pytest.approx(eager, rel=1e-4, abs=1e-5)
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+# compile time apart ------------------------------------------------------------------------------
+
+
+def test_measure_times_setup_steps_apart() -> None:
+    calls = []
+
+    def step() -> None:
+        calls.append(1)
+        time.sleep(0.25 if len(calls) <= 2 else 0.002)  # the first two steps "compile"
+
+    settings = MeasureSettings(min_warmup_steps=1, max_warmup_s=5, min_steps=5, min_time_s=0.05, max_steps=50)
+    m = measure(step, "cpu", settings, setup_steps=2)
+    assert m.compile_s >= 0.5 and m.num_setup_steps == 2
+    assert m.step_time_ms < 50 and m.warmup_s < 0.5  # neither holds the compile
+    eager = measure(lambda: time.sleep(0.002), "cpu", settings)
+    assert eager.compile_s == 0.0 and eager.num_setup_steps == 0
+    with pytest.raises(ValueError, match="setup_steps must not be negative"):
+        measure(step, "cpu", settings, setup_steps=-1)
+
+
+def test_worker_trial_records_compile_time_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(TESTS))  # the worker imports fake_models
+    knobs = strategies.sample(optuna.trial.FixedTrial({"compile.mode": "default"}), CPU_SPACE)
+    request = {"mode": "trial", "space": CPU_SPACE.to_dict(), "knobs": strategies.knobs_to_dict(knobs),
+               "workload": TINY.to_dict(), "seed": 0,
+               "measure": MeasureSettings(min_warmup_steps=1, max_warmup_s=10, min_steps=3, min_time_s=0.2,
+                                          max_steps=30, max_remeasure=0).to_dict()}
+    result = run_worker(request, timeout_s=300, log_path=tmp_path / "trial.log")
+    assert result["status"] == "ok", result.get("reason") or result.get("log_tail")
+    f = result["figures"]
+    assert f["num_setup_steps"] == 1
+    # compiling takes seconds, several slow steps' worth: it is in none of the timed steps
+    assert f["compile_s"] > 3 * f["step_time_p90_ms"] / 1e3
+    assert f["compile_s"] + f["warmup_s"] + f["measure_s"] < result["wall_s"]
+    assert result["knobs"]["compile"] == {"mode": "default"}
+
+
+def test_objective_gives_compile_trials_time_to_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = {}
+
+    def fake_worker(request, *, timeout_s, log_path):
+        seen[request["knobs"]["compile"]["mode"]] = timeout_s
+        figures = {"samples_per_s": 100.0, "step_time_ms": 80.0, "peak_memory_bytes": 1, "warmup_s": 1.0,
+                   "measure_s": 2.0, "build_s": 0.5, "compile_s": 30.0, "loss_finite": True}
+        return {"status": "ok", "figures": figures, "wall_s": 40.0, "worker_start_s": 1.0}
+
+    monkeypatch.setattr("autotune.objective.run_worker", fake_worker)
+    objective = Objective(space=CPU_SPACE, workload=TINY.to_dict(), measure={}, input_on_device=False, seed=0,
+                          trial_timeout_s=100.0)
+    study = optuna.create_study(direction="maximize")
+    for mode in ("off", "default"):
+        study.enqueue_trial({"compile.mode": mode})
+    study.optimize(objective, n_trials=2)
+    assert seen == {"off": 100.0, "default": 100.0 + compile_strategy.COMPILE_ALLOWANCE_S["default"]}
+    assert compile_strategy.COMPILE_ALLOWANCE_S["max-autotune"] >= 600  # minutes of autotuning
+    assert study.trials[1].user_attrs["timing"]["compile_s"] == 30.0
+
+
+def test_budget_estimate_accounts_for_compile_trials() -> None:
+    walls = [(10.0, False), (12.0, False), (200.0, True)]
+    study = optuna.create_study()
+    assert estimate_next_wall(study, []) == 0.0
+    # nothing queued: each kind weighted by how often it came
+    assert estimate_next_wall(study, walls) == pytest.approx(2 / 3 * 11.0 + 1 / 3 * 200.0)
+    study.enqueue_trial({"compile.mode": "default"})
+    assert estimate_next_wall(study, walls) == 200.0  # the queued seed compiles
+    study2 = optuna.create_study()
+    study2.enqueue_trial({"compile.mode": "off"})
+    assert estimate_next_wall(study2, walls) == 11.0
+    assert estimate_next_wall(study2, [(10.0, False)]) == 10.0
+
+
+def _study_with_a_compiled_best() -> optuna.Study:
+    study = optuna.create_study(direction="maximize")
+    for number, (mode, rate, compile_s) in enumerate([("off", 100.0, 0.0), ("default", 180.0, 42.0)]):
+        knobs = strategies.knobs_to_dict(strategies.sample(optuna.trial.FixedTrial({"compile.mode": mode}),
+                                                           CPU_SPACE))
+        figures = {"samples_per_s": rate, "step_time_ms": 8000 / rate, "peak_memory_bytes": 2**30,
+                   "spread": 0.01, "noisy": False, "num_steps": 20, "final_loss": 2.0, "loss_finite": True,
+                   "compile_s": compile_s, "warmup_s": 1.0, "measure_s": 2.0, "build_s": 0.1}
+        timing = {"worker_start_s": 1.0, "wall_s": 5.0 + compile_s, "warmup_s": 1.0, "measure_s": 2.0,
+                  "build_s": 0.1, "compile_s": compile_s}
+        attrs = {"knobs": knobs, "figures": figures, "timing": timing, "status": "ok"}
+        if number == 0:
+            attrs["role"] = "baseline"
+        study.add_trial(optuna.trial.create_trial(
+            params={"compile.mode": mode}, value=rate, user_attrs=attrs,
+            distributions={"compile.mode": optuna.distributions.CategoricalDistribution(["off", "default"])}))
+    return study
+
+
+def test_trials_csv_and_report_show_compile_time(tmp_path: Path) -> None:
+    study = _study_with_a_compiled_best()
+    frame = trials_frame(study)
+    assert list(frame["compile_s"]) == [0.0, 42.0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        files = write_report(study, tmp_path)
+    md = files["report.md"].read_text()
+    assert "Compile time" in md and "42.0 s once" in md
+    html = files["report.html"].read_text()
+    assert "compile s" in html and "compiling 42.0 s" in html

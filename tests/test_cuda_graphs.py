@@ -1,0 +1,171 @@
+"""cuda_graphs knob, CPU side: where whole-step capture is offered (and where it is not legal),
+replay, the seeds that use it, and the step's refusal of a batch of another shape.
+The capture itself runs in tests/test_gpu_compile.py (GPU)."""
+
+from __future__ import annotations
+
+import json
+
+import optuna
+import pytest
+import torch
+from torch.utils._pytree import tree_flatten
+
+import strategies
+from autotune.errors import ConfigError
+from autotune.objective import describe
+from autotune.recipe import Recipe
+from autotune.runtime import GRAPH_WARMUP_STEPS, TrainStep
+from autotune.space import SearchSpace
+from autotune.study import SearchConfig, build_space, seed_configurations
+from autotune.workloads import WorkloadSpec
+from strategies.compile import CUDAGRAPH_MODES
+from strategies.cuda_graphs import CudaGraphs, legal
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+CUDA_SPACE = SearchSpace(
+    device="cuda", precisions=["fp32", "tf32", "fp16", "bf16"], batch_sizes=[128, 256, 512], base_batch_size=256,
+    memory_formats=["contiguous", "channels_last"], stream_counts=[1, 2], cudnn_benchmark=[False, True],
+    optimizer_implementations=["foreach", "fused"], zero_grad_set_to_none=[True, False],
+    compile_modes=["off", "default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune"],
+    cuda_graphs=[False, True])
+
+
+def sampled(space: SearchSpace, n: int = 300):
+    out = []
+    for seed in range(n // 3):
+        study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
+        for _ in range(3):
+            trial = study.ask()
+            knobs = strategies.sample(trial, space)
+            out.append((dict(trial.params), knobs))
+    return out
+
+
+def test_offered_only_where_capture_is_legal() -> None:
+    seen_enabled = seen_disabled = 0
+    for params, knobs in sampled(CUDA_SPACE):
+        asked = "cuda_graphs.enabled" in params
+        ok = (knobs["compile"].mode not in CUDAGRAPH_MODES
+              and (knobs["precision"].mode != "fp16" or knobs["optimizer"].implementation == "fused"))
+        assert asked == ok, (params, knobs)
+        if knobs["cuda_graphs"].enabled:
+            seen_enabled += 1
+            # never two layers of CUDA graphs, never GradScaler's host-synchronising step in a capture
+            assert knobs["compile"].mode not in CUDAGRAPH_MODES
+            assert knobs["precision"].mode != "fp16" or knobs["optimizer"].implementation == "fused"
+        else:
+            seen_disabled += 1
+        recipe = strategies.build_recipe(knobs, "cuda")
+        assert recipe.cuda_graphs is knobs["cuda_graphs"].enabled
+    assert seen_enabled and seen_disabled
+
+
+def test_replay_gives_the_same_knobs() -> None:
+    for params, knobs in sampled(CUDA_SPACE, 60):
+        assert strategies.sample(optuna.trial.FixedTrial(json.loads(json.dumps(params))), CUDA_SPACE) == knobs
+
+
+@pytest.mark.parametrize(("chosen", "expected"), [
+    ({}, True),
+    ({"precision": "fp16", "optimizer": "foreach"}, False),  # GradScaler.step reads found_inf on the host
+    ({"precision": "fp16", "optimizer": "fused"}, True),     # the fused step takes it on the device
+    ({"precision": "bf16", "optimizer": "foreach"}, True),
+    ({"compile": "reduce-overhead"}, False),                  # already CUDA graphs
+    ({"compile": "max-autotune"}, False),
+    ({"compile": "default"}, True),
+    ({"compile": "max-autotune-no-cudagraphs"}, True),
+])
+def test_legal(chosen: dict, expected: bool) -> None:
+    configs = {}
+    if "precision" in chosen:
+        configs["precision"] = strategies.BY_NAME["precision"].Config(mode=chosen["precision"])
+    if "optimizer" in chosen:
+        configs["optimizer"] = strategies.BY_NAME["optimizer"].Config(implementation=chosen["optimizer"])
+    if "compile" in chosen:
+        configs["compile"] = strategies.BY_NAME["compile"].Config(mode=chosen["compile"])
+    assert legal(CUDA_SPACE, configs) is expected
+    assert legal(SearchSpace(device="cpu", cuda_graphs=[False, True]), configs) is False
+
+
+def test_untuned_space_and_cpu_never_capture() -> None:
+    for space in (SearchSpace(device="cuda"), SearchSpace(device="cpu")):
+        trial = optuna.create_study().ask()
+        assert CudaGraphs().suggest(trial, space, {}) == CudaGraphs.Config(enabled=False)
+        assert trial.params == {}
+    recipe = Recipe(device="cpu")
+    CudaGraphs().apply(CudaGraphs.Config(enabled=True), recipe)
+    assert recipe.cuda_graphs is False
+
+
+def _info(**extra) -> dict:
+    return {"precisions": ["fp32", "tf32", "fp16", "bf16"], "input_dim": 4, "misaligned": {},
+            "compile": {"works": True, "reason": ""}, **extra}
+
+
+def test_build_space_offers_capture_on_cuda_only() -> None:
+    config = SearchConfig(workload=WorkloadSpec(model="resnet50"))
+    assert build_space(config, "cuda", _info()).cuda_graphs == [False, True]
+    cpu = build_space(config, "cpu", {"precisions": ["fp32"], "input_dim": 4, "misaligned": {}})
+    assert cpu.cuda_graphs == [False]
+
+
+def test_cuda_seeds_include_the_top_configurations_and_replay() -> None:
+    config = SearchConfig(workload=WorkloadSpec(model="resnet50"))
+    space = build_space(config, "cuda", _info())
+    seeds = seed_configurations(space)
+    role, baseline = seeds[0]
+    assert role == "baseline"
+    base_knobs = strategies.sample(optuna.trial.FixedTrial(baseline), space)
+    # the baseline is untuned: eager, the optimizer as PyTorch builds it on a GPU, no capture
+    assert base_knobs["compile"].mode == "off" and not base_knobs["cuda_graphs"].enabled
+    assert base_knobs["optimizer"].implementation == "foreach"
+    described = []
+    for _, params in seeds:
+        knobs = strategies.sample(optuna.trial.FixedTrial(params), space)
+        # every seed's own values are what the strategies replay (none silently re-sampled)
+        for key, value in params.items():
+            name, field = key.split(".", 1)
+            assert getattr(knobs[name], field) == value, key
+        described.append(describe(strategies.knobs_to_dict(knobs)))
+    top = described[1:4]
+    assert top[0].startswith("bf16, channels_last, batch 256") and "compile default" in top[0]
+    assert top[1].startswith("bf16, channels_last, batch 512") and "compile default" in top[1]
+    assert top[2].startswith("fp16, channels_last, batch 256") and "CUDA graphs" in top[2]
+    assert all("fused optimizer" in d for d in top)
+    assert any("compile default" in d and "CUDA graphs" in d for d in described)
+
+
+def test_seeds_skip_what_the_space_does_not_offer() -> None:
+    config = SearchConfig(workload=WorkloadSpec(model="resnet50"), compile=False)
+    space = build_space(config, "cuda", _info())
+    assert space.compile_modes == ["off"]
+    for _, params in seed_configurations(space):
+        assert params.get("compile.mode", "off") == "off"
+    assert any(params.get("cuda_graphs.enabled") for _, params in seed_configurations(space))
+
+
+def _step(**recipe_fields) -> TrainStep:
+    model = torch.nn.Linear(4, 2)
+    return TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.cross_entropy,
+                     Recipe(device="cpu", **recipe_fields))
+
+
+def test_setup_steps_count_the_compile_and_the_capture() -> None:
+    assert _step().num_setup_steps == 0
+    assert _step(compile_mode="default").num_setup_steps == 1
+    assert _step(compile_mode="reduce-overhead").num_setup_steps == 3
+    assert _step(cuda_graphs=True).num_setup_steps == GRAPH_WARMUP_STEPS + 1
+    assert _step(cuda_graphs=True, compile_mode="default").num_setup_steps == GRAPH_WARMUP_STEPS + 1
+
+
+def test_a_batch_of_another_shape_is_refused_with_the_fix() -> None:
+    step = _step(cuda_graphs=True)
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    leaves, spec = tree_flatten(x)
+    step._static = ([t.clone() for t in leaves], spec, y.clone())
+    step._copy_in(x + 1, y)  # same shape: copied into the static buffers
+    assert torch.equal(step._static[0][0], x + 1)
+    with pytest.raises(ConfigError, match=r"\(5, 4\).*differs from the captured \(8, 4\).*drop_last=True"):
+        step._copy_in(torch.randn(5, 4), y[:5])
