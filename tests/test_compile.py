@@ -9,7 +9,6 @@ import warnings
 from pathlib import Path
 
 import optuna
-import pandas as pd
 import pytest
 import torch
 

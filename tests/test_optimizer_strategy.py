@@ -16,7 +16,6 @@ from autotune.config import TunedConfig
 from autotune.errors import ConfigError
 from autotune.objective import describe
 from autotune.recipe import BACKEND_FLAGS
-from autotune.runtime import TrainStep
 from autotune.space import SearchSpace
 from strategies import optimizer as optimizer_strategy
 from strategies.optimizer import Optimizer, rebuild
