@@ -26,21 +26,20 @@ from typing import Any, Callable, Iterable
 
 # kernel name -> category. Kernel names are the libraries' own (cuDNN, cuBLAS/cuBLASLt, CUTLASS,
 # PyTorch's ATen, Triton from torch.compile); the patterns were checked against traces recorded on
-# an H200 (tests/fixtures/profile-*.json) and follow the libraries' naming conventions:
-# Hopper/Ampere Tensor Core kernels carry xmma/hmma/wgmma/tensorop/gmma or an MMA shape such as
-# 16816 in their names, with an fp16/bf16/tf32 type tag; FP32 SIMT kernels say sgemm or "fprop"
-# without a Tensor Core tag.
-_TENSOR_CORE = re.compile(
-    r"(xmma|hmma|wgmma|gmma|tensorop|tensor_op|s16816|h16816|s1688|h1688|i8816|16x8x16|_tc_|"
-    r"sm\d+_.*(f16|bf16|tf32|h16|b16)|cutlass.*(f16|bf16|tf32|half|bfloat16))", re.I)
-_GEMM_CONV = re.compile(r"(gemm|conv|fprop|dgrad|wgrad|cudnn|cublas|cutlass|winograd|implicit|matmul|mm_|_mm\b|"
-                        r"triton_tem|bmm)", re.I)
-_LAYOUT = re.compile(r"(nchwtonhwc|nhwctonchw|nchw.*nhwc|nhwc.*nchw|transpose|permute|convert_?tensor|"
-                     r"copy_kernel|direct_copy|unrolled_elementwise_kernel.*copy|contiguous|"
-                     r"cudnn::.*(transform|convert)|layout|reorder)", re.I)
-_ELEMENTWISE = re.compile(r"(elementwise|vectorized|batch_?norm|bn_|layer_?norm|group_?norm|softmax|relu|gelu|"
-                          r"silu|sigmoid|tanh|dropout|reduce|welford|norm|add|mul|fill|foreach|fused|adam|sgd|"
-                          r"triton_(poi|per|red))", re.I)
+# an H200 (tests/fixtures/profile-*.json.gz). A Tensor Core kernel names its MMA instruction
+# (hmma, wgmma/gmma, imma, tensorop, an MMA shape such as 16816 or tensor16x8x16) or a half/tf32
+# operand type (f16, bf16, tf32); cuDNN's and cuBLAS's FP32 kernels are "xmma" kernels too, but
+# they say ffma (SIMT fused multiply-add) and f32 operands, and are not.
+_TENSOR_CORE = re.compile(r"(hmma|wgmma|gmma|imma|tensorop|tensor_op|tensor\d+x\d+x\d+|16816|1688|884|_tc_|"
+                          r"(?<![a-z])(f16|bf16|tf32|h16|fp16|e4m3|e5m2)|half|bfloat16)", re.I)
+_SIMT = re.compile(r"ffma|sgemm|f32f32_f32f32_f32", re.I)
+_GEMM_CONV = re.compile(r"(gemm|conv(?!ert)|convolve|fprop|dgrad|wgrad|cublas|cutlass|winograd|implicit|matmul|"
+                        r"xmma|triton_tem|bmm|mm_kernel|splitk|fft2d)", re.I)
+_LAYOUT = re.compile(r"(nchwtonhwc|nhwctonchw|nchw_to_nhwc|nhwc_to_nchw|transpose|permute|flip_filter|"
+                     r"reorder|nchw2nhwc|nhwc2nchw|region_transform|foldednchw|nchwtofolded|addpadding)", re.I)
+_ELEMENTWISE = re.compile(r"(elementwise|vectorized|bn_|batch_?norm|layer_?norm|group_?norm|norm|softmax|relu|"
+                          r"gelu|silu|sigmoid|tanh|dropout|reduce|welford|scale|add|mul|fill|copy|cast|foreach|"
+                          r"multi_tensor|fused|adam|sgd|pool|triton_(poi|per|red))", re.I)
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx",
                 "cudaLaunchCooperativeKernel", "cudaGraphLaunch", "cuGraphLaunch")
 
@@ -48,13 +47,14 @@ CATEGORIES = ("tensor_core", "other_gemm_conv", "layout", "elementwise", "other_
 
 
 def classify(name: str) -> str:
-    """The category of one GPU kernel, from its name."""
+    """The category of one GPU kernel, from its name: tensor_core, other_gemm_conv, layout,
+    elementwise (normalization, activations, pooling, casts, optimizer updates) or other_kernel."""
     if _LAYOUT.search(name):
         return "layout"
+    if re.search(r"cudnn::(bn_|batchnorm)|bn_fw|bn_bw", name, re.I):
+        return "elementwise"  # cuDNN's batch-norm kernels live in its namespace, next to its convs
     if _GEMM_CONV.search(name):
-        return "tensor_core" if _TENSOR_CORE.search(name) else "other_gemm_conv"
-    if _TENSOR_CORE.search(name):
-        return "tensor_core"
+        return "tensor_core" if _TENSOR_CORE.search(name) and not _SIMT.search(name) else "other_gemm_conv"
     if _ELEMENTWISE.search(name):
         return "elementwise"
     return "other_kernel"
@@ -97,27 +97,35 @@ class ProfileTrace:
                    events=[GpuEvent(str(n), str(k), int(s), int(t), int(d)) for n, k, s, t, d in data["events"]])
 
 
-def _kind(activity: str, name: str) -> str | None:
+def _kind(name: str, activity: str) -> str | None:
     activity = activity.lower()
+    if "annotation" in activity:
+        return None
     if "memcpy" in activity or name.startswith("Memcpy"):
         return "memcpy"
     if "memset" in activity or name.startswith("Memset"):
         return "memset"
-    if "kernel" in activity or "concurrent_kernel" in activity:
-        return "kernel"
-    return None
+    return "kernel"
 
 
 def from_profiler(prof: Any, steps: int, meta: dict[str, Any] | None = None) -> ProfileTrace:
-    """Read a finished ``torch.profiler.profile`` through its Kineto event API."""
+    """Read a finished ``torch.profiler.profile`` through its Kineto event API.
+
+    GPU-side user annotations (``ProfilerStep#N``, ``Optimizer.step#SGD.step``) are ranges, not
+    work: they are told apart by their activity type where torch exposes it, and otherwise by
+    sharing their name with a host-side event (no kernel is named like a host op)."""
     from torch.autograd import DeviceType
 
+    raw = list(prof.profiler.kineto_results.events())
+    host_names = {ev.name() for ev in raw if ev.device_type() != DeviceType.CUDA}
     events: list[GpuEvent] = []
     launches = 0
-    for ev in prof.profiler.kineto_results.events():
+    for ev in raw:
         name = ev.name()
         if ev.device_type() == DeviceType.CUDA:
-            kind = _kind(str(ev.activity_type()), name)
+            if name in host_names or name.startswith("ProfilerStep#"):
+                continue
+            kind = _kind(name, str(ev.activity_type()) if hasattr(ev, "activity_type") else "")
             if kind is not None and ev.duration_ns() > 0:
                 events.append(GpuEvent(name, kind, int(ev.device_resource_id()), int(ev.start_ns()),
                                        int(ev.duration_ns())))
