@@ -43,6 +43,9 @@ def _add_search(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input-on-device", action="store_true",
                    help="keep synthetic batches on the GPU (default: copy them from pinned host memory "
                         "each step, as a data loader does)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="search torch.compile modes (default: on a GPU yes, on a CPU no: a CPU compile takes "
+                        "tens of seconds per trial); --no-compile never compiles")
     p.add_argument("--out", type=Path, help="output folder (default reports/<model>-<gpu>/)")
     p.add_argument("--storage", help="Optuna storage URL (default: sqlite study.db in the output folder)")
     p.add_argument("--study-name", help="study name (default <model>-<gpu>)")
@@ -164,7 +167,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, base_batch_size=args.base_batch_size, min_batch_size=args.min_batch_size,
         max_batch_size=args.max_batch_size,
         precisions=[m.strip() for m in args.precisions.split(",")] if args.precisions else None,
-        input_on_device=args.input_on_device, seed=args.seed,
+        input_on_device=args.input_on_device, compile=args.compile, seed=args.seed,
         trial_timeout_s=args.trial_timeout, command=_command_line(args),
     )
     if args.min_measure_time is not None:
