@@ -1,0 +1,103 @@
+"""The profile analysis: kernel categories from real H200 kernel names, and the window arithmetic
+(shares of wall time, idle gaps, copy overlap, kernels per step) on hand-made timelines."""
+
+from __future__ import annotations
+
+import pytest
+
+from autotune.profile import GpuEvent, ProfileTrace, analyze, classify
+
+# names as they appear in a ResNet-50 trace recorded on the H200 (torch 2.11, cuDNN 9.19)
+REAL_NAMES = {
+    "sm80_xmma_fprop_implicit_gemm_f32f32_f32f32_f32_nchwkcrs_nchw_tilesize256x64x8_stage3_warpsize2x2x1_g1_ffma_"
+    "aligna4_alignc4_execute_kernel__5x_cudnn": "other_gemm_conv",
+    "sm80_xmma_gemm_cf32cf32_f32f32_cf32_tn_n_tilesize64x64x8_stage3_warpsize2x2x1_ffma_aligna8_alignc8_execute_"
+    "kernel__5x_cublas": "other_gemm_conv",
+    "void cudnn::detail::dgrad_engine<float, 512, 6, 5, 3, 3, 3, false>(int, int, int, float const*, int)": "other_gemm_conv",
+    "void wgrad_alg0_engine<float, 128, 6, 7, 3, 3, 5, false, 512>(int, int, int, float const*)": "other_gemm_conv",
+    "void implicit_convolve_sgemm<float, float, 1024, 5, 5, 3, 3, 3, 1, false, false, true>(int, int)": "other_gemm_conv",
+    "void cudnn::bn_bw_1C11_kernel_new<float, float, float2, 128, true, 1>(float, float, float, float)": "elementwise",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, std::array<char*, 3ul> >":
+        "elementwise",
+    "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::TensorListMetadata<3>>":
+        "elementwise",
+    "void cudnn::engines_precompiled::nchwToNhwcKernel<float, float, float, false, true, (cudnnKernelDataType_t)0>":
+        "layout",
+    "void cudnn::engines_precompiled::nhwcToNchwKernel<float, float, float, true, false, (cudnnKernelDataType_t)0>":
+        "layout",
+    "void flip_filter<float, float>(float*, float const*, int, int, int, int)": "layout",
+    # Tensor Core kernels: half/bf16/tf32 operands, MMA instructions
+    "sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc_tilesize128x128x32_warpgroupsize1x1x1_"
+    "execute_segment_k_off_kernel__5x_cudnn": "tensor_core",
+    "sm80_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x32_stage4_warpsize2x2x1_tensor16x8x16_kernel": "tensor_core",
+    "ampere_fp16_s16816gemm_fp16_128x128_ldg8_f2f_stages_32x5_nn": "tensor_core",
+    "cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8>": "tensor_core",
+    "triton_poi_fused__native_batch_norm_legit_functional_relu_0": "elementwise",
+}
+
+
+@pytest.mark.parametrize("name,category", REAL_NAMES.items())
+def test_kernel_categories(name, category):
+    assert classify(name) == category
+
+
+def _k(name, start, dur, stream=7, kind="kernel"):
+    return GpuEvent(name, kind, stream, start, dur)
+
+
+def test_shares_add_up_with_idle_gaps():
+    # two steps of 100 ns each: a 40 ns Tensor Core conv, 20 ns of batch norm, a 10 ns transpose, 30 ns idle
+    events = []
+    for base in (0, 100):
+        events += [_k("sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwc", base, 40),
+                   _k("void cudnn::bn_fw_tr_1C11_kernel_NCHW<float>", base + 40, 20),
+                   _k("void at::native::transpose_kernel<float>", base + 60, 10)]
+    events.append(_k("void at::native::vectorized_elementwise_kernel<add>", 199, 1))
+    result = analyze(ProfileTrace(steps=2, events=events, launches=8))
+    assert result["tensor_core_share"] == pytest.approx(80 / 200)
+    assert result["elementwise_share"] == pytest.approx(41 / 200)
+    assert result["layout_share"] == pytest.approx(20 / 200)
+    assert result["idle_share"] == pytest.approx(59 / 200)
+    assert result["kernels_per_step"] == 3.5 and result["launches_per_step"] == 4
+    assert result["tensor_core_of_gemm_conv"] == 1.0
+    assert result["top_kernels"][0]["category"] == "tensor_core"
+    assert result["top_kernels"][0]["calls_per_step"] == 1
+
+
+def test_copy_overlap_and_exposed_copy_time():
+    events = [
+        _k("sm80_xmma_gemm_f16f16_f16f32_f32_tensor16x8x16", 0, 100, stream=7),
+        # half of this copy runs under the kernel (a side stream), half after it
+        _k("Memcpy HtoD (Pinned -> Device)", 50, 100, stream=21, kind="memcpy"),
+    ]
+    result = analyze(ProfileTrace(steps=1, events=events))
+    assert result["copy_overlap"] == pytest.approx(0.5)
+    assert result["memcpy_share"] == pytest.approx(50 / 150)
+    assert result["idle_share"] == pytest.approx(0.0)
+    assert result["h2d_ms_per_step"] == pytest.approx(100 / 1e6)
+    assert result["streams"] == 2
+
+
+def test_a_serial_copy_does_not_overlap():
+    events = [_k("Memcpy HtoD (Pinned -> Device)", 0, 30, kind="memcpy"), _k("sgemm_128x64", 30, 70)]
+    result = analyze(ProfileTrace(steps=1, events=events))
+    assert result["copy_overlap"] == 0.0 and result["memcpy_share"] == pytest.approx(0.3)
+    assert result["other_gemm_conv_share"] == pytest.approx(0.7) and result["tensor_core_share"] == 0
+
+
+def test_kernels_on_concurrent_streams_never_exceed_the_wall_time():
+    events = [_k("sm80_xmma_gemm_f16f16_tensor16x8x16", 0, 100, stream=7),
+              _k("sm80_xmma_gemm_f16f16_tensor16x8x16", 0, 100, stream=8)]
+    result = analyze(ProfileTrace(steps=1, events=events))
+    assert result["tensor_core_share"] == pytest.approx(1.0)
+
+
+def test_a_window_without_gpu_activity_says_so():
+    assert "no GPU activity" in analyze(ProfileTrace(steps=3))["note"]
+
+
+def test_round_trip_through_json():
+    trace = ProfileTrace(steps=2, events=[_k("a", 0, 5), _k("Memcpy HtoD", 5, 5, kind="memcpy")], launches=3,
+                         meta={"gpu": "NVIDIA H200"})
+    again = ProfileTrace.from_dict(trace.to_dict())
+    assert again == trace
