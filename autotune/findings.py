@@ -1,0 +1,141 @@
+"""Findings: plain-language explanations of a trial's profile and NVML figures, each with the
+configuration change it suggests.
+
+Every rule reads only measured figures (the profile analysis of ``autotune.profile``, the NVML
+window of ``autotune.nvml``, the layers the probe found misaligned) and the trial's own knobs; it
+fires only past a threshold that makes the effect worth a trial, and names the change (as Optuna
+parameters) that would remove the cause. The search queues those suggestions (the steering), the
+report prints the texts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+# thresholds: a share of the window's GPU wall time (or of NVML samples) worth acting on
+LAYOUT_SHARE = 0.05
+IDLE_SHARE = 0.15
+EXPOSED_COPY_SHARE = 0.05
+NON_TENSOR_CORE_SHARE = 0.20
+ELEMENTWISE_SHARE = 0.30
+POWER_CAP_SHARE = 0.20
+THERMAL_SHARE = 0.05
+
+
+@dataclass(frozen=True)
+class Finding:
+    rule: str
+    """Which rule fired (stable id, for tests and for counting)."""
+    text: str
+    """One sentence for the report."""
+    suggest: dict[str, Any] = field(default_factory=dict)
+    """Optuna parameters to change (on top of the trial's own) to try the remedy; empty when the
+    finding explains but has no knob to turn (thermal throttling, say)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rule": self.rule, "text": self.text, "suggest": dict(self.suggest)}
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def derive(profile: Mapping[str, Any] | None, energy: Mapping[str, Any] | None, knobs: Mapping[str, Any],
+           *, misaligned: list[str] | None = None, offered: Mapping[str, list[Any]] | None = None) -> list[Finding]:
+    """The findings of one trial.
+
+    ``profile``: ``autotune.profile.analyze`` output; ``energy``: an ``NvmlWindow.to_dict()``;
+    ``knobs``: the trial's knob dicts (strategy -> fields); ``misaligned``: layers whose widths are
+    not multiples of 8 (from the probe); ``offered``: parameter -> the values the search space
+    offers, so a suggestion never names a value the space does not have.
+    """
+    offered = offered or {}
+
+    def can(param: str, value: Any) -> bool:
+        return param not in offered or value in offered[param]
+
+    def knob(strategy: str, key: str, default: Any = None) -> Any:
+        return (knobs.get(strategy) or {}).get(key, default)
+
+    precision = knob("precision", "mode", "fp32")
+    memory_format = knob("memory_format", "format", "contiguous")
+    streams = knob("streams", "num_streams", 1)
+    batch = knob("batch_size", "batch_size")
+    graphs = knob("cuda_graphs", "enabled", False)
+    compile_mode = knob("compile", "mode", "off")
+    out: list[Finding] = []
+    p = profile or {}
+    if p.get("steps"):
+        layout = p.get("layout_share") or 0.0
+        if layout >= LAYOUT_SHARE:
+            if memory_format == "contiguous" and can("memory_format.format", "channels_last"):
+                out.append(Finding("layout", f"{_pct(layout)} of GPU time is in layout conversions (NCHW<->NHWC, "
+                                             "transposes): channels_last removes most of them",
+                                   {"memory_format.format": "channels_last"}))
+            else:
+                out.append(Finding("layout", f"{_pct(layout)} of GPU time is still in layout conversions with "
+                                             f"{memory_format}: some layers take the other layout"))
+        idle = p.get("idle_share") or 0.0
+        if idle >= IDLE_SHARE:
+            suggest: dict[str, Any] = {}
+            remedies = []
+            if batch and can("batch_size.batch_size", batch * 2) and "batch_size.batch_size" in offered:
+                suggest["batch_size.batch_size"] = batch * 2
+                remedies.append(f"batch {batch * 2}")
+            if not graphs and compile_mode == "off" and can("cuda_graphs.enabled", True) and "cuda_graphs.enabled" in offered:
+                suggest["cuda_graphs.enabled"] = True
+                remedies.append("CUDA graphs")
+            launches = p.get("launches_per_step")
+            per = f" ({launches:.0f} launches per step)" if launches else ""
+            out.append(Finding("idle", f"the GPU is idle {_pct(idle)} of each step{per}: the host cannot keep it "
+                                       "fed (launch or CPU bound)" + (f"; {' or '.join(remedies)} would help"
+                                                                      if remedies else ""), suggest))
+        exposed = p.get("memcpy_share") or 0.0
+        overlap = p.get("copy_overlap")
+        if exposed >= EXPOSED_COPY_SHARE:
+            if streams == 1 and can("streams.num_streams", 2) and "streams.num_streams" in offered:
+                out.append(Finding("copies", f"host-to-device copies take {_pct(exposed)} of the step in series with "
+                                             "compute: a side stream (2 streams) would overlap them",
+                                   {"streams.num_streams": 2}))
+            else:
+                shown = f", {_pct(overlap)} of them overlapped" if overlap is not None else ""
+                out.append(Finding("copies", f"host-to-device copies still cost {_pct(exposed)} of the step{shown}: "
+                                             "the input pipeline is the bottleneck"))
+        elif streams > 1 and overlap is not None and overlap >= 0.5:
+            out.append(Finding("copies-hidden", f"{_pct(overlap)} of the host-to-device copy time runs under "
+                                                "compute on the side stream"))
+        simt = p.get("other_gemm_conv_share") or 0.0
+        if simt >= NON_TENSOR_CORE_SHARE:
+            if precision == "fp32":
+                mode = next((m for m in ("bf16", "fp16", "tf32") if can("precision.mode", m)), None)
+                out.append(Finding("no-tensor-cores", f"{_pct(simt)} of GPU time is in FP32 GEMM/conv kernels "
+                                                      "without Tensor Cores" + (f": {mode} would use them" if mode else ""),
+                                   {"precision.mode": mode} if mode else {}))
+            elif misaligned:
+                shown = ", ".join(misaligned[:3]) + (f" and {len(misaligned) - 3} more" if len(misaligned) > 3 else "")
+                suggest = {"channel_alignment.multiple": 8} if can("channel_alignment.multiple", 8) else {}
+                out.append(Finding("misaligned", f"{_pct(simt)} of GPU time is in GEMM/conv kernels without Tensor "
+                                                 f"Cores under {precision}: {shown} have widths that are not multiples "
+                                                 "of 8; padding them lets Tensor Cores run", suggest))
+        elementwise = p.get("elementwise_share") or 0.0
+        if elementwise >= ELEMENTWISE_SHARE and compile_mode == "off":
+            suggest = {"compile.mode": "default"} if can("compile.mode", "default") and "compile.mode" in offered else {}
+            out.append(Finding("elementwise", f"{_pct(elementwise)} of GPU time is in elementwise and normalization "
+                                              "kernels (memory bound)" + ("; torch.compile fuses them" if suggest else ""),
+                               suggest))
+    e = energy or {}
+    throttle = e.get("throttle") or {}
+    cap = throttle.get("power_cap", 0.0)
+    if cap >= POWER_CAP_SHARE:
+        watts = e.get("avg_power_w")
+        at = f" at {watts:.0f} W" if watts else ""
+        out.append(Finding("power-cap", f"power-capped{at} for {_pct(cap)} of the measured window: clocks drop "
+                                        "under load, so energy per sample, not speed, is what lower precision buys here"))
+    thermal = max(throttle.get(k, 0.0) for k in ("hw_thermal", "sw_thermal", "hw_slowdown")) if throttle else 0.0
+    if thermal >= THERMAL_SHARE:
+        temp = e.get("max_temperature_c")
+        out.append(Finding("thermal", f"thermally throttled for {_pct(thermal)} of the measured window"
+                                      + (f" (up to {temp:.0f} C)" if temp else "") + ": the figures of this trial "
+                                      "understate what a cool GPU does"))
+    return out
