@@ -52,6 +52,23 @@ def _add_search(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampler and data seed")
     p.add_argument("--trial-timeout", type=float, default=600.0, help="seconds before a hung trial is killed")
     p.add_argument("--min-measure-time", type=float, help="seconds of timed steps per trial (default 2)")
+    _add_accuracy_options(p)
+    p.add_argument("--no-accuracy-check", action="store_true",
+                   help="skip the accuracy check (speed only: a configuration may then cost accuracy)")
+
+
+def _add_accuracy_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-accuracy-drop", type=float, default=0.5,
+                   help="held-out accuracy drop versus FP32 allowed, in percentage points (default 0.5); "
+                        "a configuration that drops more is never recommended")
+    p.add_argument("--max-loss-drift", type=float, default=0.1,
+                   help="when the data has no held-out set: the share of FP32's training-loss decrease a "
+                        "configuration may lose (default 0.1)")
+    p.add_argument("--accuracy-steps", type=int,
+                   help="training steps of the accuracy check (default 300 on GPU, 100 on CPU)")
+    p.add_argument("--data", help="the accuracy check's data: a folder in ImageFolder layout (DIR/<class>/<image>) "
+                                  "or package.module:factory returning (train, held_out) datasets; default: "
+                                  "a learnable synthetic set at the model's input size")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +91,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("show", help="print an exported configuration")
     p.add_argument("config", type=Path)
     sub.add_parser("models", help="list the torchvision model names --model accepts")
+    p = sub.add_parser("accuracy", help="train each precision mode briefly against FP32 and print the table",
+                       description="Each precision mode of the device (fp16 with and without GradScaler) against "
+                                   "an FP32 reference: same initial weights, same data, same order.")
+    p.add_argument("--model", required=True, help="a torchvision classification model or package.module:factory")
+    p.add_argument("--input-shape", help="one sample's shape, e.g. 3x224x224 (default: the model's)")
+    p.add_argument("--num-classes", type=int, default=1000, help="the model's classes (default 1000)")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--precisions", help="comma-separated modes (default: all the device runs natively)")
+    p.add_argument("--fp32-layers", help="also check autocast modes with these layer kinds kept in FP32, "
+                                         "comma-separated combinations such as norm,head,norm+head")
+    p.add_argument("--batch-size", type=int, help="the check's batch size (default 64 on GPU, 16 on CPU)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed for each training run")
+    _add_accuracy_options(p)
     return parser
 
 
@@ -169,6 +200,8 @@ def cmd_search(args: argparse.Namespace) -> int:
         precisions=[m.strip() for m in args.precisions.split(",")] if args.precisions else None,
         input_on_device=args.input_on_device, compile=args.compile, seed=args.seed,
         trial_timeout_s=args.trial_timeout, command=_command_line(args),
+        accuracy_check=not args.no_accuracy_check, max_accuracy_drop=args.max_accuracy_drop,
+        max_loss_drift=args.max_loss_drift, accuracy_steps=args.accuracy_steps, data=args.data,
     )
     if args.min_measure_time is not None:
         from autotune.study import resolve_device
@@ -214,6 +247,11 @@ def _print_summary(out_dir: Path, elapsed_s: float | None = None) -> bool:
                   f"{s['worker_start_s']:.0f}s, build {s['build_s']:.0f}s, warm-up {s['warmup_s']:.0f}s, "
                   f"measuring {s['measure_s']:.0f}s, trials in all {s['trial_wall_s']:.0f}s"
                   + (f"; this run {elapsed_s:.0f}s" if elapsed_s is not None else ""))
+    acc = data.get("accuracy")
+    if acc:
+        console.print(f"accuracy: {acc.get('verdict')}: {acc.get('reason')}")
+    else:
+        console.print("accuracy: not checked (--no-accuracy-check, or a config exported before the check existed)")
     for note in data.get("notes", []):
         console.print(f"note: {note}")
     console.print(f"wrote {path} and {out_dir / 'trials.csv'}")
@@ -298,6 +336,65 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0 if _print_summary(args.config if args.config.is_dir() else args.config.parent) else 1
 
 
+def cmd_accuracy(args: argparse.Namespace) -> int:
+    from autotune.accuracy import AccuracySettings, compare_modes, mode_configurations
+    from autotune.errors import ConfigError
+    from autotune.space import SearchSpace
+    from autotune.study import SearchConfig, probe, resolve_device
+    from autotune.workloads import WorkloadSpec, check_spec, parse_input_shape
+    from strategies.fp32_layers import parse
+
+    spec = WorkloadSpec(model=args.model, num_classes=args.num_classes,
+                        input_shape=parse_input_shape(args.input_shape) if args.input_shape else None)
+    check_spec(spec)
+    device = resolve_device(args.device)
+    overrides = {"steps": args.accuracy_steps, "batch_size": args.batch_size, "seed": args.seed, "data": args.data,
+                 "max_accuracy_drop": args.max_accuracy_drop, "max_loss_drift": args.max_loss_drift}
+    settings = AccuracySettings.for_device(device, **overrides)
+    from autotune.data import check_data_spec
+
+    check_data_spec(settings.data)
+    layers = [x.strip() for x in args.fp32_layers.split(",")] if args.fp32_layers else []
+    for combo in layers:
+        try:
+            parse(combo)
+        except ValueError as exc:
+            raise ConfigError(f"--fp32-layers: {exc}") from None
+    info = probe(SearchConfig(workload=spec, device=device, accuracy_check=False), device)
+    precisions = info["precisions"]
+    if args.precisions:
+        wanted = [m.strip() for m in args.precisions.split(",")]
+        unknown = [m for m in wanted if m not in ("fp32", "tf32", "fp16", "bf16")]
+        if unknown:
+            raise ConfigError(f"--precisions: unknown mode(s) {unknown}; choose from fp32, tf32, fp16, bf16")
+        precisions = ["fp32"] + [m for m in wanted if m != "fp32"]
+    space = SearchSpace(device=device, precisions=precisions)
+    where = info["provenance"].get("gpu", "CPU")
+    console.print(f"[bold]accuracy[/] of {spec.model} on {where}: {settings.steps} steps at batch "
+                  f"{settings.batch_size} per configuration, against FP32")
+    table = Table(title=f"{spec.model} on {where}: accuracy versus FP32")
+    columns = ("configuration", "steps", "final loss", "held-out acc %", "drop (points)", "loss drift",
+               "skipped", "loss rel. err", "grad cosine", "verdict")
+    for col in columns:
+        table.add_column(col)
+
+    def fmt(v, spec=".4g"):
+        return "-" if v is None else format(v, spec)
+
+    def on_row(row):
+        console.print(f"  {row['mode']}: {row.get('verdict')}: {row.get('reason')}")
+        table.add_row(row["mode"], fmt(row.get("steps"), "d"), fmt(row.get("final_loss")), fmt(row.get("accuracy"), ".2f"),
+                      fmt(row.get("accuracy_drop"), ".2f"), fmt(row.get("loss_drift"), ".3f"),
+                      fmt(row.get("skipped_steps"), "d"), fmt(row.get("loss_rel_error"), ".2e"),
+                      fmt(row.get("grad_cosine"), ".6f"), str(row.get("verdict")))
+
+    rows = compare_modes(workload=spec.to_dict(), space=space, settings=settings,
+                         configurations=mode_configurations(precisions, layers), timeout_s=args.timeout, on_row=on_row)
+    console.print(table, width=max(console.width, 160))
+    print(json.dumps({"model": spec.model, "device": where, "settings": settings.to_dict(), "rows": rows}, default=str))
+    return 0
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from autotune.workloads import torchvision_models
 
@@ -319,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     handler = {"search": cmd_search, "verify": cmd_verify, "report": cmd_report, "compare": cmd_compare,
-               "show": cmd_show, "models": cmd_models}[args.command]
+               "show": cmd_show, "models": cmd_models, "accuracy": cmd_accuracy}[args.command]
     try:
         return handler(args)
     except AutotuneError as exc:

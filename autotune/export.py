@@ -12,6 +12,7 @@ import pandas as pd
 
 import autotune
 import strategies
+from autotune.accuracy import SETTINGS_ATTR, accuracy_of
 from autotune.config import TunedConfig
 from autotune.objective import describe
 from autotune.space import SearchSpace
@@ -49,6 +50,18 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
             "measure_s": timing.get("measure_s"),
             "trial_wall_s": timing.get("wall_s"),
         }
+        acc = accuracy_of(study, t) or {}
+        row.update({
+            "accuracy_verdict": acc.get("verdict"),
+            "accuracy_reason": acc.get("reason"),
+            "accuracy": acc.get("accuracy"),
+            "accuracy_drop": acc.get("accuracy_drop"),
+            "loss_drift": acc.get("loss_drift"),
+            "accuracy_steps": acc.get("steps"),
+            "accuracy_final_loss": acc.get("final_loss"),
+            "skipped_steps": acc.get("skipped_steps"),
+            "grad_cosine_vs_fp32": (acc.get("numerics") or {}).get("grad_cosine_vs_fp32"),
+        })
         row.update({f"param.{k}": v for k, v in sorted(t.params.items())})
         rows.append(row)
     return pd.DataFrame(rows)
@@ -106,6 +119,11 @@ def export(study: optuna.Study, out_dir: Path, *, config, space: SearchSpace, pr
         b, f = base.user_attrs["figures"], best.user_attrs["figures"]
         info["speedup_vs_baseline"] = f["samples_per_s"] / b["samples_per_s"]
         info["memory_vs_baseline"] = f["peak_memory_bytes"] / b["peak_memory_bytes"]
+    accuracy = accuracy_of(study, best)
+    if accuracy is not None:
+        # the evidence that this configuration trains as well as FP32 (steps, loss, accuracy,
+        # drop versus FP32, skipped steps), and how the check ran
+        info["accuracy"] = {**accuracy, "settings": study.user_attrs.get(SETTINGS_ATTR)}
     cfg = TunedConfig.from_params(best.params, space, info=info)
     recorded = best.user_attrs["knobs"]
     if strategies.knobs_to_dict(cfg.knobs) != recorded:

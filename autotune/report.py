@@ -118,9 +118,15 @@ _FRAME_COLUMNS = ["number", "role", "state", "status", "reason", "duplicate_of",
 
 
 def _collect(study: optuna.Study, out_dir: Path, config: dict[str, Any] | None) -> _Data:
+    from autotune.accuracy import accuracy_of
+
     trials = study.get_trials(deepcopy=False)
     attrs = {t.number: dict(t.user_attrs) for t in trials}
-    frame = trials_frame(study)
+    for t in trials:  # a trial checked after it finished (at export) has its evidence in the study
+        if "accuracy" not in attrs[t.number] and (accuracy := accuracy_of(study, t)) is not None:
+            attrs[t.number]["accuracy"] = accuracy
+    # accuracy and accuracy_drop come back below, from the same evidence, with the other optional columns
+    frame = trials_frame(study).drop(columns=["accuracy", "accuracy_drop"], errors="ignore")
     for column in _FRAME_COLUMNS:  # a study without trials gives a frame without columns
         if column not in frame:
             frame[column] = pd.Series(dtype=object)

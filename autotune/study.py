@@ -27,6 +27,7 @@ from autotune.workloads import WorkloadSpec, check_spec
 from strategies import batch_size as batch_size_strategy
 from strategies import compile as compile_strategy
 from strategies import optimizer as optimizer_strategy
+from strategies import fp32_layers as fp32_layers_strategy
 from strategies import threads as threads_strategy
 
 DEFAULT_BUDGET_S = 600.0  # when neither --trials nor --budget is given
@@ -63,6 +64,17 @@ class SearchConfig:
     compile: bool | None = None
     """Search torch.compile modes: None (default) on a GPU only, True on a CPU too (a CPU compile of
     even a tiny model takes tens of seconds per trial), False never. Only where the probe compiled."""
+    accuracy_check: bool = True
+    """Train configurations near the speed frontier briefly against FP32; never recommend one that
+    loses more than max_accuracy_drop (see autotune.accuracy)."""
+    max_accuracy_drop: float = 0.5
+    """Held-out accuracy drop versus FP32 allowed, in percentage points."""
+    max_loss_drift: float = 0.1
+    """Without held-out accuracy: the share of FP32's training-loss decrease a configuration may lose."""
+    accuracy_steps: int | None = None
+    """Steps of the accuracy check's training run; None: 300 on a GPU, 100 on a CPU."""
+    data: str | None = None
+    """The accuracy check's data: None (synthetic), an ImageFolder folder, or package.module:factory."""
     seed: int = 0
     trial_timeout_s: float = 600.0
     measure: MeasureSettings | None = None
@@ -90,6 +102,22 @@ class SearchConfig:
             raise ConfigError("--precisions must include fp32: the FP32 baseline is what every figure is compared with")
         if self.trial_timeout_s <= 0:
             raise ConfigError("--trial-timeout must be positive")
+        if self.accuracy_check:
+            from autotune.accuracy import AccuracySettings
+            from autotune.data import check_data_spec
+
+            self.accuracy_settings("cpu")  # validates the thresholds and the step count
+            check_data_spec(self.data)
+        elif self.data is not None:
+            raise ConfigError("--data feeds the accuracy check, which --no-accuracy-check turns off; drop one of them")
+
+    def accuracy_settings(self, device: str):
+        """The accuracy check's settings on ``device`` (validated: a bad value raises ConfigError)."""
+        from autotune.accuracy import AccuracySettings
+
+        return AccuracySettings.for_device(device, steps=self.accuracy_steps, seed=self.seed, data=self.data,
+                                           max_accuracy_drop=self.max_accuracy_drop,
+                                           max_loss_drift=self.max_loss_drift)
 
 
 def parse_duration(text: str) -> float:
@@ -200,6 +228,10 @@ def build_space(config: SearchConfig, device: str, info: dict[str, Any]) -> Sear
         stream_counts=[1, 2] if cuda and not config.input_on_device else [1],
         cudnn_benchmark=[False, True] if cuda else [False],
         thread_counts=[] if cuda else threads_strategy.candidates(),
+        # keeping layers in FP32 only trades speed for accuracy: offered where the accuracy check
+        # can tell whether it is needed, under autocast, for the kinds the model has
+        fp32_layer_sets=(fp32_layers_strategy.combinations(info.get("fp32_layer_kinds") or [])
+                         if config.accuracy_check and {"fp16", "bf16"} & set(precisions) else ["none"]),
         optimizer_implementations=optimizer_strategy.candidates(device),
         # zeroing in place keeps gradient memory allocated; on a CPU the difference is noise
         zero_grad_set_to_none=[True, False] if cuda else [True],
@@ -248,6 +280,7 @@ def seed_configurations(space: SearchSpace) -> list[tuple[str, dict[str, Any]]]:
     seeds = [("baseline", baseline)]
     fast_format = "channels_last" if "channels_last" in space.memory_formats else "contiguous"
     common = {"memory_format.format": fast_format, "cudnn.benchmark": True, "channel_alignment.multiple": 1,
+              "fp32_layers.layers": "none",
               "streams.num_streams": max(space.stream_counts),
               "threads.num_threads": max(space.thread_counts) if space.thread_counts else 0,
               **untuned_step}
@@ -317,8 +350,11 @@ def counted_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
 
 
 def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
+    """The fastest completed trial that is neither unstable nor failed its accuracy check."""
+    from autotune.accuracy import accuracy_of, failed
+
     done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            if not t.user_attrs.get("unstable")]
+            if not t.user_attrs.get("unstable") and not failed(accuracy_of(study, t))]
     return max(done, key=lambda t: t.value) if done else None
 
 
@@ -439,7 +475,15 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
                 study.enqueue_trial(params, user_attrs={"role": role})
         recovered = recover_dead_trials(study) if own_storage else []
         measure = config.measure = config.measure or MeasureSettings.for_device(device)
-        objective = Objective(space=space, workload=config.workload.to_dict(), measure=measure.to_dict(),
+        gate = None
+        if config.accuracy_check:
+            from autotune.accuracy import AccuracyGate
+
+            gate = AccuracyGate(settings=config.accuracy_settings(device), space=space,
+                                workload=config.workload.to_dict(), timeout_s=config.trial_timeout_s,
+                                log_dir=out_dir / "logs")
+            gate.attach(study)
+        objective = Objective(accuracy=gate, space=space, workload=config.workload.to_dict(), measure=measure.to_dict(),
                               input_on_device=config.input_on_device, seed=config.seed,
                               trial_timeout_s=config.trial_timeout_s, log_dir=out_dir / "logs",
                               deadline=None if config.budget_s is None else started + config.budget_s)
@@ -472,6 +516,10 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
                                catch=(TrialFailed,), gc_after_trial=False, show_progress_bar=False)
             except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: what was measured is still exported
                 interrupted = exc
+        if gate is not None and interrupted is None:
+            # the recommendation must have passing accuracy evidence: check the fastest trials
+            # that have none, fastest first, until one passes
+            gate.ensure_recommendation(study)
         files = _write_outputs(study, out_dir, config, space, info)
         emit("end", None)
         if interrupted is not None:

@@ -113,6 +113,7 @@ def provenance() -> dict[str, Any]:
 def probe(request: dict[str, Any]) -> dict[str, Any]:
     """Describe the device and check the workload builds (before a study starts)."""
     from strategies.channel_alignment import misaligned_layers
+    from strategies.fp32_layers import kinds_present
     from strategies.precision import supported_modes
 
     device = request["device"]
@@ -127,6 +128,7 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     result["input_shape"] = list(workload.input_shape)
     result["num_parameters"] = sum(p.numel() for p in workload.model.parameters())
     result["misaligned"] = {str(m): misaligned_layers(workload.model, m) for m in (8, 16)}
+    result["fp32_layer_kinds"] = kinds_present(workload.model)
     if request.get("check_compile"):
         from strategies.compile import check_compile
 
@@ -207,6 +209,10 @@ def main(argv: list[str]) -> int:
     try:
         if request.get("mode") == "probe":
             result = {"status": "ok", **probe(request)}
+        elif request.get("mode") == "accuracy":
+            from autotune.accuracy import run_check
+
+            result = run_check(request)
         else:
             result = run_trial(request)
     except Exception as exc:  # reported to the study, which records it on the trial

@@ -115,3 +115,42 @@ def marks_its_build(num_classes: int = 10) -> nn.Module:
         with open(marker, "a") as f:
             f.write("built\n")
     return tiny_cnn(num_classes)
+
+
+# accuracy checks: models that are numerically broken on purpose ---------------------------------
+
+def tiny_loss_cnn(num_classes: int = 10):
+    """tiny_cnn with its loss scaled by 1e-6: the logit gradients (~1e-8) underflow in fp16
+    (smallest subnormal 6e-8) unless a GradScaler scales them up; fp32 and bf16 keep them, and
+    AdamW does not care about their size, so those train normally."""
+    import autotune
+
+    def loss_fn(out, y):
+        return 1e-6 * nn.functional.cross_entropy(out, y)
+
+    return autotune.Workload(model=tiny_cnn(num_classes), loss_fn=loss_fn, input_shape=(3, 32, 32),
+                             num_classes=num_classes)
+
+
+class _FastButBrokenUnderAutocast(nn.Module):
+    """Logits offset by 2**16 in the head's bias: softmax ignores a common offset, so FP32 trains
+    normally, but a bf16/fp16 head rounds logits to steps of 512 and learns nothing, unless
+    fp32_layers keeps the head in FP32. Slower without autocast at every batch size, so the
+    broken configurations are the fastest ones a search sees."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.net = tiny_cnn(num_classes)
+        with torch.no_grad():
+            self.net[-1].bias.fill_(2.0**16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_autocast_enabled(x.device.type):
+            import time
+
+            time.sleep(0.003 * x.shape[0])  # caps FP32 at ~330 samples/s at any batch
+        return self.net(x)
+
+
+def broken_head_under_autocast(num_classes: int = 10) -> nn.Module:
+    return _FastButBrokenUnderAutocast(num_classes)

@@ -1,0 +1,194 @@
+"""The accuracy check: verdicts, numerics keys, broken-on-purpose configurations caught, and a
+search that never recommends a configuration that fails it."""
+
+from __future__ import annotations
+
+import json
+
+import optuna
+import pandas as pd
+import pytest
+from optuna.distributions import CategoricalDistribution
+
+from autotune.accuracy import (AccuracyGate, AccuracySettings, accuracy_of, judge, numerics_key, run_check)
+from autotune.errors import ConfigError
+from autotune.space import SearchSpace
+from autotune.study import SearchConfig, best_trial
+from autotune.workloads import WorkloadSpec
+from conftest import run_cli
+from test_data import _write_folder
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+SETTINGS = AccuracySettings.for_device("cpu")
+SPACE = SearchSpace(device="cpu", precisions=["fp32", "bf16"])
+FP16 = {"precision": {"mode": "fp16"}}
+FP16_SCALED = {"precision": {"mode": "fp16"}, "grad_scaler": {"enabled": True}}
+LIMITS = {"max_accuracy_drop": 0.5, "max_loss_drift": 0.1}
+
+
+def _check(model, knobs, reference=None, settings=SETTINGS, shape=(3, 32, 32)):
+    result = run_check({"settings": settings.to_dict(), "space": SPACE.to_dict(), "knobs": knobs,
+                        "workload": {"model": model, "input_shape": list(shape), "num_classes": 10},
+                        "reference": reference})
+    return judge(result["run"], result["reference"], **LIMITS), result["reference"]
+
+
+# the verdict -----------------------------------------------------------------------------------
+
+REF = {"steps": 100, "initial_loss": 2.3, "final_loss": 0.3, "held_out_accuracy": 95.0, "nonfinite_losses": 0,
+       "params_finite": True, "skipped_steps": 0}
+
+
+def test_judge_passes_violates_and_flags_instability():
+    ok = judge({**REF, "held_out_accuracy": 94.8}, REF, **LIMITS)
+    assert ok["verdict"] == "passed" and ok["accuracy_drop"] == pytest.approx(0.2) and ok["constraint"] <= 0
+    bad = judge({**REF, "held_out_accuracy": 93.0}, REF, **LIMITS)
+    assert bad["verdict"] == "violated" and bad["constraint"] == pytest.approx(1.5)
+    assert "drop 2.00 points, allowed 0.5" in bad["reason"]
+    nan = judge({**REF, "nonfinite_losses": 3, "final_loss": float("nan")}, REF, **LIMITS)
+    assert nan["verdict"] == "unstable" and "NaN/Inf in 3 of 100 steps" in nan["reason"] and nan["constraint"] > 0
+    skipped = judge({**REF, "skipped_steps": 80, "final_scale": 1.0}, REF, **LIMITS)
+    assert skipped["verdict"] == "unstable" and "skipped 80 of 100" in skipped["reason"]
+    diverged = judge({**REF, "final_loss": 9.0}, REF, **LIMITS)
+    assert diverged["verdict"] == "unstable" and "diverged" in diverged["reason"]
+
+
+def test_without_held_out_accuracy_the_loss_drift_decides():
+    ref = {**REF, "held_out_accuracy": None}
+    # FP32 went 2.3 -> 0.3; ending at 0.45 loses 0.15 / 2.0 = 7.5% of that progress
+    assert judge({**ref, "final_loss": 0.45}, ref, **LIMITS)["verdict"] == "passed"
+    drifted = judge({**ref, "final_loss": 0.8}, ref, **LIMITS)
+    assert drifted["verdict"] == "violated" and drifted["loss_drift"] == pytest.approx(0.25)
+    assert "accuracy" not in drifted
+
+
+def test_numerics_key_ignores_speed_only_knobs():
+    a = {"precision": {"mode": "bf16"}, "batch_size": {"batch_size": 8}, "memory_format": {"format": "channels_last"}}
+    b = {"precision": {"mode": "bf16"}, "batch_size": {"batch_size": 32}, "threads": {"num_threads": 2}}
+    assert numerics_key(a) == numerics_key(b) != numerics_key({"precision": {"mode": "fp32"}})
+    # a knob at its default keys like an absent one (studies from before the knob existed)
+    assert numerics_key({**a, "fp32_layers": {"layers": "none"}}) == numerics_key(a)
+    assert numerics_key({**a, "fp32_layers": {"layers": "head"}}) != numerics_key(a)
+    assert numerics_key({"precision": {"mode": "fp32"}}) == numerics_key({})
+
+
+def test_settings_and_search_options_are_validated(tmp_path):
+    with pytest.raises(ConfigError, match="--accuracy-steps must be at least 10"):
+        AccuracySettings(steps=3)
+    spec = WorkloadSpec(model="fake_models:tiny_cnn")
+    with pytest.raises(ConfigError, match="--max-accuracy-drop is in percentage points"):
+        SearchConfig(workload=spec, max_accuracy_drop=-1)
+    with pytest.raises(ConfigError, match="no such folder"):
+        SearchConfig(workload=spec, data=str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="--no-accuracy-check"):
+        SearchConfig(workload=spec, data=str(tmp_path), accuracy_check=False)
+
+
+# real training runs, in process ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_reference():
+    judged, reference = _check("fake_models:tiny_cnn", {"precision": {"mode": "bf16"}})
+    return judged, reference
+
+
+def test_fp32_and_bf16_pass_on_a_small_model(tiny_reference):
+    bf16, reference = tiny_reference
+    assert reference["held_out_accuracy"] > 80  # the synthetic data is learnable in 100 CPU steps
+    assert reference["final_loss"] < 0.6 * reference["initial_loss"]
+    assert bf16["verdict"] == "passed", bf16["reason"]
+    assert bf16["numerics"]["grad_cosine_vs_fp32"] > 0.99 and bf16["numerics"]["loss_rel_error_vs_fp64"] < 1e-2
+    fp32 = judge(reference, reference, **LIMITS)
+    assert fp32["verdict"] == "passed" and fp32["accuracy_drop"] == 0
+
+
+def test_fp16_without_scaler_on_underflowing_gradients_is_violated():
+    no_scaler, reference = _check("fake_models:tiny_loss_cnn", FP16)
+    assert no_scaler["verdict"] == "violated", no_scaler["reason"]
+    assert no_scaler["accuracy_drop"] > 10
+    assert no_scaler["numerics"]["grad_cosine_vs_fp32"] < 0.9  # the gradients themselves are wrong
+    scaled, _ = _check("fake_models:tiny_loss_cnn", FP16_SCALED, reference)
+    assert scaled["verdict"] == "passed", scaled["reason"]
+    # a GradScaler whose scale overflows on every step skips them all
+    overflowing = {"precision": {"mode": "fp16"}, "grad_scaler": {"enabled": True, "init_scale": 2.0**100,
+                                                                  "backoff_factor": 0.9}}
+    broken, _ = _check("fake_models:tiny_loss_cnn", overflowing, reference)
+    assert broken["verdict"] == "unstable" and broken["skipped_steps"] == SETTINGS.steps
+
+
+def test_fp32_layers_repairs_a_head_that_autocast_breaks():
+    plain, reference = _check("fake_models:broken_head_under_autocast", {"precision": {"mode": "bf16"}})
+    assert plain["verdict"] == "violated"
+    norm, _ = _check("fake_models:broken_head_under_autocast",
+                     {"precision": {"mode": "bf16"}, "fp32_layers": {"layers": "norm"}}, reference)
+    assert norm["verdict"] == "violated"
+    head, _ = _check("fake_models:broken_head_under_autocast",
+                     {"precision": {"mode": "bf16"}, "fp32_layers": {"layers": "head"}}, reference)
+    assert head["accuracy_drop"] < 1.0 and head["stable"]
+
+
+def test_image_folder_data(tmp_path):
+    _write_folder(tmp_path / "imgs", {"red": 8, "green": 8, "blue": 8}, size=(40, 40))
+    settings = AccuracySettings.for_device("cpu", steps=20, data=str(tmp_path / "imgs"))
+    judged, reference = _check("fake_models:tiny_cnn", {"precision": {"mode": "bf16"}}, settings=settings)
+    assert "ImageFolder" in reference["data"] and reference["held_out_size"] == 6
+    assert reference["held_out_accuracy"] == 100.0  # three flat colours: learnt
+    assert judged["verdict"] == "passed"
+
+
+# the study side: never recommend a failing configuration ---------------------------------------
+
+def _trial(study, value, mode, accuracy=None):
+    knobs = {"precision": {"mode": mode}, "batch_size": {"batch_size": 8}}
+    attrs = {"knobs": knobs, "status": "ok", "figures": {"samples_per_s": value}}
+    if accuracy:
+        attrs["accuracy"] = accuracy
+    study.add_trial(optuna.trial.create_trial(
+        params={"precision.mode": mode}, distributions={"precision.mode": CategoricalDistribution(["fp32", "bf16"])},
+        value=value, user_attrs=attrs))
+
+
+def test_best_trial_skips_failed_checks_and_export_time_checks_fill_the_gap(tiny_reference, tmp_path):
+    study = optuna.create_study(direction="maximize")
+    _trial(study, 100.0, "fp32")
+    _trial(study, 300.0, "bf16", {"verdict": "violated", "constraint": 2.0})
+    _trial(study, 250.0, "bf16", {"verdict": "unstable", "constraint": 100.0})
+    assert best_trial(study).value == 100.0
+    _trial(study, 200.0, "bf16")  # no evidence yet
+    assert best_trial(study).value == 200.0  # no evidence is not failure ...
+    gate = AccuracyGate(settings=SETTINGS, space=SPACE, timeout_s=300, log_dir=tmp_path,
+                        workload={"model": "fake_models:tiny_cnn", "input_shape": [3, 32, 32], "num_classes": 10})
+    gate.attach(study)
+    # ... but the recommendation needs passing evidence: it is checked (here: reused) at export
+    _, reference = tiny_reference
+    study.set_user_attr(f"accuracy_reference:{SETTINGS.fingerprint()}", reference)
+    chosen = gate.ensure_recommendation(study)
+    assert chosen.value == 200.0 and accuracy_of(study, chosen)["verdict"] == "passed"
+    assert (tmp_path / f"accuracy-{__import__('hashlib').sha1(numerics_key({'precision': {'mode': 'bf16'}}).encode()).hexdigest()[:12]}.log").exists()
+
+
+# end to end --------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_search_never_recommends_a_configuration_that_fails_the_check(tmp_path):
+    """bf16 is the fastest on this model but ruins its head; the export must not be bf16 without
+    the head in FP32, and must carry passing evidence."""
+    out = tmp_path / "out"
+    run_cli("search", "--model", "fake_models:broken_head_under_autocast", "--device", "cpu",
+            "--input-shape", "3x32x32", "--num-classes", "10", "--min-measure-time", "0.3",
+            "--precisions", "fp32,bf16", "--trials", "6", "--out", str(out))
+    data = json.loads((out / "config.json").read_text())
+    knobs = data["knobs"]
+    assert knobs["precision"]["mode"] == "fp32" or knobs["fp32_layers"]["layers"] in ("head", "norm+head")
+    assert data["accuracy"]["verdict"] == "passed" and data["accuracy"]["steps"] == SETTINGS.steps
+    assert {"accuracy", "accuracy_drop", "skipped_steps", "final_loss"} <= set(data["accuracy"])
+    trials = pd.read_csv(out / "trials.csv")
+    assert {"accuracy_verdict", "accuracy", "accuracy_drop", "loss_drift", "skipped_steps"} <= set(trials.columns)
+    checked = trials[trials["accuracy_verdict"].notna()]
+    bf16_plain = checked[checked["config"].str.startswith("bf16") & ~checked["config"].str.contains("fp32 .*head")]
+    assert len(bf16_plain) >= 1 and (bf16_plain["accuracy_verdict"] == "violated").all()
+    # the fastest trial was a broken one, and it was not recommended
+    fastest = trials.loc[trials["samples_per_s"].idxmax()]
+    assert fastest["accuracy_verdict"] == "violated" and data["study"]["trial_number"] != fastest["number"]
+    assert "accuracy drop" in (out / "report.md").read_text()
