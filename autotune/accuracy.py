@@ -294,7 +294,7 @@ def _evaluate(model, workload, recipe, dataset, settings: AccuracySettings, devi
     model.eval()
     correct, total, loss_sum = 0, 0, 0.0
     with torch.no_grad(), runtime.autocast(recipe):
-        for batch in eval_batches(dataset, max(settings.batch_size, 64)):
+        for batch in eval_batches(dataset, settings.batch_size):  # a batch the training run showed fits
             x, y = _to(batch, device, recipe)
             out = logits(model(x))
             loss_sum += float(workload.loss_fn(out, y).float()) * len(y)
@@ -451,6 +451,7 @@ def failed(accuracy: Mapping[str, Any] | None) -> bool:
 # in the study process: when to check, the cache, the recommendation
 
 SETTINGS_ATTR = "accuracy_settings"
+UNAVAILABLE_ATTR = "accuracy_unavailable"
 REFERENCE_ATTR = "accuracy_reference:{fingerprint}"
 RESULT_ATTR = "accuracy_run:{fingerprint}:{key}"
 
@@ -505,6 +506,8 @@ class AccuracyGate:
         self.workload = workload
         self.timeout_s = timeout_s
         self.log_dir = log_dir
+        self.unavailable: str | None = None
+        """Why no configuration can be checked (the FP32 reference failed), or None."""
 
     def attach(self, study) -> None:
         study.set_user_attr(SETTINGS_ATTR, self.settings.to_dict())
@@ -518,7 +521,7 @@ class AccuracyGate:
         """The judged accuracy of ``knobs``: reused when its numerics key was checked, else
         measured in a worker when ``check``, else None."""
         found = cached_run(study, self.settings, knobs)
-        if found is None and check:
+        if found is None and check and self.unavailable is None:
             found = self._measure(study, knobs, timeout_s or self.timeout_s)
         if found is None:
             return None
@@ -544,8 +547,11 @@ class AccuracyGate:
             reason = f"the accuracy check {result['status']}: {result.get('reason')}"
             if reference is None:
                 # the FP32 reference itself failed: nothing can be judged, and it is not this
-                # configuration's fault; the error says how to fix the data or the model
-                raise AccuracyCheckError(f"{reason}\n{result.get('traceback', '')}")
+                # configuration's fault; the search goes on for speed and says so everywhere
+                self.unavailable = (f"the FP32 reference of the accuracy check failed ({reason}); fix --data, "
+                                    "lower --accuracy-steps, or pass --no-accuracy-check")
+                study.set_user_attr(UNAVAILABLE_ATTR, self.unavailable)
+                return None
             run = {"status": "error", "reason": reason, "numerics_key": key}
         else:
             reference, run = result["reference"], result["run"]

@@ -12,7 +12,7 @@ import pandas as pd
 
 import autotune
 import strategies
-from autotune.accuracy import SETTINGS_ATTR, accuracy_of
+from autotune.accuracy import SETTINGS_ATTR, UNAVAILABLE_ATTR, accuracy_of
 from autotune.config import TunedConfig
 from autotune.objective import describe
 from autotune.space import SearchSpace
@@ -124,6 +124,8 @@ def export(study: optuna.Study, out_dir: Path, *, config, space: SearchSpace, pr
         # the evidence that this configuration trains as well as FP32 (steps, loss, accuracy,
         # drop versus FP32, skipped steps), and how the check ran
         info["accuracy"] = {**accuracy, "settings": study.user_attrs.get(SETTINGS_ATTR)}
+    elif study.user_attrs.get(UNAVAILABLE_ATTR):
+        info["accuracy"] = {"verdict": "not checked", "reason": study.user_attrs[UNAVAILABLE_ATTR]}
     cfg = TunedConfig.from_params(best.params, space, info=info)
     recorded = best.user_attrs["knobs"]
     if strategies.knobs_to_dict(cfg.knobs) != recorded:

@@ -192,3 +192,12 @@ def test_search_never_recommends_a_configuration_that_fails_the_check(tmp_path):
     fastest = trials.loc[trials["samples_per_s"].idxmax()]
     assert fastest["accuracy_verdict"] == "violated" and data["study"]["trial_number"] != fastest["number"]
     assert "accuracy drop" in (out / "report.md").read_text()
+
+
+def test_a_reference_that_cannot_train_leaves_the_search_going_and_says_why(tmp_path):
+    study = optuna.create_study(direction="maximize")
+    gate = AccuracyGate(settings=SETTINGS, space=SPACE, timeout_s=120, log_dir=tmp_path,
+                        workload={"model": "fake_models:not_a_model", "input_shape": [3, 32, 32], "num_classes": 10})
+    assert gate.evidence(study, {"precision": {"mode": "bf16"}}, check=True) is None
+    assert "FP32 reference of the accuracy check failed" in study.user_attrs["accuracy_unavailable"]
+    assert "--no-accuracy-check" in gate.unavailable
