@@ -16,8 +16,8 @@ from strategies.batch_size import BatchSize
 from strategies.channel_alignment import ChannelAlignment
 from strategies.compile import Compile
 from strategies.cudnn import Cudnn
-from strategies.fp32_layers import FP32Layers
 from strategies.cuda_graphs import CudaGraphs
+from strategies.fp32_layers import FP32Layers
 from strategies.grad_scaler import GradScalerStrategy
 from strategies.memory_format import MemoryFormat
 from strategies.optimizer import Optimizer
