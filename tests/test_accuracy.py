@@ -63,6 +63,32 @@ def test_without_held_out_accuracy_the_loss_drift_decides():
     assert "accuracy" not in drifted
 
 
+def test_a_drop_within_fp32_reshuffle_noise_is_not_a_loss():
+    """FP32 with the data in another order lands 3 points away: that much is noise, not precision."""
+    ref = {**REF, "reshuffled": {"held_out_accuracy": 92.0, "final_loss": 0.32}}
+    within = judge({**REF, "held_out_accuracy": 92.0}, ref, **LIMITS)
+    assert within["verdict"] == "passed" and within["allowed"] == pytest.approx(3.5)
+    assert "allowed 0.5 + 3.00 FP32 reshuffle noise" in within["reason"]
+    beyond = judge({**REF, "held_out_accuracy": 90.0}, ref, **LIMITS)
+    assert beyond["verdict"] == "violated" and beyond["constraint"] == pytest.approx(1.5)
+    assert within["fp32_noise"] == {"accuracy_points": 3.0, "loss_drift": pytest.approx(0.01)}
+
+
+def test_the_reference_comes_with_its_reshuffled_twin(tiny_reference):
+    shuffled = tiny_reference[1]["reshuffled"]
+    assert shuffled["held_out_accuracy"] is not None and shuffled["final_loss"] > 0
+
+
+def test_step_numerics_of_an_overflowing_scale_are_those_of_the_step_taken():
+    """At a scale of 2**60 every fp16 gradient overflows; the scaler would back off and take the
+    step at a smaller scale, and those are the gradients compared with FP32 (not inf/NaN)."""
+    knobs = {"precision": {"mode": "fp16"}, "grad_scaler": {"enabled": True, "init_scale": 2.0**60}}
+    judged, _ = _check("fake_models:tiny_cnn", knobs)
+    numerics = judged["numerics"]
+    assert numerics["grad_cosine_vs_fp32"] > 0.99
+    assert 0.9 < numerics["grad_norm_ratio_vs_fp32"] < 1.1
+
+
 def test_numerics_key_ignores_speed_only_knobs():
     a = {"precision": {"mode": "bf16"}, "batch_size": {"batch_size": 8}, "memory_format": {"format": "channels_last"}}
     b = {"precision": {"mode": "bf16"}, "batch_size": {"batch_size": 32}, "threads": {"num_threads": 2}}

@@ -29,11 +29,13 @@ SPACE = SearchSpace(
     cuda_graphs=[False, True])
 SCALER = {"grad_scaler.init_scale": 2.0**16, "grad_scaler.growth_factor": 2.0,
           "grad_scaler.backoff_factor": 0.5, "grad_scaler.growth_interval": 2000}
+# every parameter SPACE offers more than one value for; a FixedTrial needs them all
+UNTUNED = {"optimizer.implementation": "foreach", "optimizer.set_to_none": True, "compile.mode": "off",
+           "cuda_graphs.enabled": False, "cudnn.benchmark": False, "streams.num_streams": 1}
 
 
 def config(**params) -> TunedConfig:
-    base = {"batch_size.batch_size": 32, "memory_format.format": "channels_last", "cudnn.benchmark": False,
-            "streams.num_streams": 1}
+    base = {**UNTUNED, "batch_size.batch_size": 32, "memory_format.format": "channels_last"}
     base.update(params)
     if base.get("precision.mode") == "fp16":
         base = {**SCALER, **base}
@@ -149,7 +151,7 @@ def test_compile_modes_run_and_record_compile_s(mode: str) -> None:
 
 def _trial(model: str, params: dict, batch: int, input_shape=None, num_classes: int = 1000,
            timeout_s: float = 1800) -> dict:
-    params = {"batch_size.batch_size": batch, **params}
+    params = {**UNTUNED, "memory_format.format": "contiguous", "batch_size.batch_size": batch, **params}
     space = SearchSpace(**{**SPACE.to_dict(), "batch_sizes": sorted({*SPACE.batch_sizes, batch})})
     knobs = strategies.sample(optuna.trial.FixedTrial({**(SCALER if params.get("precision.mode") == "fp16" else {}),
                                                        **params}), space)
