@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -67,20 +69,51 @@ def run_worker(request: dict[str, Any], *, timeout_s: float | None = None,
         finished = time.time()
         if log_path:
             log.close()
-            tail = log_path.read_text(errors="replace")[-2000:]
+            text = log_path.read_text(errors="replace")[-50_000:]
         else:
             log.seek(0)
-            tail = log.read()[-2000:]
+            text = log.read()[-50_000:]
             log.close()
+        tail = text[-2000:]
         if status == "timeout":
             result = {"status": "timeout", "reason": f"no result after {timeout_s:.0f} s; the worker was killed"}
         elif result_path.exists():
             result = json.loads(result_path.read_text())
         else:
             result = {"status": "crashed",
-                      "reason": f"worker exited with code {proc.returncode} and no result: {tail.strip()[-500:]}"}
+                      "reason": f"worker {_exit_description(proc.returncode)} and no result: {salient_error(text)}"}
     result["wall_s"] = finished - spawned
     if "ready_at" in result:
         result["worker_start_s"] = result["ready_at"] - spawned
     result["log_tail"] = tail
     return result
+
+
+# what a dying worker prints before its last words (a C++ stack trace after an abort, say), most
+# telling first: the CUDA error itself, then a kernel's assertion, a Python exception, the abort
+_ERROR_LINES = [re.compile(p, re.I) for p in (
+    r"CUDA error: |device-side assert|illegal memory access|misaligned address",
+    r"Assertion .* failed",
+    r"\w+(Error|Exception): ",
+    r"terminate called|Segmentation fault|Fatal Python error|out of memory|Killed",
+)]
+
+
+def salient_error(log_text: str, limit: int = 500) -> str:
+    """The line of a worker's log that says what went wrong, else the end of the log: a crash's
+    reason should read "CUDA error: device-side assert triggered", not a stack frame."""
+    lines = log_text.splitlines()
+    for pattern in _ERROR_LINES:
+        for line in lines:
+            if pattern.search(line):
+                return line.strip().removeprefix("what():").strip()[:limit]
+    return log_text.strip()[-limit:]
+
+
+def _exit_description(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"was killed by signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
