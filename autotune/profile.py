@@ -29,15 +29,16 @@ from typing import Any, Callable, Iterable
 # an H200 (tests/fixtures/profile-*.json.gz). A Tensor Core kernel names its MMA instruction
 # (hmma, wgmma/gmma, imma, tensorop, an MMA shape such as 16816 or tensor16x8x16) or a half/tf32
 # operand type (f16, bf16, tf32); cuDNN's and cuBLAS's FP32 kernels are "xmma" kernels too, but
-# they say ffma (SIMT fused multiply-add) and f32 operands, and are not.
-_TENSOR_CORE = re.compile(r"(hmma|wgmma|gmma|imma|tensorop|tensor_op|tensor\d+x\d+x\d+|16816|1688|884|_tc_|"
+# they say ffma (SIMT fused multiply-add) and f32 operands, and are not. cuBLASLt's Hopper GEMMs
+# ("nvjet_sm90_...") carry no type in their name; they are its Tensor Core kernels.
+_TENSOR_CORE = re.compile(r"(hmma|wgmma|gmma|imma|tensorop|tensor_op|tensor\d+x\d+x\d+|16816|1688|884|_tc_|nvjet|"
                           r"(?<![a-z])(f16|bf16|tf32|h16|fp16|e4m3|e5m2)|half|bfloat16)", re.I)
 _SIMT = re.compile(r"ffma|sgemm|f32f32_f32f32_f32", re.I)
 _GEMM_CONV = re.compile(r"(gemm|conv(?!ert)|convolve|fprop|dgrad|wgrad|cublas|cutlass|winograd|implicit|matmul|"
-                        r"xmma|triton_tem|bmm|mm_kernel|splitk|fft2d)", re.I)
+                        r"xmma|triton_tem|bmm|mm_kernel|splitk|fft2d|nvjet|sdpa|flash|fmha|attention)", re.I)
 _LAYOUT = re.compile(r"(nchwtonhwc|nhwctonchw|nchw_to_nhwc|nhwc_to_nchw|transpose|permute|flip_filter|"
                      r"reorder|nchw2nhwc|nhwc2nchw|region_transform|foldednchw|nchwtofolded|addpadding)", re.I)
-_ELEMENTWISE = re.compile(r"(elementwise|vectorized|bn_|batch_?norm|layer_?norm|group_?norm|norm|softmax|relu|"
+_ELEMENTWISE = re.compile(r"(elementwise|vectorized|bn_|batch_?norm|layer_?norm|group_?norm|norm|gammabeta|softmax|relu|"
                           r"gelu|silu|sigmoid|tanh|dropout|reduce|welford|scale|add|mul|fill|copy|cast|foreach|"
                           r"multi_tensor|fused|adam|sgd|pool|triton_(poi|per|red))", re.I)
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx",
@@ -183,13 +184,20 @@ def _overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
     return total
 
 
-def analyze(trace: ProfileTrace, top: int = 10) -> dict[str, Any]:
-    """Shares of the window's GPU wall time and the figures the findings use (JSON-ready)."""
+def analyze(trace: ProfileTrace, top: int = 10, *, step_time_ms: float | None = None) -> dict[str, Any]:
+    """Shares of the GPU's wall time per step and the figures the findings use (JSON-ready).
+
+    ``step_time_ms``: the step time measured without the profiler (CUDA events). The profiler
+    slows the host, so under it the gaps between kernels grow while the kernels themselves keep
+    their durations; with the timed step as the denominator, the idle share is the one of the
+    real step, not of the profiled one. Without it, shares are of the profiled window's span.
+    """
     if not trace.events:
         return {"steps": trace.steps, "gpu_events": 0, "note": "no GPU activity was recorded"}
     start = min(e.start_ns for e in trace.events)
     end = max(e.end_ns for e in trace.events)
     span = max(1, end - start)
+    profiled_span = span
     kernels = [e for e in trace.events if e.kind == "kernel"]
     copies = [e for e in trace.events if e.kind in ("memcpy", "memset")]
     kernel_busy = _union((e.start_ns, e.end_ns) for e in kernels)
@@ -202,6 +210,9 @@ def analyze(trace: ProfileTrace, top: int = 10) -> dict[str, Any]:
         stats[0] += e.dur_ns
         stats[1] += 1
     kernel_time = max(1, sum(per_category.values()))
+    if step_time_ms is not None:
+        # never below the busy time: a step cannot be shorter than its GPU work
+        span = max(_length(busy), int(step_time_ms * 1e6 * trace.steps), 1)
     # kernels of one stream never overlap, so category time is wall time unless several streams
     # compute at once; scale so the kernel shares add up to the kernels' union, never above it
     scale = _length(kernel_busy) / kernel_time
@@ -214,6 +225,9 @@ def analyze(trace: ProfileTrace, top: int = 10) -> dict[str, Any]:
     result: dict[str, Any] = {
         "steps": trace.steps,
         "gpu_time_per_step_ms": span / trace.steps / 1e6,
+        "profiled_step_ms": profiled_span / trace.steps / 1e6,
+        "busy_ms_per_step": _length(busy) / trace.steps / 1e6,
+        "timed": step_time_ms is not None,
         "tensor_core_share": per_category["tensor_core"] * scale / span,
         "other_gemm_conv_share": per_category["other_gemm_conv"] * scale / span,
         "elementwise_share": per_category["elementwise"] * scale / span,
@@ -236,14 +250,25 @@ def analyze(trace: ProfileTrace, top: int = 10) -> dict[str, Any]:
 
 
 def save_fixture(trace: ProfileTrace, path: str | Path) -> None:
+    """Write a trace as (gzipped, when the name ends in .gz) JSON."""
+    import gzip
     import json
 
-    Path(path).write_text(json.dumps(trace.to_dict(), separators=(",", ":")) + "\n")
+    text = json.dumps(trace.to_dict(), separators=(",", ":")) + "\n"
+    if str(path).endswith(".gz"):
+        with gzip.open(path, "wt") as f:
+            f.write(text)
+    else:
+        Path(path).write_text(text)
 
 
 def load_fixture(path: str | Path) -> ProfileTrace:
+    import gzip
     import json
 
+    if str(path).endswith(".gz"):
+        with gzip.open(path, "rt") as f:
+            return ProfileTrace.from_dict(json.load(f))
     return ProfileTrace.from_dict(json.loads(Path(path).read_text()))
 
 

@@ -23,7 +23,7 @@ import torch
 import strategies
 from autotune.config import TunedConfig
 from autotune.nvml import NvmlMonitor
-from autotune.profile import analyze, record
+from autotune.profile import analyze, record, save_fixture
 from autotune.space import SearchSpace
 from autotune.workloads import WorkloadSpec, build
 
@@ -93,12 +93,15 @@ def main(argv: list[str] | None = None) -> int:
         trace = record(one, args.steps, chrome_trace=args.out / f"{name}.trace.json",
                        meta={"config": name, "model": model_name, "batch": batch, "params": full,
                              "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__})
-        with gzip.open(args.out / f"profile-{name}.json.gz", "wt") as f:
-            json.dump(trace.to_dict(), f, separators=(",", ":"))
+        # what the timed window (no profiler) saw goes with the fixture: its step time is the
+        # denominator of the shares (analyze(step_time_ms=...)), its NVML window the energy figures
+        trace.meta["timed_samples_per_s"] = steps * batch / elapsed
+        trace.meta["nvml"] = window.to_dict() if window else None
+        save_fixture(trace, args.out / f"profile-{name}.json.gz")
         with open(args.out / f"{name}.trace.json", "rb") as src, gzip.open(args.out / f"{name}.trace.json.gz", "wb") as dst:
             dst.write(src.read())
         (args.out / f"{name}.trace.json").unlink()
-        result = analyze(trace)
+        result = analyze(trace, step_time_ms=elapsed / steps * 1e3)
         result["timed_samples_per_s"] = steps * batch / elapsed
         result["nvml"] = window.to_dict() if window else None
         if window:

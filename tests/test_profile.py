@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.profile import GpuEvent, ProfileTrace, analyze, classify
+from autotune.findings import derive
+from autotune.profile import GpuEvent, ProfileTrace, analyze, classify, load_fixture
+from conftest import ROOT
 
 # names as they appear in a ResNet-50 trace recorded on the H200 (torch 2.11, cuDNN 9.19)
 REAL_NAMES = {
@@ -101,3 +103,70 @@ def test_round_trip_through_json():
                          meta={"gpu": "NVIDIA H200"})
     again = ProfileTrace.from_dict(trace.to_dict())
     assert again == trace
+
+
+# real windows recorded on the H200 (scripts/record_profiles.py; torch 2.11, cuDNN 9.19) -----------
+
+FIXTURES = ROOT / "tests" / "fixtures"
+
+
+def _fixture(name):
+    trace = load_fixture(FIXTURES / f"profile-{name}.json.gz")
+    step_ms = trace.meta["batch"] / trace.meta["timed_samples_per_s"] * 1e3
+    return trace, analyze(trace, step_time_ms=step_ms)
+
+
+def test_true_fp32_resnet50_runs_no_tensor_core_kernel():
+    trace, a = _fixture("resnet50-fp32-nchw")
+    assert trace.meta["gpu"] == "NVIDIA H200" and trace.steps == 3
+    assert a["tensor_core_share"] == 0 and a["other_gemm_conv_share"] > 0.5
+    assert 600 < a["kernels_per_step"] < 800 and a["launches_per_step"] == a["kernels_per_step"]
+    found = derive(a, trace.meta["nvml"], {"precision": {"mode": "fp32"}},
+                   offered={"precision.mode": ["fp32", "tf32", "fp16", "bf16"]})
+    assert [f.rule for f in found] == ["no-tensor-cores"] and found[0].suggest == {"precision.mode": "bf16"}
+
+
+def test_fp16_in_nchw_spends_its_time_converting_layouts():
+    trace, a = _fixture("resnet50-fp16-nchw")
+    assert a["layout_share"] > 0.10 and a["tensor_core_of_gemm_conv"] > 0.95
+    names = [k["name"] for k in a["top_kernels"] if k["category"] == "layout"]
+    assert any("nchwToNhwc" in n for n in names)
+    found = derive(a, trace.meta["nvml"], {"precision": {"mode": "fp16"}, "memory_format": {"format": "contiguous"}},
+                   offered={"memory_format.format": ["contiguous", "channels_last"]})
+    assert "layout" in [f.rule for f in found]
+    assert next(f for f in found if f.rule == "layout").suggest == {"memory_format.format": "channels_last"}
+
+
+def test_channels_last_removes_the_conversions_and_the_side_stream_overlaps_copies():
+    _, nchw = _fixture("resnet50-fp16-nchw")
+    _, cl = _fixture("resnet50-fp16-cl-2streams")
+    assert cl["layout_share"] < 0.01 < nchw["layout_share"]
+    assert cl["streams"] == 2 and cl["copy_overlap"] > 0.1 and nchw["copy_overlap"] == 0.0
+    assert cl["kernels_per_step"] < nchw["kernels_per_step"]
+
+
+def test_the_profiler_slowdown_is_kept_out_of_the_idle_share():
+    trace, timed = _fixture("resnet50-fp16-cl-2streams")
+    profiled = analyze(trace)
+    # under the profiler the host lags and the GPU waits longer between kernels
+    assert profiled["profiled_step_ms"] > timed["gpu_time_per_step_ms"]
+    assert profiled["idle_share"] > timed["idle_share"] > 0
+    assert timed["busy_ms_per_step"] == pytest.approx(profiled["busy_ms_per_step"])
+
+
+def test_a_small_vit_batch_is_launch_bound_and_its_gemms_use_tensor_cores():
+    trace, a = _fixture("vit_b_16-bf16")
+    assert a["tensor_core_share"] > 0.1 and a["tensor_core_of_gemm_conv"] > 0.9
+    assert a["idle_share"] > 0.4
+    found = derive(a, trace.meta["nvml"], {"precision": {"mode": "bf16"}, "batch_size": {"batch_size": 32},
+                                          "cuda_graphs": {"enabled": False}, "compile": {"mode": "off"}},
+                   offered={"batch_size.batch_size": [32, 64], "cuda_graphs.enabled": [False, True]})
+    idle = next(f for f in found if f.rule == "idle")
+    assert idle.suggest == {"batch_size.batch_size": 64, "cuda_graphs.enabled": True}
+
+
+def test_the_nvml_window_recorded_with_the_fixture_is_real():
+    trace, _ = _fixture("resnet50-fp16-cl-2streams")
+    nvml = trace.meta["nvml"]
+    assert nvml["energy_source"] == "energy counter" and 100 < nvml["avg_power_w"] <= 700
+    assert nvml["num_samples"] > 10 and nvml["throttled"] is False
