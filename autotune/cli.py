@@ -46,6 +46,10 @@ def _add_search(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="search torch.compile modes (default: on a GPU yes, on a CPU no: a CPU compile takes "
                         "tens of seconds per trial); --no-compile never compiles")
+    p.add_argument("--no-profile", dest="profile", action="store_false",
+                   help="do not profile trials (torch.profiler and NVML, on a GPU) nor derive findings")
+    p.add_argument("--no-steer", dest="steer", action="store_false",
+                   help="do not queue the configurations the findings suggest (plain TPE)")
     p.add_argument("--out", type=Path, help="output folder (default reports/<model>-<gpu>/)")
     p.add_argument("--storage", help="Optuna storage URL (default: sqlite study.db in the output folder)")
     p.add_argument("--study-name", help="study name (default <model>-<gpu>)")
@@ -198,7 +202,8 @@ def cmd_search(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, base_batch_size=args.base_batch_size, min_batch_size=args.min_batch_size,
         max_batch_size=args.max_batch_size,
         precisions=[m.strip() for m in args.precisions.split(",")] if args.precisions else None,
-        input_on_device=args.input_on_device, compile=args.compile, seed=args.seed,
+        input_on_device=args.input_on_device, compile=args.compile, profile=args.profile, steer=args.steer,
+        seed=args.seed,
         trial_timeout_s=args.trial_timeout, command=_command_line(args),
         accuracy_check=not args.no_accuracy_check, max_accuracy_drop=args.max_accuracy_drop,
         max_loss_drift=args.max_loss_drift, accuracy_steps=args.accuracy_steps, data=args.data,

@@ -62,6 +62,24 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
             "skipped_steps": acc.get("skipped_steps"),
             "grad_cosine_vs_fp32": (acc.get("numerics") or {}).get("grad_cosine_vs_fp32"),
         })
+        energy = attrs.get("energy") or {}
+        profile = attrs.get("profile") or {}
+        row.update({
+            # NVML, over the timed steps
+            "joules_per_sample": energy.get("joules_per_sample"),
+            "avg_power_w": energy.get("avg_power_w"),
+            "peak_power_w": energy.get("peak_power_w"),
+            "avg_sm_clock_mhz": energy.get("avg_sm_clock_mhz"),
+            "max_temperature_c": energy.get("max_temperature_c"),
+            "throttled": energy.get("throttled"),
+            # the profiled window, as shares of the timed step
+            **{key: profile.get(key) for key in ("tensor_core_share", "other_gemm_conv_share", "elementwise_share",
+                                                 "layout_share", "memcpy_share", "idle_share", "kernels_per_step",
+                                                 "copy_overlap")},
+            "findings": " | ".join(attrs.get("findings") or []),
+            "steered_by": (f"#{attrs['steered_by']['trial']} {attrs['steered_by']['rule']}"
+                           if attrs.get("steered_by") else ""),
+        })
         row.update({f"param.{k}": v for k, v in sorted(t.params.items())})
         rows.append(row)
     return pd.DataFrame(rows)

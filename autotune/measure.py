@@ -4,6 +4,7 @@ the timed window; on the CPU, by the wall clock."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -77,6 +78,8 @@ class Measurement:
     """Wall time of the setup steps before warm-up: compiling and/or capturing a CUDA graph (0 when
     the step needs no setup). Kept apart from warm-up and step time: it is paid once per run."""
     num_setup_steps: int = 0
+    num_timed_steps_total: int = 0
+    """Steps run inside the timed window, re-measurements included (what its energy was spent on)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -115,9 +118,13 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def measure(step: Callable[[], Any], device: str, settings: MeasureSettings, *,
-            setup_steps: int = 0) -> Measurement:
+            setup_steps: int = 0,
+            timed_window: Callable[[], contextlib.AbstractContextManager[Any]] | None = None) -> Measurement:
     """Run ``setup_steps`` steps that compile or capture (timed apart, as ``compile_s``), warm up
-    until two consecutive windows agree, then time enough steps for a stable median."""
+    until two consecutive windows agree, then time enough steps for a stable median.
+
+    ``timed_window()`` is entered around the timed steps only (every attempt, warm-up excluded):
+    the NVML sampling window, so energy and power are those of the steps whose time is reported."""
     if setup_steps < 0:
         raise ValueError(f"setup_steps must not be negative, got {setup_steps}")
     timer = _Timer(device)
@@ -155,15 +162,19 @@ def measure(step: Callable[[], Any], device: str, settings: MeasureSettings, *,
     best: list[float] | None = None
     best_spread = math.inf
     num_remeasured = 0
-    for attempt in range(settings.max_remeasure + 1):
-        times = timer.run(step, num_steps)
-        med = statistics.median(times)
-        spread = (_quantile(times, 0.9) - _quantile(times, 0.1)) / med
-        if spread < best_spread:
-            best, best_spread = times, spread
-        if spread <= settings.spread_tolerance:
-            break
-        num_remeasured = attempt + 1 if attempt < settings.max_remeasure else num_remeasured
+    timed_ctx = timed_window() if timed_window is not None else contextlib.nullcontext()
+    timed_total = 0
+    with timed_ctx:
+        for attempt in range(settings.max_remeasure + 1):
+            times = timer.run(step, num_steps)
+            timed_total += num_steps
+            med = statistics.median(times)
+            spread = (_quantile(times, 0.9) - _quantile(times, 0.1)) / med
+            if spread < best_spread:
+                best, best_spread = times, spread
+            if spread <= settings.spread_tolerance:
+                break
+            num_remeasured = attempt + 1 if attempt < settings.max_remeasure else num_remeasured
     measure_s = time.perf_counter() - start
     assert best is not None
     med = statistics.median(best)
@@ -181,6 +192,7 @@ def measure(step: Callable[[], Any], device: str, settings: MeasureSettings, *,
         measure_s=measure_s,
         compile_s=compile_s,
         num_setup_steps=setup_steps,
+        num_timed_steps_total=timed_total,
     )
 
 

@@ -15,7 +15,7 @@ from autotune.runner import run_worker
 from strategies.compile import COMPILE_ALLOWANCE_S
 
 # trial user attributes that hold a result; copied verbatim when a configuration repeats
-RESULT_ATTRS = ("status", "reason", "figures", "knobs", "timing")
+RESULT_ATTRS = ("status", "reason", "figures", "knobs", "timing", "energy", "profile", "findings")
 
 
 class TrialFailed(Exception):
@@ -36,7 +36,8 @@ class Objective:
 
     def __init__(self, *, space, workload: dict[str, Any], measure: dict[str, Any], input_on_device: bool,
                  seed: int, trial_timeout_s: float, log_dir: Path | None = None,
-                 deadline: float | None = None, accuracy=None) -> None:
+                 deadline: float | None = None, accuracy=None, profile: bool = True,
+                 misaligned: list[str] | None = None, steer: bool = True) -> None:
         self.space = space
         self.workload = workload
         self.measure = measure
@@ -49,6 +50,12 @@ class Objective:
         then is stopped, so --budget is a limit and not a hint."""
         self.accuracy = accuracy
         """An autotune.accuracy.AccuracyGate, or None when the accuracy check is off."""
+        self.profile = profile
+        """Profile each trial (on a GPU) in a short window after the timed one."""
+        self.misaligned = list(misaligned or [])
+        """Layers whose widths are not multiples of 8 (from the probe), for the findings."""
+        self.steer = steer
+        """Queue the configurations the findings suggest."""
 
     def __call__(self, trial: optuna.Trial) -> float:
         knobs = strategies.sample(trial, self.space)
@@ -71,7 +78,10 @@ class Objective:
             "measure": self.measure,
             "input_on_device": self.input_on_device,
             "seed": self.seed,
+            "profile": self.profile,
         }
+        if self.profile and self.log_dir:
+            request["trace_path"] = str(self.log_dir / f"trace-{trial.number:04d}.json")
         log_path = self.log_dir / f"trial-{trial.number:04d}.log" if self.log_dir else None
         # a compile trial spends minutes compiling before its first step: not a hang
         timeout = self.trial_timeout_s + COMPILE_ALLOWANCE_S[knobs["compile"].mode]
@@ -104,8 +114,34 @@ class Objective:
             trial.set_user_attr("reason", result["reason"])
         if figures:
             trial.set_user_attr("figures", figures)
+        if result["status"] == "ok":
+            self._explain(trial, result)
         return self._conclude(trial, result["status"], result.get("reason"), figures,
                               traceback=result.get("traceback") or result.get("log_tail"))
+
+    def _explain(self, trial: optuna.Trial, result: dict[str, Any]) -> None:
+        """Record the trial's NVML and profile figures and the findings they support, and queue
+        the configurations the findings suggest."""
+        from autotune.findings import derive
+        from autotune.steering import offered, steer
+
+        energy, profile = result.get("energy"), result.get("profile")
+        if energy:
+            trial.set_user_attr("energy", energy)
+        if profile:
+            trial.set_user_attr("profile", profile)
+        if not (energy or profile):
+            return
+        findings = derive(profile, energy, trial.user_attrs["knobs"], misaligned=self.misaligned,
+                          offered=offered(self.space))
+        if not findings:
+            return
+        trial.set_user_attr("findings", [f.text for f in findings])
+        trial.set_user_attr("finding_rules", [f.to_dict() for f in findings])
+        if self.steer and (result.get("figures") or {}).get("loss_finite", True):
+            queued = steer(trial.study, trial, findings, self.space)
+            if queued:
+                trial.set_user_attr("steered", queued)
 
     def _conclude(self, trial: optuna.Trial, status: str | None, reason: str | None,
                   figures: dict[str, Any] | None, traceback: str | None = None) -> float:

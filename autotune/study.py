@@ -75,6 +75,10 @@ class SearchConfig:
     """Steps of the accuracy check's training run; None: 300 on a GPU, 100 on a CPU."""
     data: str | None = None
     """The accuracy check's data: None (synthetic), an ImageFolder folder, or package.module:factory."""
+    profile: bool = True
+    """Profile each GPU trial (torch.profiler and NVML) and derive its findings."""
+    steer: bool = True
+    """Queue the configurations the findings suggest."""
     seed: int = 0
     trial_timeout_s: float = 600.0
     measure: MeasureSettings | None = None
@@ -372,9 +376,33 @@ def _write_outputs(study: optuna.Study, out_dir: Path, config: SearchConfig, spa
     from autotune.report import write_report
 
     files = export(study, out_dir, config=config, space=space, probe=info)
+    files.update(keep_traces(study, out_dir))
     exported = json.loads(files["config.json"].read_text()) if "config.json" in files else None
     files.update(write_report(study, out_dir, exported))
     return files
+
+
+def keep_traces(study: optuna.Study, out_dir: Path) -> dict[str, Path]:
+    """The Chrome traces (Perfetto opens them) of the baseline and the best trial, copied next to
+    the report as trace-baseline.json.gz and trace-best.json.gz; the other trials' traces are
+    deleted from logs/ (half a megabyte each)."""
+    import shutil
+
+    logs = out_dir / "logs"
+    keep = {}
+    for label, trial in (("baseline", baseline_trial(study)), ("best", best_trial(study))):
+        if trial is None:
+            continue
+        source = logs / f"trace-{trial.number:04d}.json.gz"
+        if source.exists():
+            target = out_dir / f"trace-{label}.json.gz"
+            shutil.copyfile(source, target)
+            keep[target.name] = target
+    kept = {f"trace-{t.number:04d}.json.gz" for t in (baseline_trial(study), best_trial(study)) if t is not None}
+    for trace in logs.glob("trace-*.json*"):
+        if trace.name not in kept:
+            trace.unlink()
+    return keep
 
 
 @dataclass
@@ -446,6 +474,10 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
     started = time.time()
     info = probe(config, device)
     space = build_space(config, device, info)
+    nvml = info.get("nvml") or {}
+    if device == "cuda" and config.profile and nvml.get("available") is False:
+        warnings.warn(f"NVML is not usable here ({nvml.get('reason')}): energy, power, clock and throttling "
+                      "figures are missing; everything else is measured", stacklevel=2)
     slug = device_slug(info["provenance"], device)
     out_dir = Path(config.out_dir or Path("reports") / f"{config.workload.short_name}-{slug}")
     _check_writable(out_dir)
@@ -486,7 +518,9 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         objective = Objective(accuracy=gate, space=space, workload=config.workload.to_dict(), measure=measure.to_dict(),
                               input_on_device=config.input_on_device, seed=config.seed,
                               trial_timeout_s=config.trial_timeout_s, log_dir=out_dir / "logs",
-                              deadline=None if config.budget_s is None else started + config.budget_s)
+                              deadline=None if config.budget_s is None else started + config.budget_s,
+                              profile=config.profile, steer=config.steer,
+                              misaligned=(info.get("misaligned") or {}).get("8"))
         emit("start", {"space": space, "probe": info, "out_dir": out_dir, "study": study,
                        "recovered": recovered, "done": len(counted_trials(study)), "config": config})
         walls: list[tuple[float, bool]] = []  # (wall seconds, compiled) of each measured trial

@@ -32,17 +32,19 @@ def _watch_parent(expected_parent: int) -> None:
 if __name__ == "__main__" and len(sys.argv) > 2:
     _watch_parent(int(sys.argv[2]))
 
+import contextlib  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import traceback  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, Iterator  # noqa: E402
 
 import torch  # noqa: E402
 
 import strategies  # noqa: E402
 from autotune.config import TunedConfig, load  # noqa: E402
 from autotune.measure import MeasureSettings, measure, memory_figures  # noqa: E402
+from autotune.profile import analyze, record  # noqa: E402
 from autotune.space import SearchSpace  # noqa: E402
 from autotune.workloads import WorkloadSpec, build  # noqa: E402
 
@@ -120,6 +122,10 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {"provenance": provenance(), "cuda_available": torch.cuda.is_available()}
     if device == "cuda":
         result["precisions"] = supported_modes("cuda")
+        from autotune.nvml import _probe as nvml_probe
+
+        available, reason = nvml_probe()
+        result["nvml"] = {"available": available, "reason": reason}
     else:
         result["precisions"] = supported_modes("cpu")
     workload = build(WorkloadSpec.from_dict(request["workload"]))
@@ -191,7 +197,22 @@ def run_trial(request: dict[str, Any]) -> dict[str, Any]:
     timings["build_s"] = time.perf_counter() - t0
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    m = measure(one_step, device, settings, setup_steps=step.num_setup_steps)
+    monitor, windows = _nvml_monitor(device, request), []
+
+    @contextlib.contextmanager
+    def nvml_window() -> Iterator[None]:
+        monitor.begin_window()
+        try:
+            yield
+        finally:
+            windows.append(monitor.end_window())
+
+    try:
+        m = measure(one_step, device, settings, setup_steps=step.num_setup_steps,
+                    timed_window=nvml_window if monitor is not None else None)
+    finally:
+        if monitor is not None:
+            monitor.close()
     loss = float(last_loss[0].float().item())
     figures = m.to_dict()
     figures.update(memory_figures(device))
@@ -199,8 +220,52 @@ def run_trial(request: dict[str, Any]) -> dict[str, Any]:
     figures["batch_size"] = cfg.batch_size
     figures["final_loss"] = loss
     figures["loss_finite"] = bool(torch.isfinite(torch.tensor(loss)))
+    result: dict[str, Any] = {"status": "ok", "figures": figures, "knobs": strategies.knobs_to_dict(cfg.knobs)}
+    if windows and windows[0] is not None:
+        energy = windows[0].to_dict()
+        energy["joules_per_sample"] = windows[0].joules_per_sample(m.num_timed_steps_total * cfg.batch_size)
+        result["energy"] = energy
+    if device == "cuda" and request.get("profile", True):
+        # its own short window after the timed one: the profiler slows the host, so no reported
+        # time includes it; shares are taken of the step time measured above
+        t1 = time.perf_counter()
+        trace_path = request.get("trace_path")
+        trace = record(one_step, int(request.get("profile_steps", 3)), device=device,
+                       chrome_trace=trace_path,
+                       meta={"batch": cfg.batch_size, "step_time_ms": m.step_time_ms})
+        if trace_path:
+            _gzip_in_place(trace_path)
+        result["profile"] = analyze(trace, step_time_ms=m.step_time_ms)
+        timings["profile_s"] = time.perf_counter() - t1
     figures.update(timings)
-    return {"status": "ok", "figures": figures, "knobs": strategies.knobs_to_dict(cfg.knobs)}
+    return result
+
+
+def _nvml_monitor(device: str, request: dict[str, Any]):
+    """An NVML monitor of this process's GPU, or None (CPU, or asked not to sample)."""
+    if device != "cuda" or not request.get("nvml", True):
+        return None
+    from autotune.nvml import NvmlMonitor
+
+    return NvmlMonitor(device_index=_nvml_index(), interval_s=0.05)
+
+
+def _nvml_index() -> int:
+    """The NVML index of CUDA device 0 of this process: NVML ignores CUDA_VISIBLE_DEVICES, so the
+    first visible device's position in the full list is looked up (by PCI bus id where possible)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    if visible.isdigit():
+        return int(visible)
+    return 0
+
+
+def _gzip_in_place(path: str) -> None:
+    import gzip
+    import shutil
+
+    with open(path, "rb") as src, gzip.open(path + ".gz", "wb", compresslevel=5) as dst:
+        shutil.copyfileobj(src, dst)
+    os.unlink(path)
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,88 @@
+"""Steering: the findings of a measured trial queue the configurations they suggest.
+
+A finding such as "38% of GPU time is in layout conversions: channels_last removes them" comes
+with the parameters of its remedy (``autotune.findings``). The remedy applied to the trial's own
+parameters is a concrete configuration; it is completed through the strategies (a switch to fp16
+brings the GradScaler's parameters, at their defaults) and queued with Optuna's
+``enqueue_trial``, so the next trials test what the profile says instead of what TPE guesses. A
+configuration already measured or queued is not queued again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import optuna
+
+import strategies
+from autotune.findings import Finding
+from autotune.space import SearchSpace
+
+MAX_STEERED_PER_TRIAL = 2
+"""Remedies queued from one trial, the first findings first (they are ordered by the rules)."""
+
+
+def offered(space: SearchSpace) -> dict[str, list[Any]]:
+    """Parameter -> the values the space offers, for the knobs findings may suggest."""
+    return {
+        "precision.mode": list(space.precisions),
+        "batch_size.batch_size": list(space.batch_sizes),
+        "memory_format.format": list(space.memory_formats),
+        "streams.num_streams": list(space.stream_counts),
+        "channel_alignment.multiple": list(space.alignments),
+        "cuda_graphs.enabled": list(getattr(space, "cuda_graphs", [False])),
+        "compile.mode": list(getattr(space, "compile_modes", ["off"])),
+    }
+
+
+class _Completing:
+    """A stand-in for an Optuna trial that answers with the given parameters, and for a parameter
+    the given ones lack (or give a value the space does not offer) with the knob's untuned default."""
+
+    def __init__(self, given: Mapping[str, Any]) -> None:
+        self.given = dict(given)
+        self.params: dict[str, Any] = {}
+
+    def suggest_categorical(self, name: str, choices: list[Any]) -> Any:
+        value = self.given.get(name)
+        if value not in choices:
+            value = _default(name, choices)
+        self.params[name] = value
+        return value
+
+
+def _default(name: str, choices: list[Any]) -> Any:
+    strategy, _, field = name.partition(".")
+    config = strategies.BY_NAME[strategy].Config() if strategy in strategies.BY_NAME else None
+    value = getattr(config, field, None) if config is not None and field in {f.name for f in dataclasses.fields(config)} else None
+    return value if value in choices else choices[0]
+
+
+def complete_params(params: Mapping[str, Any], space: SearchSpace) -> dict[str, Any]:
+    """The full parameter set of a configuration: ``params`` replayed through every strategy,
+    with the conditional parameters a change brings in set to their defaults and the ones it
+    removes dropped."""
+    trial = _Completing(params)
+    strategies.sample(trial, space)
+    return trial.params
+
+
+def steer(study: optuna.Study, trial: optuna.trial.FrozenTrial | optuna.Trial, findings: list[Finding],
+          space: SearchSpace, *, limit: int = MAX_STEERED_PER_TRIAL) -> list[dict[str, Any]]:
+    """Queue the remedies of ``findings`` on top of ``trial``'s parameters; returns what was queued."""
+    # a queued trial has no params until it runs: its parameters wait in its fixed_params
+    known = [t.params or t.system_attrs.get("fixed_params", {}) for t in study.get_trials(deepcopy=False)]
+    queued: list[dict[str, Any]] = []
+    for finding in findings:
+        if len(queued) >= limit:
+            break
+        if not finding.suggest:
+            continue
+        params = complete_params({**trial.params, **finding.suggest}, space)
+        if params == trial.params or params in known or params in queued:
+            continue
+        study.enqueue_trial(params, user_attrs={"role": "steered",
+                                                "steered_by": {"trial": trial.number, "rule": finding.rule}})
+        queued.append(params)
+    return queued
