@@ -26,6 +26,7 @@ import hashlib
 import json
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
@@ -255,7 +256,10 @@ def train_run(spec, knobs: Mapping[str, Any], space, settings: AccuracySettings,
             scale_before = scaler.get_scale() if scaler.is_enabled() else None
             scaler.step(optimizer)
             scaler.update()
-            schedule.step()
+            with warnings.catch_warnings():
+                # after a step the GradScaler skipped, torch warns that the schedule moved first
+                warnings.simplefilter("ignore", UserWarning)
+                schedule.step()
             if scale_before is not None and scaler.get_scale() < scale_before:
                 skipped += 1  # the scaler found inf/NaN gradients and skipped this step
             losses.append(loss.detach().float())
