@@ -14,7 +14,6 @@ deterministic batches the accuracy check feeds every configuration in the same o
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,22 +222,10 @@ def _is_dataset(obj: Any) -> bool:
 
 def load_factory(target: str) -> Callable[..., Any]:
     """Import ``package.module:factory``; a clear error for each way that fails."""
-    module_name, _, attr = target.partition(":")
-    if not module_name or not attr:
-        raise ConfigError(f"--data {target!r}: write package.module:factory, or give a folder of images")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"--data {target!r}: cannot import module {module_name!r} ({exc}); is its package "
-                          "installed or on PYTHONPATH?") from None
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"--data {target!r}: module {module_name!r} has no attribute {part!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ConfigError(f"--data {target!r}: {attr!r} is not callable; it must be a function returning datasets")
-    return obj
+    from autotune.workloads import import_factory
+
+    return import_factory(target, option="--data", error=ConfigError, returns="datasets",
+                          example="mypkg.data:make_datasets, or give a folder of images")
 
 
 def is_factory(spec: str) -> bool:

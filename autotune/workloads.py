@@ -97,7 +97,7 @@ def check_spec(spec: WorkloadSpec) -> None:
     if spec.num_classes < 1:
         raise ConfigError(f"--num-classes must be at least 1, got {spec.num_classes}")
     if ":" in spec.model:
-        _load_factory(spec.model)
+        import_factory(spec.model)
         return
     names = torchvision_models()
     if spec.model not in names:
@@ -109,38 +109,41 @@ def check_spec(spec: WorkloadSpec) -> None:
         )
 
 
-def _load_factory(target: str) -> Callable[..., Any]:
+def import_factory(target: str, *, option: str = "--model", error: type[Exception] = WorkloadError,
+                   returns: str = "an nn.Module", example: str = "mypkg.models:build_net") -> Callable[..., Any]:
+    """Import the callable a user names as ``package.module:factory`` (for ``--model`` or
+    ``--data``), with a clear error for each way that fails: malformed, not importable, raising
+    while imported, no such attribute (with close names), not callable."""
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
-        raise WorkloadError(f"--model {target!r}: write package.module:factory, e.g. mypkg.models:build_net")
+        raise error(f"{option} {target!r}: write package.module:factory, e.g. {example}")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise WorkloadError(
-            f"--model {target!r}: cannot import module {module_name!r} ({exc}); "
-            "is its package installed or on PYTHONPATH?"
-        ) from exc
+        raise error(f"{option} {target!r}: cannot import module {module_name!r} ({exc}); "
+                    "is its package installed or on PYTHONPATH?") from exc
     except Exception as exc:  # the user's module itself failed while importing
-        raise WorkloadError(f"--model {target!r}: importing {module_name!r} raised "
-                            f"{type(exc).__name__}: {exc}; fix the module, then run again") from exc
+        raise error(f"{option} {target!r}: importing {module_name!r} raised "
+                    f"{type(exc).__name__}: {exc}; fix the module, then run again") from exc
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
             public = [n for n in dir(module) if not n.startswith("_")]
             close = difflib.get_close_matches(part, public, n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise WorkloadError(f"--model {target!r}: module {module_name!r} has no attribute {part!r}{hint}")
+            raise error(f"{option} {target!r}: module {module_name!r} has no attribute {part!r}{hint}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise WorkloadError(f"--model {target!r}: {attr!r} is not callable; it must be a function returning an nn.Module")
+        raise error(f"{option} {target!r}: {attr!r} is not callable; it must be a function returning {returns}")
     return obj
+
 
 
 def build(spec: WorkloadSpec) -> Workload:
     """Build the workload on the CPU, in training mode, with random weights."""
     check_spec(spec)
     if ":" in spec.model:
-        factory = _load_factory(spec.model)
+        factory = import_factory(spec.model)
         kwargs = {}
         try:
             params = inspect.signature(factory).parameters
