@@ -126,6 +126,8 @@ class Objective:
         from autotune.steering import offered, steer
 
         energy, profile = result.get("energy"), result.get("profile")
+        if result.get("profile_error"):
+            trial.set_user_attr("profile_error", result["profile_error"])
         if energy:
             trial.set_user_attr("energy", energy)
         if profile:

@@ -62,3 +62,19 @@ def test_a_search_records_findings_and_keeps_two_traces(tmp_path):
     print("\nbaseline findings:", baseline.user_attrs.get("findings"))
     assert baseline.user_attrs.get("findings")  # true FP32 at least runs without Tensor Cores
     assert "Findings" in (out / "report.md").read_text() or "findings" in (out / "report.html").read_text()
+
+
+def test_a_profile_window_that_fails_costs_only_the_explanation(tmp_path):
+    import optuna
+
+    knobs = strategies.sample(optuna.trial.FixedTrial({"precision.mode": "fp16", "memory_format.format": "contiguous",
+                                                       "streams.num_streams": 1, "grad_scaler.init_scale": 2.0**16,
+                                                       "grad_scaler.growth_factor": 2.0,
+                                                       "grad_scaler.backoff_factor": 0.5,
+                                                       "grad_scaler.growth_interval": 2000}), SPACE)
+    result = run_worker({"mode": "trial", "space": SPACE.to_dict(), "knobs": strategies.knobs_to_dict(knobs),
+                         "workload": {"model": "resnet18", "input_shape": [3, 64, 64], "num_classes": 10},
+                         "measure": MeasureSettings(min_steps=10, min_time_s=0.3).to_dict(), "seed": 0,
+                         "profile": True, "profile_steps": -1}, timeout_s=300)
+    assert result["status"] == "ok" and result["figures"]["samples_per_s"] > 0
+    assert "profile" not in result and result["profile_error"]
