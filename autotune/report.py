@@ -125,8 +125,9 @@ def _collect(study: optuna.Study, out_dir: Path, config: dict[str, Any] | None) 
     for t in trials:  # a trial checked after it finished (at export) has its evidence in the study
         if "accuracy" not in attrs[t.number] and (accuracy := accuracy_of(study, t)) is not None:
             attrs[t.number]["accuracy"] = accuracy
-    # accuracy and accuracy_drop come back below, from the same evidence, with the other optional columns
-    frame = trials_frame(study).drop(columns=["accuracy", "accuracy_drop"], errors="ignore")
+    # these come back below, from the same evidence, with the other optional columns
+    frame = trials_frame(study).drop(columns=["accuracy", "accuracy_drop", "joules_per_sample", "avg_power_w"],
+                                     errors="ignore")
     for column in _FRAME_COLUMNS:  # a study without trials gives a frame without columns
         if column not in frame:
             frame[column] = pd.Series(dtype=object)
