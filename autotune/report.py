@@ -114,7 +114,8 @@ class _Data:
 
 _FRAME_COLUMNS = ["number", "role", "state", "status", "reason", "duplicate_of", "config", "samples_per_s",
                   "step_time_ms", "spread", "noisy", "peak_memory_gb", "worker_start_s", "build_s", "warmup_s",
-                  "measure_s", "trial_wall_s", "compile_s"]
+                  "measure_s", "trial_wall_s", "compile_s", "joules_per_sample", "avg_power_w", "accuracy",
+                  "accuracy_drop"]
 
 
 def _collect(study: optuna.Study, out_dir: Path, config: dict[str, Any] | None) -> _Data:
@@ -125,9 +126,8 @@ def _collect(study: optuna.Study, out_dir: Path, config: dict[str, Any] | None) 
     for t in trials:  # a trial checked after it finished (at export) has its evidence in the study
         if "accuracy" not in attrs[t.number] and (accuracy := accuracy_of(study, t)) is not None:
             attrs[t.number]["accuracy"] = accuracy
-    # these come back below, from the same evidence, with the other optional columns
-    frame = trials_frame(study).drop(columns=["accuracy", "accuracy_drop", "joules_per_sample", "avg_power_w"],
-                                     errors="ignore")
+    # trials_frame reads energy and accuracy from the same evidence (accuracy_of included)
+    frame = trials_frame(study)
     for column in _FRAME_COLUMNS:  # a study without trials gives a frame without columns
         if column not in frame:
             frame[column] = pd.Series(dtype=object)
@@ -136,13 +136,7 @@ def _collect(study: optuna.Study, out_dir: Path, config: dict[str, Any] | None) 
     for number in frame["number"]:
         t = by_number[number]
         a = attrs[number]
-        energy = a.get("energy") or {}
-        accuracy = a.get("accuracy") or {}
         row = {
-            "joules_per_sample": energy.get("joules_per_sample"),
-            "avg_power_w": energy.get("avg_power_w"),
-            "accuracy": accuracy.get("accuracy"),
-            "accuracy_drop": accuracy.get("accuracy_drop"),
             "unstable": bool(a.get("unstable")),
             "note": _trial_note(t),
         }
@@ -150,8 +144,7 @@ def _collect(study: optuna.Study, out_dir: Path, config: dict[str, Any] | None) 
         for knob in KNOBS:
             row[f"knob.{knob.key}"] = knob.get(knobs) if knobs and knob.only(knobs) else None
         extra.append(row)
-    extra_columns = ["joules_per_sample", "avg_power_w", "accuracy", "accuracy_drop", "unstable", "note",
-                     *(f"knob.{knob.key}" for knob in KNOBS)]
+    extra_columns = ["unstable", "note", *(f"knob.{knob.key}" for knob in KNOBS)]
     extra_frame = pd.DataFrame(extra, index=range(len(extra)), columns=extra_columns)
     frame = pd.concat([frame.reset_index(drop=True), extra_frame], axis=1)
     measured = frame[(frame["state"] == "COMPLETE") & frame["samples_per_s"].notna() & frame["duplicate_of"].isna()]
