@@ -16,7 +16,6 @@ import strategies
 from autotune.config import TunedConfig
 from autotune.measure import MeasureSettings, measure
 from autotune.objective import Objective, describe
-from autotune.recipe import BACKEND_FLAGS
 from autotune.report import write_report
 from autotune.export import trials_frame
 from autotune.runner import run_worker
@@ -33,12 +32,7 @@ CPU_SPACE = SearchSpace(device="cpu", batch_sizes=[8], base_batch_size=8, compil
 TINY = WorkloadSpec(model="fake_models:tiny_cnn", input_shape=(3, 16, 16), num_classes=10)
 
 
-@pytest.fixture(autouse=True)
-def _restore_globals():
-    saved = {name: getter() for name, (getter, _) in BACKEND_FLAGS.items()}
-    yield
-    for name, value in saved.items():
-        BACKEND_FLAGS[name][1](value)
+pytestmark = pytest.mark.usefixtures("restore_backend_flags")
 
 
 def _info(works: bool = True, reason: str = "") -> dict:

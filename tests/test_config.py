@@ -15,7 +15,6 @@ from torch import nn
 import autotune
 import strategies
 from autotune.config import TunedConfig
-from autotune.recipe import BACKEND_FLAGS
 from autotune.space import SearchSpace
 
 torchvision = pytest.importorskip("torchvision")
@@ -39,13 +38,8 @@ def cpu_params(**overrides) -> dict:
 
 
 @pytest.fixture(autouse=True)
-def _restore_globals():
-    """``prepare`` sets the tuned switches for the whole process (what a user wants); not here."""
-    saved = {name: getter() for name, (getter, _) in BACKEND_FLAGS.items()}
+def _seeded(restore_backend_flags):
     torch.manual_seed(0)
-    yield
-    for name, value in saved.items():
-        BACKEND_FLAGS[name][1](value)
 
 
 def saved_config(tmp_path: Path, params: dict | None = None, space: SearchSpace = CPU_SPACE) -> Path:

@@ -15,7 +15,6 @@ import strategies
 from autotune.config import TunedConfig
 from autotune.errors import ConfigError
 from autotune.objective import describe
-from autotune.recipe import BACKEND_FLAGS
 from autotune.space import SearchSpace
 from strategies import optimizer as optimizer_strategy
 from strategies.optimizer import Optimizer, rebuild
@@ -27,12 +26,8 @@ SPACE = SearchSpace(device="cpu", batch_sizes=[8], base_batch_size=8,
 
 
 @pytest.fixture(autouse=True)
-def _restore_globals():
-    saved = {name: getter() for name, (getter, _) in BACKEND_FLAGS.items()}
+def _seeded(restore_backend_flags):
     torch.manual_seed(0)
-    yield
-    for name, value in saved.items():
-        BACKEND_FLAGS[name][1](value)
 
 
 def small_net() -> nn.Module:

@@ -119,12 +119,7 @@ def global_flags() -> dict[str, Any]:
     return values
 
 
-@pytest.fixture(autouse=True)
-def _restore_globals():
-    saved = {name: getter() for name, (getter, _) in BACKEND_FLAGS.items()}
-    yield
-    for name, value in saved.items():
-        BACKEND_FLAGS[name][1](value)
+pytestmark = pytest.mark.usefixtures("restore_backend_flags")
 
 
 # the contract, for every strategy and space ------------------------------------------------------
