@@ -20,7 +20,7 @@ The analysis answers what the findings need:
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -270,7 +270,3 @@ def load_fixture(path: str | Path) -> ProfileTrace:
         with gzip.open(path, "rt") as f:
             return ProfileTrace.from_dict(json.load(f))
     return ProfileTrace.from_dict(json.loads(Path(path).read_text()))
-
-
-def as_dict(event: GpuEvent) -> dict[str, Any]:
-    return asdict(event)

@@ -31,8 +31,8 @@ def offered(space: SearchSpace) -> dict[str, list[Any]]:
         "memory_format.format": list(space.memory_formats),
         "streams.num_streams": list(space.stream_counts),
         "channel_alignment.multiple": list(space.alignments),
-        "cuda_graphs.enabled": list(getattr(space, "cuda_graphs", [False])),
-        "compile.mode": list(getattr(space, "compile_modes", ["off"])),
+        "cuda_graphs.enabled": list(space.cuda_graphs),
+        "compile.mode": list(space.compile_modes),
     }
 
 

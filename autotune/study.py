@@ -389,18 +389,17 @@ def keep_traces(study: optuna.Study, out_dir: Path) -> dict[str, Path]:
     import shutil
 
     logs = out_dir / "logs"
+    sources = {label: logs / f"trace-{trial.number:04d}.json.gz"
+               for label, trial in (("baseline", baseline_trial(study)), ("best", best_trial(study)))
+               if trial is not None}
     keep = {}
-    for label, trial in (("baseline", baseline_trial(study)), ("best", best_trial(study))):
-        if trial is None:
-            continue
-        source = logs / f"trace-{trial.number:04d}.json.gz"
+    for label, source in sources.items():
         if source.exists():
             target = out_dir / f"trace-{label}.json.gz"
             shutil.copyfile(source, target)
             keep[target.name] = target
-    kept = {f"trace-{t.number:04d}.json.gz" for t in (baseline_trial(study), best_trial(study)) if t is not None}
     for trace in logs.glob("trace-*.json*"):
-        if trace.name not in kept:
+        if trace not in sources.values():
             trace.unlink()
     return keep
 
