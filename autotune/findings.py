@@ -130,8 +130,11 @@ def derive(profile: Mapping[str, Any] | None, energy: Mapping[str, Any] | None, 
     if cap >= POWER_CAP_SHARE:
         watts = e.get("avg_power_w")
         at = f" at {watts:.0f} W" if watts else ""
-        out.append(Finding("power-cap", f"power-capped{at} for {_pct(cap)} of the measured window: clocks drop "
-                                        "under load, so energy per sample, not speed, is what lower precision buys here"))
+        clocks = e.get("avg_sm_clock_mhz")
+        clock = f" (SM clock {clocks:,.0f} MHz on average)" if clocks else ""
+        out.append(Finding("power-cap", f"power-capped{at} for {_pct(cap)} of the measured window{clock}: the GPU "
+                                        "runs at its power limit, so work that moves or computes less per sample "
+                                        "(lower precision, fused kernels) is what speeds it up and saves energy"))
     thermal = max(throttle.get(k, 0.0) for k in ("hw_thermal", "sw_thermal", "hw_slowdown")) if throttle else 0.0
     if thermal >= THERMAL_SHARE:
         temp = e.get("max_temperature_c")

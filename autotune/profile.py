@@ -36,7 +36,7 @@ _TENSOR_CORE = re.compile(r"(hmma|wgmma|gmma|imma|tensorop|tensor_op|tensor\d+x\
 _SIMT = re.compile(r"ffma|sgemm|f32f32_f32f32_f32", re.I)
 _GEMM_CONV = re.compile(r"(gemm|conv(?!ert)|convolve|fprop|dgrad|wgrad|cublas|cutlass|winograd|implicit|matmul|"
                         r"xmma|triton_tem|bmm|mm_kernel|splitk|fft2d|nvjet|sdpa|flash|fmha|attention)", re.I)
-_LAYOUT = re.compile(r"(nchwtonhwc|nhwctonchw|nchw_to_nhwc|nhwc_to_nchw|transpose|permute|flip_filter|"
+_LAYOUT = re.compile(r"(nchwtonhwc|nhwctonchw|nchw_to_nhwc|nhwc_to_nchw|transpose|(?<!No)permute|flip_filter|"
                      r"reorder|nchw2nhwc|nhwc2nchw|region_transform|foldednchw|nchwtofolded|addpadding)", re.I)
 _ELEMENTWISE = re.compile(r"(elementwise|vectorized|bn_|batch_?norm|layer_?norm|group_?norm|norm|gammabeta|softmax|relu|"
                           r"gelu|silu|sigmoid|tanh|dropout|reduce|welford|scale|add|mul|fill|copy|cast|foreach|"
@@ -50,6 +50,8 @@ CATEGORIES = ("tensor_core", "other_gemm_conv", "layout", "elementwise", "other_
 def classify(name: str) -> str:
     """The category of one GPU kernel, from its name: tensor_core, other_gemm_conv, layout,
     elementwise (normalization, activations, pooling, casts, optimizer updates) or other_kernel."""
+    if re.match(r"triton_(poi|per|red)_", name):
+        return "elementwise"  # Triton's fused pointwise/reduction kernels, though named after the ops they fuse
     if _LAYOUT.search(name):
         return "layout"
     if re.search(r"cudnn::(bn_|batchnorm)|bn_fw|bn_bw", name, re.I):
@@ -98,23 +100,30 @@ class ProfileTrace:
                    events=[GpuEvent(str(n), str(k), int(s), int(t), int(d)) for n, k, s, t, d in data["events"]])
 
 
-def _kind(name: str, activity: str) -> str | None:
-    activity = activity.lower()
-    if "annotation" in activity:
-        return None
-    if "memcpy" in activity or name.startswith("Memcpy"):
+def _kind(name: str) -> str:
+    if name.startswith("Memcpy"):
         return "memcpy"
-    if "memset" in activity or name.startswith("Memset"):
+    if name.startswith("Memset"):
         return "memset"
     return "kernel"
+
+
+def _is_annotation(ev: Any, host_names: set[str]) -> bool:
+    """Whether a GPU-side event is a range (``ProfilerStep#N``, ``Optimizer.step#SGD.step``), not work.
+
+    Kineto says so itself (``is_user_annotation``). Only where torch does not expose that is the
+    name used: a GPU range shares its name with the host-side range that opened it. Names alone are
+    not enough where both exist: inductor wraps every Triton kernel launch in a host-side range
+    named like the kernel, and those kernels are half of a compiled step's GPU time."""
+    if hasattr(ev, "is_user_annotation"):
+        return bool(ev.is_user_annotation())
+    return ev.name() in host_names or ev.name().startswith("ProfilerStep#")
 
 
 def from_profiler(prof: Any, steps: int, meta: dict[str, Any] | None = None) -> ProfileTrace:
     """Read a finished ``torch.profiler.profile`` through its Kineto event API.
 
-    GPU-side user annotations (``ProfilerStep#N``, ``Optimizer.step#SGD.step``) are ranges, not
-    work: they are told apart by their activity type where torch exposes it, and otherwise by
-    sharing their name with a host-side event (no kernel is named like a host op)."""
+    GPU-side user annotations are ranges, not work, and are left out (:func:`_is_annotation`)."""
     from torch.autograd import DeviceType
 
     raw = list(prof.profiler.kineto_results.events())
@@ -124,11 +133,8 @@ def from_profiler(prof: Any, steps: int, meta: dict[str, Any] | None = None) -> 
     for ev in raw:
         name = ev.name()
         if ev.device_type() == DeviceType.CUDA:
-            if name in host_names or name.startswith("ProfilerStep#"):
-                continue
-            kind = _kind(name, str(ev.activity_type()) if hasattr(ev, "activity_type") else "")
-            if kind is not None and ev.duration_ns() > 0:
-                events.append(GpuEvent(name, kind, int(ev.device_resource_id()), int(ev.start_ns()),
+            if not _is_annotation(ev, host_names) and ev.duration_ns() > 0:
+                events.append(GpuEvent(name, _kind(name), int(ev.device_resource_id()), int(ev.start_ns()),
                                        int(ev.duration_ns())))
         elif name in LAUNCH_CALLS:
             launches += 1

@@ -35,6 +35,17 @@ REAL_NAMES = {
     "ampere_fp16_s16816gemm_fp16_128x128_ldg8_f2f_stages_32x5_nn": "tensor_core",
     "cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8>": "tensor_core",
     "triton_poi_fused__native_batch_norm_legit_functional_relu_0": "elementwise",
+    # a compiled step (bf16, channels_last): Triton's fused kernels are named after the ops they fuse,
+    # convolution_backward included, and stay elementwise; cuDNN's CUTLASS wgrad says "NoPermute"
+    "triton_poi_fused__native_batch_norm_legit_functional_add_convolution_backward_native_batch_norm_backward_"
+    "threshold_backward_63": "elementwise",
+    "triton_red_fused__native_batch_norm_legit_functional_add_native_batch_norm_backward_threshold_backward_62":
+        "elementwise",
+    "_ZN17cutlass__5x_cudnn6KernelINS_4conv6kernel23ImplicitGemmConvolutionINS1_11threadblock22ImplicitGemmMulti"
+    "stageINS_4gemm9GemmShapeILi64ELi128ELi32EEENS4_52Conv2dWgradOutputGradientTileAccessIteratorOptimizedINS_11"
+    "MatrixShapeILi64ELi32EEENS_10bfloat16_tENS_9transform29PitchLinearWarpRakedThreadMapINS_16PitchLinearShape"
+    "ILi64ELi32EEELi128ENSF_ILi8ELi4EEELi8EEENS_12AlignedArrayISC_Li8ELi16EEEEENS_4warp11MmaTensorOpINS7_ILi32E"
+    "Li64ELi32EEENSO_9NoPermuteELb0EEEEEvNT_6ParamsE": "tensor_core",
 }
 
 
@@ -170,3 +181,62 @@ def test_the_nvml_window_recorded_with_the_fixture_is_real():
     nvml = trace.meta["nvml"]
     assert nvml["energy_source"] == "energy counter" and 100 < nvml["avg_power_w"] <= 700
     assert nvml["num_samples"] > 10 and nvml["throttled"] is False
+
+
+def test_a_compiled_step_keeps_the_gpu_busy_and_is_power_bound():
+    # trial 2 of a ResNet-50 search on the H200: bf16 + channels_last + compile, batch 512, 7,194 img/s
+    trace, a = _fixture("resnet50-bf16-cl-compile")
+    assert a["idle_share"] < 0.05  # Triton's kernels are work, not idle time
+    assert a["elementwise_share"] > 0.4 and a["tensor_core_of_gemm_conv"] > 0.95
+    assert a["layout_share"] < 0.02 and a["copy_overlap"] > 0.5
+    found = derive(a, trace.meta["nvml"], {"precision": {"mode": "bf16"}, "batch_size": {"batch_size": 512},
+                                          "compile": {"mode": "default"}, "cuda_graphs": {"enabled": False}},
+                   offered={"batch_size.batch_size": [256, 512, 1024], "cuda_graphs.enabled": [False, True]})
+    assert [f.rule for f in found] == ["power-cap"] and "SM clock 1,887 MHz" in found[0].text
+
+
+class _Event:
+    """A Kineto event as ``prof.profiler.kineto_results.events()`` yields it."""
+
+    def __init__(self, name, cuda, start=0, dur=0, annotation=False):
+        self._name, self._cuda, self._start, self._dur, self._annotation = name, cuda, start, dur, annotation
+
+    def name(self):
+        return self._name
+
+    def device_type(self):
+        from torch.autograd import DeviceType
+
+        return DeviceType.CUDA if self._cuda else DeviceType.CPU
+
+    def device_resource_id(self):
+        return 7
+
+    def start_ns(self):
+        return self._start
+
+    def duration_ns(self):
+        return self._dur
+
+    def is_user_annotation(self):
+        return self._annotation
+
+
+class _Profiler:
+    def __init__(self, events):
+        self.profiler = type("P", (), {"kineto_results": type("R", (), {"events": lambda _self: events})()})()
+
+
+def test_kernels_named_like_a_host_range_are_work_and_gpu_ranges_are_not():
+    from autotune.profile import from_profiler
+
+    triton = "triton_poi_fused__native_batch_norm_legit_functional_relu_0"
+    events = [_Event(triton, cuda=False, start=0, dur=50),  # inductor's host-side range around the launch
+              _Event("cuLaunchKernel", cuda=False, start=1, dur=2),
+              _Event(triton, cuda=True, start=10, dur=40),
+              _Event("ProfilerStep#1", cuda=True, start=0, dur=100, annotation=True),
+              _Event("Optimizer.step#SGD.step", cuda=True, start=60, dur=30, annotation=True),
+              _Event("Memcpy HtoD (Pinned -> Device)", cuda=True, start=55, dur=5)]
+    trace = from_profiler(_Profiler(events), steps=1)
+    assert [(e.name, e.kind) for e in trace.events] == [(triton, "kernel"), ("Memcpy HtoD (Pinned -> Device)", "memcpy")]
+    assert trace.launches == 1
