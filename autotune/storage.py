@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
 import threading
 import time
@@ -27,6 +28,12 @@ log = logging.getLogger("autotune.storage")
 
 DEFAULT_PATIENCE_S = 120.0
 """How long a storage may stay unreachable before the search stops (it resumes on the next run)."""
+
+HEARTBEAT_S = (10, 60)
+"""(interval, grace period) in seconds: a search process records each running trial's heartbeat
+every interval; a trial whose heartbeat is older than the grace period belongs to a process that
+died, and the next trial any process of the study starts fails it and queues it for one re-run.
+``AUTOTUNE_HEARTBEAT=INTERVAL,GRACE`` overrides it (tests shorten it to seconds)."""
 
 
 class StorageUnavailable(AutotuneError):
@@ -140,16 +147,18 @@ def open_storage(url: str, *, engine_kwargs: dict[str, Any] | None = None,
                  patience_s: float | None = None) -> RetryingRDBStorage:
     """Open (and create the tables of) an Optuna database storage, or fail with a message that
     says how to fix the URL, masking its password. Calls are retried while the database is busy;
-    heartbeats let a search process that dies mid-trial have that trial failed and re-run once."""
+    heartbeats let a search process that dies mid-trial have that trial failed and re-run once
+    (RetryStaleTrial), by another process of the same study or the next run."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             kwargs = dict(engine_kwargs or {})
             if not url.startswith("sqlite"):
                 kwargs.setdefault("pool_pre_ping", True)  # a server restart leaves dead pooled connections
+            interval, grace = heartbeat_settings()
             storage = RetryingRDBStorage(
-                url, engine_kwargs=kwargs, heartbeat_interval=10, grace_period=60,
-                heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1))
+                url, engine_kwargs=kwargs, heartbeat_interval=interval, grace_period=grace,
+                heartbeat_stale_trial_callback=RetryStaleTrial())
             if patience_s is not None:
                 storage.patience_s = patience_s
             return storage
@@ -157,6 +166,41 @@ def open_storage(url: str, *, engine_kwargs: dict[str, Any] | None = None,
         reason = str(exc).splitlines()[0].replace(url, mask_url(url)) if str(exc) else type(exc).__name__
         raise ConfigError(f"--storage {mask_url(url)!r} cannot be opened ({reason}); give an Optuna storage URL "
                           "such as sqlite:///study.db or postgresql://user@host/db") from None
+
+
+def heartbeat_settings() -> tuple[int, int]:
+    """(heartbeat interval, grace period) in seconds: HEARTBEAT_S, or $AUTOTUNE_HEARTBEAT."""
+    text = os.environ.get("AUTOTUNE_HEARTBEAT")
+    if not text:
+        return HEARTBEAT_S
+    match = re.fullmatch(r"\s*(\d+)\s*,\s*(\d+)\s*", text)
+    if not match or not 0 < int(match.group(1)) < int(match.group(2)):
+        raise ConfigError(f"AUTOTUNE_HEARTBEAT={text!r}: write INTERVAL,GRACE in whole seconds, the grace period "
+                          f"longer than the interval (default {HEARTBEAT_S[0]},{HEARTBEAT_S[1]})")
+    return int(match.group(1)), int(match.group(2))
+
+
+class RetryStaleTrial:
+    """Heartbeat-stale trial callback: a trial whose search process died (its heartbeat stopped)
+    is queued once more, with the same parameters, by whichever live process notices it.
+
+    Optuna's RetryHeartbeatStaleTrialCallback(max_retry=1) copies every user attribute of the dead
+    trial, and a process can die after recording part of a result; the re-run carries only the
+    trial's role and ``retry_of`` (as a re-run after a killed single search does, see
+    study.recover_dead_trials), so a re-run that dies too is not queued again.
+    """
+
+    def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        if "retry_of" in trial.user_attrs:
+            log.warning("trial %d died with its search process again; it stays failed", trial.number)
+            return
+        attrs: dict[str, Any] = {"retry_of": trial.number}
+        if "role" in trial.user_attrs:
+            attrs["role"] = trial.user_attrs["role"]
+        fixed = trial.system_attrs.get("fixed_params")
+        log.warning("trial %d was running in a search process that stopped answering (no heartbeat for over "
+                    "%d s); it is failed and queued again", trial.number, heartbeat_settings()[1])
+        study.enqueue_trial(trial.params or fixed or {}, user_attrs=attrs, skip_if_exists=False)
 
 
 def _sqlalchemy_error() -> type[Exception]:
