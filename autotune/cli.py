@@ -51,8 +51,12 @@ def _add_search(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-steer", dest="steer", action="store_false",
                    help="do not queue the configurations the findings suggest (plain TPE)")
     p.add_argument("--out", type=Path, help="output folder (default reports/<model>-<gpu>/)")
-    p.add_argument("--storage", help="Optuna storage URL (default: sqlite study.db in the output folder)")
+    p.add_argument("--storage", help="Optuna storage URL (default: sqlite study.db in the output folder); "
+                                     "processes and machines given the same postgresql://USER@HOST/DB and "
+                                     "--study-name search one study together")
     p.add_argument("--study-name", help="study name (default <model>-<gpu>)")
+    p.add_argument("--gpus", help="CUDA GPUs to search on in parallel, one trial worker pinned to each: 0,1 "
+                                  "or all (same GPU model; default: one GPU)")
     p.add_argument("--seed", type=int, default=0, help="sampler and data seed")
     p.add_argument("--trial-timeout", type=float, default=600.0, help="seconds before a hung trial is killed")
     p.add_argument("--min-measure-time", type=float, help="seconds of timed steps per trial (default 2)")
@@ -203,7 +207,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         max_batch_size=args.max_batch_size,
         precisions=[m.strip() for m in args.precisions.split(",")] if args.precisions else None,
         input_on_device=args.input_on_device, compile=args.compile, profile=args.profile, steer=args.steer,
-        seed=args.seed,
+        seed=args.seed, gpus=args.gpus,
         trial_timeout_s=args.trial_timeout, command=_command_line(args),
         accuracy_check=not args.no_accuracy_check, max_accuracy_drop=args.max_accuracy_drop,
         max_loss_drift=args.max_loss_drift, accuracy_steps=args.accuracy_steps, data=args.data,

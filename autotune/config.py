@@ -153,6 +153,26 @@ class TunedConfig:
         return device_batches(batches, self.device, num_streams=self.recipe.num_streams,
                               memory_format=self.recipe.memory_format)
 
+    def dataloader_kwargs(self, **untuned: Any) -> dict[str, Any]:
+        """Keyword arguments for your ``torch.utils.data.DataLoader``: the tuned ``num_workers``,
+        ``pin_memory``, ``prefetch_factor`` and ``persistent_workers`` when the search ran with
+        ``--data``, and ``drop_last=True`` (every step keeps the measured batch shape).
+
+        ``untuned`` gives your own values for what the search did not tune (``num_workers=4``
+        for a search without ``--data``); tuned values take precedence. Without ``--data`` the
+        trials copied batches from pinned memory, so ``pin_memory`` is then True on a GPU.
+        """
+        if strategies.BY_NAME["dataloader"].applies(self.space):
+            tuned = dict(self.recipe.dataloader)
+        else:
+            tuned = {"pin_memory": self.device == "cuda", "drop_last": True}
+        kwargs = {**untuned, **tuned}
+        if kwargs.get("num_workers", 0) == 0:
+            # the DataLoader refuses these without workers
+            kwargs.pop("prefetch_factor", None)
+            kwargs.pop("persistent_workers", None)
+        return kwargs
+
     def train_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> runtime.TrainStep:
         """One callable for the whole optimized step: ``loss = step(x, y)``; with the cuda_graphs

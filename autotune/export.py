@@ -43,6 +43,11 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
             "num_steps": fig.get("num_steps"),
             "peak_memory_gb": fig["peak_memory_bytes"] / 2**30 if "peak_memory_bytes" in fig else None,
             "final_loss": fig.get("final_loss"),
+            # with --data: the rate the DataLoader fed (samples_per_s) against the step fed from memory
+            "loader_fed_samples_per_s": fig.get("loader_fed_samples_per_s"),
+            "compute_only_samples_per_s": fig.get("compute_only_samples_per_s"),
+            "loader_wait_share": fig.get("loader_wait_share"),
+            "data_bound": fig.get("data_bound"),
             "worker_start_s": timing.get("worker_start_s"),
             "build_s": timing.get("build_s"),
             "compile_s": timing.get("compile_s"),
@@ -111,6 +116,8 @@ def export(study: optuna.Study, out_dir: Path, *, config, space: SearchSpace, pr
         "command": config.command,
         "workload": config.workload.to_dict(),
         "input_on_device": config.input_on_device,
+        # with --data the timed steps were fed by a DataLoader over it (`autotune verify` does so again)
+        "data": config.data,
         "measure": config.measure.to_dict(),
         "summary": describe(best.user_attrs["knobs"]),
         "figures": best.user_attrs["figures"],

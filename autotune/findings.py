@@ -10,6 +10,7 @@ report prints the texts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -21,6 +22,8 @@ NON_TENSOR_CORE_SHARE = 0.20
 ELEMENTWISE_SHARE = 0.30
 POWER_CAP_SHARE = 0.20
 THERMAL_SHARE = 0.05
+DATA_BOUND_RATIO = 0.90
+"""Loader-fed throughput below this share of the same step fed from memory is data-bound."""
 
 
 @dataclass(frozen=True)
@@ -42,13 +45,15 @@ def _pct(x: float) -> str:
 
 
 def derive(profile: Mapping[str, Any] | None, energy: Mapping[str, Any] | None, knobs: Mapping[str, Any],
-           *, misaligned: list[str] | None = None, offered: Mapping[str, list[Any]] | None = None) -> list[Finding]:
+           *, misaligned: list[str] | None = None, offered: Mapping[str, list[Any]] | None = None,
+           figures: Mapping[str, Any] | None = None) -> list[Finding]:
     """The findings of one trial.
 
     ``profile``: ``autotune.profile.analyze`` output; ``energy``: an ``NvmlWindow.to_dict()``;
     ``knobs``: the trial's knob dicts (strategy -> fields); ``misaligned``: layers whose widths are
     not multiples of 8 (from the probe); ``offered``: parameter -> the values the search space
-    offers, so a suggestion never names a value the space does not have.
+    offers, so a suggestion never names a value the space does not have; ``figures``: the
+    worker's figures (with --data, the loader-fed and compute-only rates).
     """
     offered = offered or {}
 
@@ -65,6 +70,34 @@ def derive(profile: Mapping[str, Any] | None, energy: Mapping[str, Any] | None, 
     graphs = knob("cuda_graphs", "enabled", False)
     compile_mode = knob("compile", "mode", "off")
     out: list[Finding] = []
+    f = figures or {}
+    if f.get("data_bound"):
+        # first: while the loader starves the step, no other remedy shows in the throughput
+        workers = knob("dataloader", "num_workers", 0)
+        fed, compute = f.get("loader_fed_samples_per_s"), f.get("compute_only_samples_per_s")
+        more = sorted(w for w in offered.get("dataloader.num_workers", []) if w > workers)
+        if more and fed and compute:
+            # each process decodes about fed / max(workers, 1) samples/s: enough of them for the
+            # compute-only rate, or as many as the space offers
+            needed = math.ceil(max(workers, 1) * compute / fed)
+            more = [next((w for w in more if w >= needed), more[-1])]
+        rates = (f" ({fed:,.0f} samples/s delivered, {compute:,.0f} samples/s possible)"
+                 if fed is not None and compute is not None else "")
+        wait = f.get("loader_wait_share")
+        waited = ""
+        if wait is not None:
+            waited = f"; the step waits for its next batch {_pct(wait)} of the time"
+            if wait < 0.5 and workers:
+                # the rest of the loss is CPU time the loader's processes take from the step itself
+                waited += ", and the loader's workers compete with it for the CPUs"
+        if more:
+            out.append(Finding("data-bound", f"data-bound: the DataLoader slows the step{rates}{waited}; "
+                                             f"{more[0]} loader workers would decode more in parallel",
+                               {"dataloader.num_workers": more[0]}))
+        else:
+            out.append(Finding("data-bound", f"data-bound: the DataLoader slows the step{rates}{waited}, "
+                                             f"even with {workers} workers: a faster decode (DALI, smaller or "
+                                             "pre-resized images) would help"))
     p = profile or {}
     if p.get("steps"):
         layout = p.get("layout_share") or 0.0

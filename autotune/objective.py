@@ -37,7 +37,7 @@ class Objective:
     def __init__(self, *, space, workload: dict[str, Any], measure: dict[str, Any], input_on_device: bool,
                  seed: int, trial_timeout_s: float, log_dir: Path | None = None,
                  deadline: float | None = None, accuracy=None, profile: bool = True,
-                 misaligned: list[str] | None = None, steer: bool = True) -> None:
+                 misaligned: list[str] | None = None, steer: bool = True, data: str | None = None) -> None:
         self.space = space
         self.workload = workload
         self.measure = measure
@@ -56,6 +56,9 @@ class Objective:
         """Layers whose widths are not multiples of 8 (from the probe), for the findings."""
         self.steer = steer
         """Queue the configurations the findings suggest."""
+        self.data = data
+        """--data: the timed steps are fed by a DataLoader over it (the dataloader knob); None:
+        ready-made batches."""
 
     def __call__(self, trial: optuna.Trial) -> float:
         knobs = strategies.sample(trial, self.space)
@@ -80,6 +83,8 @@ class Objective:
             "seed": self.seed,
             "profile": self.profile,
         }
+        if self.data is not None:
+            request["data"] = self.data
         if self.profile and self.log_dir:
             request["trace_path"] = str(self.log_dir / f"trace-{trial.number:04d}.json")
         log_path = self.log_dir / f"trial-{trial.number:04d}.log" if self.log_dir else None
@@ -125,17 +130,17 @@ class Objective:
         from autotune.findings import derive
         from autotune.steering import offered, steer
 
-        energy, profile = result.get("energy"), result.get("profile")
+        energy, profile, figures = result.get("energy"), result.get("profile"), result.get("figures") or {}
         if result.get("profile_error"):
             trial.set_user_attr("profile_error", result["profile_error"])
         if energy:
             trial.set_user_attr("energy", energy)
         if profile:
             trial.set_user_attr("profile", profile)
-        if not (energy or profile):
+        if not (energy or profile or "data_bound" in figures):
             return
         findings = derive(profile, energy, trial.user_attrs["knobs"], misaligned=self.misaligned,
-                          offered=offered(self.space))
+                          offered=offered(self.space), figures=figures)
         if not findings:
             return
         trial.set_user_attr("findings", [f.text for f in findings])
@@ -210,6 +215,9 @@ def describe(knobs: dict[str, dict[str, Any]]) -> str:
         parts.append(f"pad x{knobs['channel_alignment']['multiple']}")
     if knobs.get("streams", {}).get("num_streams", 1) > 1:
         parts.append(f"{knobs['streams']['num_streams']} streams")
+    loader = knobs.get("dataloader", {})
+    if loader.get("num_workers") or loader.get("pin_memory"):
+        parts.append(f"{loader.get('num_workers', 0)} loader workers" + (", pinned" if loader.get("pin_memory") else ""))
     if knobs.get("threads", {}).get("num_threads"):
         parts.append(f"{knobs['threads']['num_threads']} threads")
     if knobs.get("fp32_layers", {}).get("layers", "none") != "none":

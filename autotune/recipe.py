@@ -111,5 +111,8 @@ class Recipe:
     """torch.compile mode the model is compiled with ("default", "reduce-overhead", ...); None: eager."""
     cuda_graphs: bool = False
     """Capture the whole step (forward, backward, optimizer step) in one CUDA graph and replay it."""
+    dataloader: dict[str, Any] = field(default_factory=dict)
+    """DataLoader keyword arguments the dataloader knob chose (num_workers, pin_memory, ...); what
+    user code gets through ``TunedConfig.dataloader_kwargs``."""
     notes: list[str] = field(default_factory=list)
     """Plain-language advice that comes with this recipe (e.g. learning-rate scaling)."""

@@ -113,6 +113,7 @@ class _Data:
 
 
 _FRAME_COLUMNS = ["number", "role", "state", "status", "reason", "duplicate_of", "config", "samples_per_s",
+                  "loader_fed_samples_per_s", "compute_only_samples_per_s", "loader_wait_share", "data_bound",
                   "step_time_ms", "spread", "noisy", "peak_memory_gb", "worker_start_s", "build_s", "warmup_s",
                   "measure_s", "trial_wall_s", "compile_s", "joules_per_sample", "avg_power_w", "accuracy",
                   "accuracy_drop"]
@@ -312,6 +313,8 @@ def _summary(d: _Data) -> list[dict[str, str]]:
         rate += f" (FP32 baseline: {fmt_rate(base['samples_per_s'])} samples/s)" if base is not None else \
             " (the FP32 baseline did not complete)"
         items.append({"label": "Throughput", "text": rate})
+        if best.get("data_bound") is not None and not pd.isna(best.get("data_bound")):
+            items.append({"label": "Data pipeline", "text": _data_text(best, d.device)})
         if (_num(best.get("compile_s")) or 0.0) > 0:
             # paid once per training run, before the first step; not in the step time above
             items.append({"label": "Compile time", "text": (
@@ -359,6 +362,18 @@ def _summary(d: _Data) -> list[dict[str, str]]:
         + (f"compiling {fmt_s(c['compile_s'])}, " if c.get("compile_s") else "")
         + f"warm-up {fmt_s(c.get('warmup_s'))}, measuring {fmt_s(c.get('measure_s'))}")})
     return items
+
+
+def _data_text(best: pd.Series, device: str) -> str:
+    """With --data: whether the DataLoader keeps the device busy, from the best trial's two rates."""
+    fed, compute = fmt_rate(best["loader_fed_samples_per_s"]), fmt_rate(best["compute_only_samples_per_s"])
+    unit = "GPU" if device == "cuda" else "CPU"
+    wait = _num(best.get("loader_wait_share"))
+    waited = f"; the step waited for data {fmt_pct(wait, 0)} of the time" if wait is not None else ""
+    if str(best["data_bound"]).lower() == "true":
+        return (f"data-bound: the data pipeline delivers {fed} samples/s, the {unit} could train {compute} "
+                f"samples/s{waited}; more loader workers, DALI or a faster decode would help")
+    return f"the data pipeline keeps the {unit} busy (loader-fed {fed} samples/s vs {compute} compute-only{waited})"
 
 
 def _kpis(d: _Data) -> list[dict[str, str]]:
@@ -592,7 +607,7 @@ def _snippet(d: _Data) -> str:
         "scaler = cfg.grad_scaler()                        # a GradScaler, disabled unless fp16 needs it\n"
         "loss_fn = torch.nn.CrossEntropyLoss()\n"
         "loader = torch.utils.data.DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True,  # your dataset\n"
-        "                                     pin_memory=cfg.device == \"cuda\", drop_last=True)\n"
+        "                                     **cfg.dataloader_kwargs(num_workers=4))  # workers, pinning: tuned with --data\n"
         "for x, y in cfg.loader(loader):               # to the device, in the tuned memory format and streams\n"
         "    optimizer.zero_grad(set_to_none=True)\n"
         "    with cfg.autocast():\n"

@@ -30,6 +30,11 @@ def _worker_env() -> dict[str, str]:
     paths = [p for p in sys.path if p and p != cwd] + [cwd]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env.setdefault("PYTHONUNBUFFERED", "1")
+    from autotune.gpus import current_pin
+
+    pin = current_pin()  # --gpus: this trial's GPU, and only it
+    if pin is not None:
+        env["CUDA_VISIBLE_DEVICES"] = pin
     return env
 
 

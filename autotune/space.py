@@ -44,6 +44,13 @@ class SearchSpace:
     """torch.compile modes to try; "off" runs eagerly. Only modes the probe found working."""
     cuda_graphs: list[bool] = field(default_factory=lambda: [False])
     """Whether the whole step may be captured in one CUDA graph (only [False] on CPU)."""
+    dataloader_workers: list[int] = field(default_factory=list)
+    """DataLoader worker counts to try; empty (the default) when the search has no --data: its
+    timed steps are then fed ready-made batches, so there is no loader to tune."""
+    dataloader_pin_memory: list[bool] = field(default_factory=lambda: [False])
+    """DataLoader(pin_memory=...) choices ([False, True] with --data on a GPU)."""
+    dataloader_prefetch_factors: list[int] = field(default_factory=lambda: [2])
+    """DataLoader(prefetch_factor=...) choices, sampled only with workers."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

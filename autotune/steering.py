@@ -33,6 +33,7 @@ def offered(space: SearchSpace) -> dict[str, list[Any]]:
         "channel_alignment.multiple": list(space.alignments),
         "cuda_graphs.enabled": list(space.cuda_graphs),
         "compile.mode": list(space.compile_modes),
+        "dataloader.num_workers": list(space.dataloader_workers),
     }
 
 

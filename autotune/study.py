@@ -17,7 +17,9 @@ import optuna
 from optuna.trial import TrialState
 
 import strategies
+from autotune.distributed import SharedStudy, check_same_hardware, sampler_seed, setup_done, wait_for_setup
 from autotune.errors import ConfigError, WorkloadError
+from autotune.gpus import GpuPool, parse_gpus, pinned
 from autotune.measure import MeasureSettings
 from autotune.objective import Objective, TrialFailed, requeue
 from autotune.runner import run_worker
@@ -83,10 +85,17 @@ class SearchConfig:
     trial_timeout_s: float = 600.0
     measure: MeasureSettings | None = None
     command: str = ""
+    gpus: list[int] | str | None = None
+    """CUDA GPUs to search on in parallel, one trial worker on each ("0,1", [0, 1] or "all");
+    None: the first visible GPU. All must be the same model (autotune.gpus)."""
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cuda", "cpu"):
             raise ConfigError(f"--device {self.device!r}: use cuda, cpu or auto")
+        if isinstance(self.gpus, str):
+            self.gpus = parse_gpus(self.gpus)
+        if self.gpus is not None and self.device == "cpu":
+            raise ConfigError("--gpus runs one trial worker per CUDA GPU; it cannot go with --device cpu")
         if self.trials is not None and self.trials < 1:
             raise ConfigError(f"--trials must be at least 1, got {self.trials}")
         if self.budget_s is not None and self.budget_s < MIN_BUDGET_S:
@@ -466,12 +475,14 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     check_spec(config.workload)
     device = resolve_device(config.device)
+    gpu_pool = GpuPool.for_search(config.gpus, device)  # --gpus: refused on a CPU or a mix of GPU models
     # before any device time: the folder (or, by default, reports/) must take the results
     _check_writable(Path(config.out_dir) if config.out_dir else Path("reports"))
     # a user's storage URL is checked (and its tables created) before any device time
     storage = open_storage(config.storage) if config.storage else None
     started = time.time()
-    info = probe(config, device)
+    with pinned(gpu_pool.gpus[0].pin if gpu_pool else None):
+        info = probe(config, device)
     space = build_space(config, device, info)
     nvml = info.get("nvml") or {}
     if device == "cuda" and config.profile and nvml.get("available") is False:
@@ -483,16 +494,23 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
     (out_dir / "logs").mkdir(exist_ok=True)
     lock = _Lock(out_dir / ".search.lock")
     try:
+        if gpu_pool:
+            gpu_pool.activate()
         name = config.study_name or f"{config.workload.short_name}-{slug}"
         own_storage = config.storage is None
         storage = storage or open_storage(f"sqlite:///{out_dir / 'study.db'}")
         study = open_study(storage, name, config.seed)
-        if study.trials:
-            # a resumed study gets a fresh sampler seed, so it does not re-propose the same sequence
+        if study.trials or not own_storage:
+            # a resumed study gets a fresh sampler seed, so it does not re-propose the same sequence;
+            # on a shared storage, neither does another process joining it at the same moment
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                study.sampler = optuna.samplers.TPESampler(seed=config.seed + len(study.trials))
-        stored_space = study.user_attrs.get("space")
+                study.sampler = optuna.samplers.TPESampler(
+                    seed=sampler_seed(config.seed, len(study.trials), shared=not own_storage))
+        # several processes may join the study at once: one sets it up, the others wait for it
+        stored_space = wait_for_setup(storage, study)
+        check_same_hardware(study, device, info["provenance"], suggestion=f"{name}-{slug}",
+                            where=mask_url(config.storage or str(out_dir / "study.db")))
         if stored_space is not None and stored_space != space.to_dict():
             raise ConfigError(
                 f"study {name!r} in {mask_url(config.storage or str(out_dir / 'study.db'))} was made with another search space ({stored_space}); "
@@ -504,7 +522,9 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
             study.set_user_attr("provenance", info["provenance"])
             for role, params in seed_configurations(space):
                 study.enqueue_trial(params, user_attrs={"role": role})
+            setup_done(study)
         recovered = recover_dead_trials(study) if own_storage else []
+        shared = SharedStudy(study, storage, config.storage or f"sqlite:///{out_dir / 'study.db'}", config.trials)
         measure = config.measure = config.measure or MeasureSettings.for_device(device)
         gate = None
         if config.accuracy_check:
@@ -532,7 +552,8 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
                 if "duplicate_of" not in trial.user_attrs:
                     walls.append((trial.user_attrs.get("timing", {}).get("wall_s", 0.0), _compiles(trial)))
             emit("trial", trial)
-            if config.trials is not None and len(counted_trials(study)) >= config.trials:
+            # other processes of the study (and other GPUs' threads) count: finished or running
+            if config.trials is not None and shared.taken() >= config.trials:
                 study.stop()
             if config.budget_s is not None:
                 elapsed = time.time() - started
@@ -545,7 +566,10 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         if remaining is None or remaining > 0:
             timeout = None if config.budget_s is None else max(1.0, config.budget_s - (time.time() - started))
             try:
-                study.optimize(objective, n_trials=None, timeout=timeout, callbacks=[stop_rule],
+                # --gpus: Optuna's own parallel loop, a thread (and a GPU) per trial in flight
+                guarded = shared.guard(objective)
+                study.optimize(gpu_pool.wrap(guarded) if gpu_pool else guarded, n_trials=None, timeout=timeout,
+                               n_jobs=len(gpu_pool) if gpu_pool else 1, callbacks=[stop_rule],
                                catch=(TrialFailed,), gc_after_trial=False, show_progress_bar=False)
             except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: what was measured is still exported
                 interrupted = exc
@@ -560,6 +584,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         return SearchResult(study=study, out_dir=out_dir, space=space, probe=info,
                             elapsed_s=time.time() - started, new_trials=new_trials, files=files)
     finally:
+        GpuPool.deactivate()
         lock.release()
 
 

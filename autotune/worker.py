@@ -258,11 +258,10 @@ def _nvml_monitor(device: str, request: dict[str, Any]):
 
 def _nvml_index() -> int:
     """The NVML index of CUDA device 0 of this process: NVML ignores CUDA_VISIBLE_DEVICES, so the
-    first visible device's position in the full list is looked up (by PCI bus id where possible)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
-    if visible.isdigit():
-        return int(visible)
-    return 0
+    device is found by its PCI bus id (autotune.gpus.nvml_index)."""
+    from autotune.gpus import nvml_index
+
+    return nvml_index(0)
 
 
 def _gzip_in_place(path: str) -> None:

@@ -16,6 +16,7 @@ from strategies.batch_size import BatchSize
 from strategies.channel_alignment import ChannelAlignment
 from strategies.compile import Compile
 from strategies.cudnn import Cudnn
+from strategies.dataloader import DataLoaderStrategy
 from strategies.cuda_graphs import CudaGraphs
 from strategies.fp32_layers import FP32Layers
 from strategies.grad_scaler import GradScalerStrategy
@@ -33,6 +34,8 @@ REGISTRY: list[Strategy] = [
     FP32Layers(),  # after padding: it wraps the forward of the (possibly padded) layers
     MemoryFormat(),
     Cudnn(),
+    # the input pipeline: the DataLoader (only with --data) produces batches, streams copies them
+    DataLoaderStrategy(),
     Streams(),
     Threads(),
     # the step's execution, last: compile sees the model after every transform above, and

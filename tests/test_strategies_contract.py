@@ -51,6 +51,18 @@ SPACES = {
     ),
     # nothing to choose but the (single) batch size: most knobs do not apply
     "pinned": SearchSpace(device="cpu", batch_sizes=[32], base_batch_size=32),
+    # a search with --data: the DataLoader's settings are searched too
+    "data": SearchSpace(
+        device="cuda",
+        precisions=["fp32", "bf16"],
+        batch_sizes=[16, 32],
+        base_batch_size=16,
+        stream_counts=[1, 2],
+        cudnn_benchmark=[False, True],
+        dataloader_workers=[0, 1, 2, 4],
+        dataloader_pin_memory=[False, True],
+        dataloader_prefetch_factors=[2, 4],
+    ),
 }
 
 # which SearchSpace list each space-driven parameter must take its values from
@@ -62,6 +74,8 @@ SPACE_FIELD = {
     "cudnn.benchmark": "cudnn_benchmark",
     "streams.num_streams": "stream_counts",
     "threads.num_threads": "thread_counts",
+    "dataloader.num_workers": "dataloader_workers",
+    "dataloader.pin_memory": "dataloader_pin_memory",
 }
 
 STRATEGY_IDS = [s.name for s in strategies.REGISTRY]

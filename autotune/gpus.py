@@ -1,0 +1,200 @@
+"""Several GPUs of one machine: ``--gpus 0,1`` or ``--gpus all``.
+
+One search process runs ``study.optimize(n_jobs=len(gpus))``: Optuna's own parallel loop, one
+thread per GPU, each trial of a thread measured in a worker process pinned to that thread's GPU
+with ``CUDA_VISIBLE_DEVICES`` (autotune.runner reads :func:`current_pin`). The study, its lock,
+its output folder and its export stay one; the default SQLite storage is then written by several
+threads of one process, which its retries absorb.
+
+All GPUs of one search must be the same model: a study holds the measurements of one GPU model
+(see autotune.distributed), so a mixed machine runs one search per model, each with its own
+``--gpus`` and ``--study-name``; the refusal says which.
+
+NVML numbers GPUs in PCI bus order and ignores ``CUDA_VISIBLE_DEVICES``; :func:`nvml_index`
+finds the NVML device of a CUDA device by its PCI bus id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+from autotune.errors import ConfigError
+
+_local = threading.local()
+_default_pin: str | None = None
+
+
+def current_pin() -> str | None:
+    """The CUDA_VISIBLE_DEVICES value for a worker started by this thread: the GPU its trial was
+    given, else the search's first GPU, else None (the worker inherits the environment)."""
+    return getattr(_local, "pin", None) or _default_pin
+
+
+@contextlib.contextmanager
+def pinned(pin: str | None) -> Iterator[None]:
+    """Workers started by this thread inside the block see only the GPU ``pin``."""
+    before = getattr(_local, "pin", None)
+    _local.pin = pin
+    try:
+        yield
+    finally:
+        _local.pin = before
+
+
+def parse_gpus(text: str | None) -> list[int] | str | None:
+    """'0,1' -> [0, 1]; 'all' -> 'all'; None -> None."""
+    if text is None:
+        return None
+    if text.strip().lower() == "all":
+        return "all"
+    try:
+        indices = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ConfigError(f"--gpus {text!r}: give CUDA device indices such as 0,1 (as nvidia-smi numbers them "
+                          "when CUDA_VISIBLE_DEVICES is unset), or all") from None
+    if not indices or any(i < 0 for i in indices):
+        raise ConfigError(f"--gpus {text!r}: give CUDA device indices such as 0,1, or all")
+    if len(set(indices)) != len(indices):
+        raise ConfigError(f"--gpus {text!r} names a GPU twice; one trial worker runs per GPU")
+    return indices
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    """CUDA index as this process sees it (after the user's CUDA_VISIBLE_DEVICES)."""
+    name: str
+    pin: str
+    """The CUDA_VISIBLE_DEVICES value that shows a worker this GPU, and only it."""
+
+
+_LIST_SCRIPT = ("import json, torch; print(json.dumps([torch.cuda.get_device_properties(i).name "
+                "for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []))")
+
+
+def cuda_device_names() -> list[str]:
+    """The names of the CUDA devices this process would see, asked of a short subprocess so that
+    the search process itself never creates a CUDA context."""
+    proc = subprocess.run([sys.executable, "-c", _LIST_SCRIPT], capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise ConfigError(f"--gpus: listing the CUDA devices failed: {proc.stderr.strip()[-500:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def resolve(requested: list[int] | str, names: list[str], visible: str | None) -> list[Gpu]:
+    """The GPUs of ``--gpus``, each with the CUDA_VISIBLE_DEVICES value that pins a worker to it.
+
+    ``names``: the CUDA devices this process sees; ``visible``: this process's own
+    CUDA_VISIBLE_DEVICES (an index of ``--gpus`` counts within it, as CUDA counts).
+    """
+    if not names:
+        raise ConfigError("--gpus: PyTorch sees no CUDA GPU here; drop --gpus, or use --device cpu without it")
+    indices = list(range(len(names))) if requested == "all" else list(requested)
+    missing = [i for i in indices if i >= len(names)]
+    if missing:
+        raise ConfigError(f"--gpus: no CUDA device {', '.join(map(str, missing))}; this machine shows "
+                          f"{len(names)} ({', '.join(f'{i}: {n}' for i, n in enumerate(names))})")
+    parents = [p.strip() for p in visible.split(",")] if visible else None
+    gpus = [Gpu(index=i, name=names[i], pin=parents[i] if parents else str(i)) for i in indices]
+    models = sorted({g.name for g in gpus})
+    if len(models) > 1:
+        per_model = "; ".join(
+            f"--gpus {','.join(str(g.index) for g in gpus if g.name == m)} --study-name MODEL-{_slug(m)}"
+            for m in models)
+        raise ConfigError(f"--gpus mixes GPU models ({', '.join(models)}): a study holds the measurements of "
+                          f"one model. Run one search per model, each with its own --out: {per_model}")
+    return gpus
+
+
+def _slug(name: str) -> str:
+    import re
+
+    name = name.lower().replace("nvidia", "").replace("geforce", "")
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "gpu"
+
+
+class GpuPool:
+    """The search's GPUs, handed to trials: each trial takes a free GPU for its thread and gives
+    it back when it ends, so ``n_jobs=len(pool)`` threads never share one."""
+
+    def __init__(self, gpus: list[Gpu]) -> None:
+        self.gpus = gpus
+        self._free: queue.SimpleQueue[str] = queue.SimpleQueue()
+        for gpu in gpus:
+            self._free.put(gpu.pin)
+
+    def __len__(self) -> int:
+        return len(self.gpus)
+
+    @classmethod
+    def for_search(cls, requested: list[int] | str | None, device: str) -> "GpuPool | None":
+        """The pool for ``--gpus`` (None without it); refused on a CPU."""
+        if requested is None:
+            return None
+        if device != "cuda":
+            raise ConfigError("--gpus runs one trial worker per CUDA GPU, but this search runs on the CPU; "
+                              "drop --gpus, or search on a GPU machine with --device cuda")
+        return cls(resolve(requested, cuda_device_names(), os.environ.get("CUDA_VISIBLE_DEVICES")))
+
+    def activate(self) -> None:
+        """Workers started outside a trial (the probe, the final accuracy checks) use the first GPU."""
+        global _default_pin
+        _default_pin = self.gpus[0].pin
+
+    @staticmethod
+    def deactivate() -> None:
+        global _default_pin
+        _default_pin = None
+
+    def wrap(self, objective: Callable[[Any], float]) -> Callable[[Any], float]:
+        """``objective`` run with a GPU of its own for the trial's duration."""
+
+        def on_a_free_gpu(trial: Any) -> float:
+            pin = self._free.get()
+            try:
+                with pinned(pin):
+                    return objective(trial)
+            finally:
+                self._free.put(pin)
+
+        return on_a_free_gpu
+
+
+def _pci_bus_id(props: Any) -> str:
+    """NVML's form of a CUDA device's PCI address: domain:bus:device.function, in hex."""
+    return f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+
+
+def nvml_index(cuda_index: int = 0) -> int:
+    """The NVML index of CUDA device ``cuda_index`` of this process.
+
+    NVML ignores CUDA_VISIBLE_DEVICES and numbers GPUs in PCI bus order, while CUDA numbers the
+    visible ones, fastest first: the two agree only when every GPU is visible and alike. The
+    device is found by its PCI bus id; without NVML or torch's PCI fields, the first entry of
+    CUDA_VISIBLE_DEVICES when it is a plain index, else ``cuda_index``.
+    """
+    try:
+        import pynvml
+        import torch
+
+        props = torch.cuda.get_device_properties(cuda_index)
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByPciBusId(_pci_bus_id(props))
+            return int(pynvml.nvmlDeviceGetIndex(handle))
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML, no such field in this torch: fall back to the environment
+        pass
+    visible = [p.strip() for p in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    if len(visible) > cuda_index and visible[cuda_index].isdigit():
+        return int(visible[cuda_index])
+    return cuda_index
