@@ -601,23 +601,27 @@ class AccuracyGate:
         return run, reference
 
     def near_frontier(self, study, value: float) -> bool:
-        """Whether a throughput is on or near the speed frontier of what is recommendable."""
+        """Whether an objective value (samples/s, or joules per sample or peak memory, which are
+        minimized) is on or near the frontier of what is recommendable."""
+        from optuna.study import StudyDirection
         from optuna.trial import TrialState
 
+        maximize = study.direction == StudyDirection.MAXIMIZE
         best = value
         for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
             if t.value is not None and not t.user_attrs.get("unstable") and not failed(accuracy_of(study, t)):
-                best = max(best, t.value)
-        return value >= NEAR_FRONTIER * best
+                best = max(best, t.value) if maximize else min(best, t.value)
+        return value >= NEAR_FRONTIER * best if maximize else value * NEAR_FRONTIER <= best
 
     def ensure_recommendation(self, study, deadline: float | None = None):
-        """Check the fastest trials without evidence, fastest first, until one passes. Returns the
-        recommended trial (fastest with passing evidence) or None."""
+        """Check the best trials (under the study's objective) without evidence, best first, until
+        one passes. Returns the recommended trial (best with passing evidence) or None."""
+        from optuna.study import StudyDirection
         from optuna.trial import TrialState
 
         done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
                 if t.value is not None and not t.user_attrs.get("unstable") and "knobs" in t.user_attrs]
-        for t in sorted(done, key=lambda t: t.value, reverse=True):
+        for t in sorted(done, key=lambda t: t.value, reverse=study.direction == StudyDirection.MAXIMIZE):
             acc = accuracy_of(study, t)
             if acc is None:
                 acc = self.evidence(study, t.user_attrs["knobs"], check=True)

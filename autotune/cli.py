@@ -49,7 +49,11 @@ def _add_search(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-profile", dest="profile", action="store_false",
                    help="do not profile trials (torch.profiler and NVML, on a GPU) nor derive findings")
     p.add_argument("--no-steer", dest="steer", action="store_false",
-                   help="do not queue the configurations the findings suggest (plain TPE)")
+                   help="plain TPE over the whole space: do not queue the configurations the findings suggest, "
+                        "nor stop exploring knobs measured to have no effect")
+    p.add_argument("--objective", default="throughput", choices=["throughput", "energy", "memory"],
+                   help="what to optimize: throughput (samples/s, the default), energy (joules per sample; "
+                        "needs NVML on an NVIDIA GPU) or memory (peak memory)")
     p.add_argument("--out", type=Path, help="output folder (default reports/<model>-<gpu>/)")
     p.add_argument("--storage", help="Optuna storage URL (default: sqlite study.db in the output folder); "
                                      "processes and machines given the same postgresql://USER@HOST/DB and "
@@ -158,6 +162,10 @@ class _ProgressView:
         if kind == "end":
             self.progress.stop()
             return
+        if kind == "fixed":
+            for param, entry in payload.items():
+                self.progress.console.print(f"  no longer explored: {param} = {entry['value']!r} ({entry['reason']})")
+            return
         trial = payload
         attrs = trial.user_attrs
         fig = attrs.get("figures") or {}
@@ -180,7 +188,9 @@ class _ProgressView:
         else:
             left_s = max(0.0, self.config.budget_s - elapsed)
             self.progress.update(self.task, completed=min(elapsed, self.config.budget_s))
-        best_text = f"best {_fmt_rate(best.value)} (#{best.number})" if best else "no result yet"
+        from autotune.goal import goal_of
+
+        best_text = f"best {goal_of(self.study).format(best.value)} (#{best.number})" if best else "no result yet"
         self.progress.update(self.task, description=f"{done} trials, {best_text}", status=f"~{left_s:,.0f}s left")
 
 
@@ -207,6 +217,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         max_batch_size=args.max_batch_size,
         precisions=[m.strip() for m in args.precisions.split(",")] if args.precisions else None,
         input_on_device=args.input_on_device, compile=args.compile, profile=args.profile, steer=args.steer,
+        objective=args.objective,
         seed=args.seed, gpus=args.gpus,
         trial_timeout_s=args.trial_timeout, command=_command_line(args),
         accuracy_check=not args.no_accuracy_check, max_accuracy_drop=args.max_accuracy_drop,
@@ -251,6 +262,17 @@ def _print_summary(out_dir: Path, elapsed_s: float | None = None) -> bool:
     if "speedup_vs_baseline" in data:
         console.print(f"speed-up over the FP32 baseline: {data['speedup_vs_baseline']:.2f}x, "
                       f"memory {data['memory_vs_baseline']:.2f}x")
+    from autotune.goal import goal_of_config
+
+    target, ranked = goal_of_config(data), data.get("objective") or {}
+    line = f"objective: {target.text}"
+    if ranked.get("value") is not None:
+        line += f"; best {target.format(ranked['value'])}"
+        if ranked.get("baseline_value") is not None:
+            line += f", FP32 baseline {target.format(ranked['baseline_value'])}"
+    console.print(line)
+    for param, entry in (data.get("fixed_knobs") or {}).items():
+        console.print(f"no longer explored: {param} = {entry['value']!r} ({entry['reason']})")
     s = data["search"]
     console.print(f"search cost over {s['num_trials']} trials ({s['num_measured']} measured): worker start "
                   f"{s['worker_start_s']:.0f}s, build {s['build_s']:.0f}s, warm-up {s['warmup_s']:.0f}s, "

@@ -374,6 +374,7 @@ def _side_by_side(runs: list[Run]) -> Section:
         row("CUDA", prov("cuda")),
         row("cuDNN", [cudnn_version(r.provenance.get("cudnn")) for r in runs]),
         row("driver", prov("driver")),
+        row("objective", [_objective_text(r) for r in runs]),
         row("best configuration", [r.best.summary for r in runs]),
         row("samples/s", [_rate(r.best.samples_per_s) for r in runs]),
         row("step ms", [_fixed(r.best.step_time_ms, 1) for r in runs]),
@@ -382,7 +383,27 @@ def _side_by_side(runs: list[Run]) -> Section:
                               f"{r.baseline.summary}: {_rate(r.baseline.samples_per_s)} samples/s" for r in runs]),
         row("speed-up over own FP32 baseline", [_times(r.speedup) for r in runs]),
         row("joules per sample", [energy(r) for r in runs]),
-    ])
+    ], note=_objective_note(runs))
+
+
+def _objective_note(runs: list[Run]) -> str:
+    from autotune.goal import goal_of_config
+
+    names = [goal_of_config(r.info).name for r in runs]
+    if len(set(names)) == 1:
+        return f"each run's best configuration is the best by {names[0]}"
+    return ("the runs optimized different objectives (" + ", ".join(names) + "): each best configuration is "
+            "the best by its own run's objective, so their figures answer different questions")
+
+
+def _objective_text(run: Run) -> str:
+    """What the run's best configuration was ranked by (config.json's objective; throughput for a
+    config.json written before --objective existed), with its value."""
+    from autotune.goal import goal_of_config
+
+    target = goal_of_config(run.info)
+    value = (run.info.get("objective") or {}).get("value") if isinstance(run.info.get("objective"), dict) else None
+    return target.name + (f": {target.format(value)}" if value is not None else "")
 
 
 def _knob_section(runs: list[Run], differing: dict[str, list[Any]]) -> Section:

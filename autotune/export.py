@@ -144,6 +144,15 @@ def export(study: optuna.Study, out_dir: Path, *, config, space: SearchSpace, pr
         b, f = base.user_attrs["figures"], best.user_attrs["figures"]
         info["speedup_vs_baseline"] = f["samples_per_s"] / b["samples_per_s"]
         info["memory_vs_baseline"] = f["peak_memory_bytes"] / b["peak_memory_bytes"]
+    # what the best was ranked by (the study's objective), and the knobs the search stopped exploring
+    from autotune.goal import goal_of
+    from autotune.knob_effects import fixed_knobs
+
+    target = goal_of(study)
+    info["objective"] = {"name": target.name, "direction": target.direction, "unit": target.unit,
+                         "value": best.value, "baseline_value": base.value if base is not None else None}
+    if fixed_knobs(study):
+        info["fixed_knobs"] = fixed_knobs(study)
     accuracy = accuracy_of(study, best)
     if accuracy is not None:
         # the evidence that this configuration trains as well as FP32 (steps, loss, accuracy,

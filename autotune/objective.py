@@ -32,12 +32,16 @@ def requeue(study: optuna.Study, trial: optuna.Trial | optuna.trial.FrozenTrial)
 
 
 class Objective:
-    """Callable for ``study.optimize``: returns samples/s, or prunes with a reason."""
+    """Callable for ``study.optimize``: returns the objective's value (samples/s by default,
+    joules per sample or peak memory bytes; see autotune.goal), or prunes with a reason."""
 
     def __init__(self, *, space, workload: dict[str, Any], measure: dict[str, Any], input_on_device: bool,
                  seed: int, trial_timeout_s: float, log_dir: Path | None = None,
                  deadline: float | None = None, accuracy=None, profile: bool = True,
-                 misaligned: list[str] | None = None, steer: bool = True, data: str | None = None) -> None:
+                 misaligned: list[str] | None = None, steer: bool = True, goal=None,
+                 data: str | None = None) -> None:
+        from autotune.goal import goal as goal_named
+
         self.space = space
         self.workload = workload
         self.measure = measure
@@ -56,6 +60,8 @@ class Objective:
         """Layers whose widths are not multiples of 8 (from the probe), for the findings."""
         self.steer = steer
         """Queue the configurations the findings suggest."""
+        self.goal = goal or goal_named(None)
+        """What a trial's value is (autotune.goal.Goal); throughput when not given."""
         self.data = data
         """--data: the timed steps are fed by a DataLoader over it (the dataloader knob); None:
         ready-made batches."""
@@ -155,7 +161,12 @@ class Objective:
         if status == "ok" and figures:
             if not figures.get("loss_finite", True):
                 trial.set_user_attr("unstable", True)
-            value = float(figures["samples_per_s"])
+            value = self.goal.value(figures, trial.user_attrs.get("energy"))
+            if value is None:
+                text = (f"measured, but without the {self.goal.unit} that --objective {self.goal.name} ranks by "
+                        "(NVML gave no energy reading for this trial)")
+                trial.set_user_attr("reason", text)
+                raise TrialFailed(f"trial {trial.number}: {text}")
             self._check_accuracy(trial, value)
             return value
         if status == "oom":

@@ -305,6 +305,13 @@ def _summary(d: _Data) -> list[dict[str, str]]:
     """The summary, as (label, text) items shared by HTML and Markdown."""
     items = [{"label": "Device", "text": _device_text(d)}, {"label": "Model", "text": _model_text(d)}]
     best, base, cfg = d.best, d.baseline, d.config or {}
+    from autotune.goal import goal_of_config
+
+    items.append({"label": "Objective", "text": goal_of_config(cfg).text + ": the best configuration is ranked by it"})
+    fixed = cfg.get("fixed_knobs") or {}
+    if fixed:
+        items.append({"label": "Knobs no longer explored", "text": "; ".join(
+            f"{param} = {entry['value']!r} ({entry['reason']})" for param, entry in fixed.items())})
     if best is None:
         items.append({"label": "Best configuration", "text": "none: no configuration completed"})
     else:
@@ -1021,7 +1028,10 @@ def render_markdown(d: _Data) -> str:
         out += _md_table(["", "trial", "configuration", "samples/s", "step ms", "peak GiB", *extra_cols], rows)
         out.append("")
 
-        top = d.measured.sort_values("samples_per_s", ascending=False).head(10)
+        from autotune.goal import goal_of_config
+
+        ranking = goal_of_config(cfg)  # the top configurations under the search's objective
+        top = d.measured.sort_values(ranking.column, ascending=not ranking.maximize).head(10)
         base_rate = _num(d.baseline["samples_per_s"]) if d.baseline is not None else None
         out += ["## Top 10 configurations", ""]
         out += _md_table(

@@ -5,7 +5,9 @@ with the parameters of its remedy (``autotune.findings``). The remedy applied to
 parameters is a concrete configuration; it is completed through the strategies (a switch to fp16
 brings the GradScaler's parameters, at their defaults) and queued with Optuna's
 ``enqueue_trial``, so the next trials test what the profile says instead of what TPE guesses. A
-configuration already measured or queued is not queued again.
+configuration already measured or queued is not queued again (every one compared in its completed
+form, so a seed queued with fewer parameters still counts), and a remedy that changes a knob
+``autotune.knob_effects`` found to have no effect is not queued.
 """
 
 from __future__ import annotations
@@ -72,14 +74,20 @@ def complete_params(params: Mapping[str, Any], space: SearchSpace) -> dict[str, 
 def steer(study: optuna.Study, trial: optuna.trial.FrozenTrial | optuna.Trial, findings: list[Finding],
           space: SearchSpace, *, limit: int = MAX_STEERED_PER_TRIAL) -> list[dict[str, Any]]:
     """Queue the remedies of ``findings`` on top of ``trial``'s parameters; returns what was queued."""
+    from autotune.knob_effects import fixed_knobs
+
     # a queued trial has no params until it runs: its parameters wait in its fixed_params
-    known = [t.params or t.system_attrs.get("fixed_params", {}) for t in study.get_trials(deepcopy=False)]
+    known = [complete_params(t.params or t.system_attrs.get("fixed_params", {}), space)
+             for t in study.get_trials(deepcopy=False)]
+    fixed = {param: entry["value"] for param, entry in fixed_knobs(study).items()}
     queued: list[dict[str, Any]] = []
     for finding in findings:
         if len(queued) >= limit:
             break
         if not finding.suggest:
             continue
+        if any(param in fixed and value != fixed[param] for param, value in finding.suggest.items()):
+            continue  # measured to make no difference
         params = complete_params({**trial.params, **finding.suggest}, space)
         if params == trial.params or params in known or params in queued:
             continue

@@ -20,6 +20,7 @@ import strategies
 from autotune.distributed import SharedStudy, check_same_hardware, sampler_seed, setup_done, wait_for_setup
 from autotune.errors import ConfigError, WorkloadError
 from autotune.gpus import GpuPool, parse_gpus, pinned
+from autotune.knob_effects import apply_fixed_knobs, fix_no_effect_knobs
 from autotune.measure import MeasureSettings
 from autotune.objective import Objective, TrialFailed, requeue
 from autotune.runner import run_worker
@@ -80,7 +81,11 @@ class SearchConfig:
     profile: bool = True
     """Profile each GPU trial (torch.profiler and NVML) and derive its findings."""
     steer: bool = True
-    """Queue the configurations the findings suggest."""
+    """Queue the configurations the findings suggest, and stop exploring knobs shown to have no
+    effect (autotune.knob_effects)."""
+    objective: str = "throughput"
+    """What the search optimizes: "throughput" (samples/s), "energy" (joules per sample, NVML) or
+    "memory" (peak memory); see autotune.goal."""
     seed: int = 0
     trial_timeout_s: float = 600.0
     measure: MeasureSettings | None = None
@@ -115,6 +120,9 @@ class SearchConfig:
             raise ConfigError("--precisions must include fp32: the FP32 baseline is what every figure is compared with")
         if self.trial_timeout_s <= 0:
             raise ConfigError("--trial-timeout must be positive")
+        from autotune.goal import goal
+
+        goal(self.objective)  # an unknown name gets the list of objectives
         if self.accuracy_check:
             from autotune.accuracy import AccuracySettings
             from autotune.data import check_data_spec
@@ -363,12 +371,16 @@ def counted_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
 
 
 def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
-    """The fastest completed trial that is neither unstable nor failed its accuracy check."""
+    """The best completed trial under the study's objective (its direction: the fastest, or the
+    least energy or memory) that is neither unstable nor failed its accuracy check."""
     from autotune.accuracy import accuracy_of, failed
 
     done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
             if not t.user_attrs.get("unstable") and not failed(accuracy_of(study, t))]
-    return max(done, key=lambda t: t.value) if done else None
+    if not done:
+        return None
+    pick = max if study.direction == optuna.study.StudyDirection.MAXIMIZE else min
+    return pick(done, key=lambda t: t.value)
 
 
 def baseline_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
@@ -442,12 +454,27 @@ class _Lock:
         self.file.close()
 
 
-def open_study(storage: optuna.storages.BaseStorage, name: str, seed: int) -> optuna.Study:
+def open_study(storage: optuna.storages.BaseStorage, name: str, seed: int,
+               objective: str = "throughput") -> optuna.Study:
+    """Create the study for ``objective`` (its direction, recorded as a user attribute), or load
+    it; a study made for another objective is refused (Optuna's load_if_exists would silently
+    keep the stored direction, and the values of the two objectives must never be mixed)."""
+    from autotune.goal import OBJECTIVE_ATTR, goal, goal_of
+
+    wanted = goal(objective)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         sampler = optuna.samplers.TPESampler(seed=seed)
-    return optuna.create_study(storage=storage, study_name=name, direction="maximize",
-                               sampler=sampler, load_if_exists=True)
+    study = optuna.create_study(storage=storage, study_name=name, direction=wanted.direction,
+                                sampler=sampler, load_if_exists=True)
+    if OBJECTIVE_ATTR not in study.user_attrs and not study.trials and study.direction.name.lower() == wanted.direction:
+        study.set_user_attr(OBJECTIVE_ATTR, wanted.name)
+    stored = goal_of(study)
+    if stored != wanted or study.direction.name.lower() != wanted.direction:
+        raise ConfigError(f"study {name!r} was created with --objective {stored.name} ({stored.text}); resuming it "
+                          f"with --objective {wanted.name} would mix the two objectives' values. Resume it with "
+                          f"--objective {stored.name}, or start a new search with another --study-name or --out")
+    return study
 
 
 def recover_dead_trials(study: optuna.Study) -> list[int]:
@@ -480,9 +507,16 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
     _check_writable(Path(config.out_dir) if config.out_dir else Path("reports"))
     # a user's storage URL is checked (and its tables created) before any device time
     storage = open_storage(config.storage) if config.storage else None
+    from autotune.goal import goal, nvml_refusal
+
+    target = goal(config.objective)
+    if target.needs_nvml and device != "cuda":  # known before the probe: refuse at once
+        raise ConfigError(nvml_refusal(device, None))
     started = time.time()
     with pinned(gpu_pool.gpus[0].pin if gpu_pool else None):
         info = probe(config, device)
+    if target.needs_nvml and (refusal := nvml_refusal(device, info.get("nvml"))):
+        raise ConfigError(refusal)
     space = build_space(config, device, info)
     nvml = info.get("nvml") or {}
     if device == "cuda" and config.profile and nvml.get("available") is False:
@@ -499,7 +533,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         name = config.study_name or f"{config.workload.short_name}-{slug}"
         own_storage = config.storage is None
         storage = storage or open_storage(f"sqlite:///{out_dir / 'study.db'}")
-        study = open_study(storage, name, config.seed)
+        study = open_study(storage, name, config.seed, config.objective)
         if study.trials or not own_storage:
             # a resumed study gets a fresh sampler seed, so it does not re-propose the same sequence;
             # on a shared storage, neither does another process joining it at the same moment
@@ -507,6 +541,9 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 study.sampler = optuna.samplers.TPESampler(
                     seed=sampler_seed(config.seed, len(study.trials), shared=not own_storage))
+        if config.steer:
+            # knobs an earlier run of this study found to have no effect stay fixed
+            apply_fixed_knobs(study)
         # several processes may join the study at once: one sets it up, the others wait for it
         stored_space = wait_for_setup(storage, study)
         check_same_hardware(study, device, info["provenance"], suggestion=f"{name}-{slug}",
@@ -538,7 +575,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
                               input_on_device=config.input_on_device, seed=config.seed,
                               trial_timeout_s=config.trial_timeout_s, log_dir=out_dir / "logs",
                               deadline=None if config.budget_s is None else started + config.budget_s,
-                              profile=config.profile, steer=config.steer,
+                              profile=config.profile, steer=config.steer, goal=target,
                               misaligned=(info.get("misaligned") or {}).get("8"))
         emit("start", {"space": space, "probe": info, "out_dir": out_dir, "study": study,
                        "recovered": recovered, "done": len(counted_trials(study)), "config": config})
@@ -551,6 +588,11 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
                 new_trials += 1
                 if "duplicate_of" not in trial.user_attrs:
                     walls.append((trial.user_attrs.get("timing", {}).get("wall_s", 0.0), _compiles(trial)))
+            if config.steer and "status" in trial.user_attrs:
+                # knobs whose measured effect is below noise stop being explored
+                newly = fix_no_effect_knobs(study)
+                if newly:
+                    emit("fixed", newly)
             emit("trial", trial)
             # other processes of the study (and other GPUs' threads) count: finished or running
             if config.trials is not None and shared.taken() >= config.trials:
