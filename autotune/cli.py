@@ -78,9 +78,11 @@ def _add_accuracy_options(p: argparse.ArgumentParser) -> None:
                         "configuration may lose (default 0.1)")
     p.add_argument("--accuracy-steps", type=int,
                    help="training steps of the accuracy check (default 300 on GPU, 100 on CPU)")
-    p.add_argument("--data", help="the accuracy check's data: a folder in ImageFolder layout (DIR/<class>/<image>) "
-                                  "or package.module:factory returning (train, held_out) datasets; default: "
-                                  "a learnable synthetic set at the model's input size")
+    p.add_argument("--data", help="real data: a folder in ImageFolder layout (DIR/<class>/<image>) "
+                                  "or package.module:factory returning (train, held_out) datasets; it feeds the "
+                                  "timed steps through a DataLoader (whose workers, pinning and prefetch are "
+                                  "searched) and the accuracy check; default: synthetic batches, and a "
+                                  "learnable synthetic set at the model's input size for the accuracy check")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,7 +23,19 @@ ELEMENTWISE_SHARE = 0.30
 POWER_CAP_SHARE = 0.20
 THERMAL_SHARE = 0.05
 DATA_BOUND_RATIO = 0.90
-"""Loader-fed throughput below this share of the same step fed from memory is data-bound."""
+"""Loader-fed throughput below this share of the same step fed from memory is data-bound ..."""
+DATA_WAIT_SHARE = 0.05
+"""... when the step waited for its batches at least this share of the time, or ..."""
+DATA_BOUND_CLEAR_RATIO = 0.75
+"""... when the loss is this large even without waits (the loader's workers taking the CPU the
+step needs). A smaller loss without waits is within the noise of two separate windows."""
+
+
+def is_data_bound(loader_fed: float, compute_only: float, wait_share: float) -> bool:
+    """Whether a DataLoader-fed step is held back by its data pipeline (see the thresholds above)."""
+    if loader_fed >= DATA_BOUND_RATIO * compute_only:
+        return False
+    return wait_share >= DATA_WAIT_SHARE or loader_fed < DATA_BOUND_CLEAR_RATIO * compute_only
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from autotune.storage import mask_url, open_storage  # noqa: F401  (mask_url: us
 from autotune.workloads import WorkloadSpec, check_spec
 from strategies import batch_size as batch_size_strategy
 from strategies import compile as compile_strategy
+from strategies import dataloader as dataloader_strategy
 from strategies import optimizer as optimizer_strategy
 from strategies import fp32_layers as fp32_layers_strategy
 from strategies import threads as threads_strategy
@@ -130,7 +131,12 @@ class SearchConfig:
             self.accuracy_settings("cpu")  # validates the thresholds and the step count
             check_data_spec(self.data)
         elif self.data is not None:
-            raise ConfigError("--data feeds the accuracy check, which --no-accuracy-check turns off; drop one of them")
+            from autotune.data import check_data_spec
+
+            check_data_spec(self.data)  # it still feeds the timed steps, through a DataLoader
+        if self.data is not None and self.input_on_device:
+            raise ConfigError("--input-on-device keeps synthetic batches on the GPU, but --data feeds the timed "
+                              "steps from a DataLoader; drop one of them")
 
     def accuracy_settings(self, device: str):
         """The accuracy check's settings on ``device`` (validated: a bad value raises ConfigError)."""
@@ -258,6 +264,10 @@ def build_space(config: SearchConfig, device: str, info: dict[str, Any]) -> Sear
         zero_grad_set_to_none=[True, False] if cuda else [True],
         compile_modes=_compile_modes(config, device, info),
         cuda_graphs=[False, True] if cuda else [False],
+        # with real data the timed steps are fed by a DataLoader, whose settings are searched too
+        dataloader_workers=dataloader_strategy.candidates() if config.data else [],
+        dataloader_pin_memory=[False, True] if cuda and config.data else [False],
+        dataloader_prefetch_factors=dataloader_strategy.PREFETCH_FACTORS if config.data else [2],
     )
 
 
@@ -296,6 +306,7 @@ def seed_configurations(space: SearchSpace) -> list[tuple[str, dict[str, Any]]]:
         "precision.mode": "fp32", "batch_size.batch_size": base, "channel_alignment.multiple": 1,
         "memory_format.format": "contiguous", "cudnn.benchmark": False, "streams.num_streams": 1,
         "threads.num_threads": max(space.thread_counts) if space.thread_counts else 0,
+        **dataloader_strategy.seed_params(space, tuned=False),
         **untuned_step,
     })
     seeds = [("baseline", baseline)]
@@ -304,6 +315,7 @@ def seed_configurations(space: SearchSpace) -> list[tuple[str, dict[str, Any]]]:
               "fp32_layers.layers": "none",
               "streams.num_streams": max(space.stream_counts),
               "threads.num_threads": max(space.thread_counts) if space.thread_counts else 0,
+              **dataloader_strategy.seed_params(space, tuned=True),
               **untuned_step}
     scaler = {"grad_scaler.init_scale": 2.0**16, "grad_scaler.growth_factor": 2.0,
               "grad_scaler.backoff_factor": 0.5, "grad_scaler.growth_interval": 2000}
@@ -572,7 +584,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
                                 log_dir=out_dir / "logs")
             gate.attach(study)
         objective = Objective(accuracy=gate, space=space, workload=config.workload.to_dict(), measure=measure.to_dict(),
-                              input_on_device=config.input_on_device, seed=config.seed,
+                              input_on_device=config.input_on_device, seed=config.seed, data=config.data,
                               trial_timeout_s=config.trial_timeout_s, log_dir=out_dir / "logs",
                               deadline=None if config.budget_s is None else started + config.budget_s,
                               profile=config.profile, steer=config.steer, goal=target,
