@@ -12,8 +12,9 @@ them and the sampler sees every process's results. What this module adds on top:
 - a study's measurements belong to one kind of hardware: a process on another GPU model (or a CPU
   joining a GPU study) is refused, with the study name to use instead (:func:`check_same_hardware`);
 - ``--trials N`` counts the study's trials, all processes together: a process stops once the
-  finished trials plus those that live processes are running make N, and a trial started in the
-  instant two processes both saw room for one more ends unmeasured (:class:`SharedStudy`);
+  finished trials make N, waiting for those that live processes are running (one of them may die,
+  and its trial is then re-run); a trial started in the instant two processes both saw room for
+  one more ends unmeasured (:class:`SharedStudy`);
 - each trial records which process (host:pid) and GPU ran it, so a process sees when another one
   writes to the same SQLite file and says to use PostgreSQL instead.
 
@@ -157,11 +158,25 @@ class SharedStudy:
         return [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
                 if t._trial_id not in stale and (before is None or t.number < before)]
 
-    def taken(self) -> int:
-        """Trials that count towards --trials: finished with an outcome, or running in a live process."""
+    def has_its_trials(self, deadline: float | None = None) -> bool:
+        """Whether the study has its --trials: finished ones, and those running in live processes
+        (this process's other GPUs included), which are waited for; False as soon as there is room
+        for another trial. A process that died mid-trial stops counting once its heartbeat is
+        stale, and the next trial started here re-runs its trial: no process stops while a dead
+        one's trial is still RUNNING. ``deadline`` (time.time()) ends the wait: --budget."""
         from autotune.study import counted_trials
 
-        return len(counted_trials(self.study)) + len(self.live_running())
+        assert self.trials is not None
+        interval = max(1, self.storage.heartbeat_interval or 1)
+        while True:
+            counted = len(counted_trials(self.study))
+            if counted >= self.trials:
+                return True
+            if counted + len(self.live_running()) < self.trials:
+                return False
+            if deadline is not None and time.time() >= deadline:
+                return True
+            time.sleep(interval)
 
     def guard(self, objective: Callable[[optuna.Trial], float]) -> Callable[[optuna.Trial], float]:
         """``objective`` behind the checks each trial passes first: it records its process, warns
@@ -181,9 +196,8 @@ class SharedStudy:
                 from autotune.study import counted_trials
 
                 ahead = len(counted_trials(self.study)) + len(self.live_running(before=trial.number))
-                if ahead >= self.trials:
+                if ahead >= self.trials:  # the stop rule then waits for those, see has_its_trials
                     self._give_back(trial)
-                    self.study.stop()
                     raise TrialFailed(f"trial {trial.number} not run: the study's {self.trials} trials are "
                                       "finished or running in other processes")
             return objective(trial)

@@ -606,8 +606,10 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
                 if newly:
                     emit("fixed", newly)
             emit("trial", trial)
-            # other processes of the study (and other GPUs' threads) count: finished or running
-            if config.trials is not None and shared.taken() >= config.trials:
+            # other processes of the study (and other GPUs' threads) count: finished, or running
+            # and waited for (a process that dies has its trial re-run here)
+            if config.trials is not None and shared.has_its_trials(
+                    deadline=None if config.budget_s is None else started + config.budget_s):
                 study.stop()
             if config.budget_s is not None:
                 elapsed = time.time() - started

@@ -75,7 +75,7 @@ def _owner_pid(trial: optuna.trial.FrozenTrial) -> int | None:
 @pytest.mark.slow
 def test_two_processes_share_one_postgres_study_and_a_killed_ones_trial_is_rerun_once(postgres_url, tmp_path):
     name = f"shared-{uuid.uuid4().hex[:8]}"
-    total = 6
+    total = 5
     common = ["--model", "fake_models:tiny_cnn", *SMALL, "--trials", str(total),
               "--storage", postgres_url, "--study-name", name]
     logs = {k: open(tmp_path / f"{k}.log", "w") for k in "ab"}
