@@ -21,9 +21,9 @@ from autotune.findings import derive, is_data_bound
 from autotune.measure import MeasureSettings
 from autotune.space import SearchSpace
 from autotune.steering import complete_params
-from autotune.study import SearchConfig, build_space, seed_configurations
+from autotune.study import SearchConfig, build_space, run_search, seed_configurations
 from autotune.workloads import WorkloadSpec
-from conftest import ROOT, run_cli
+from conftest import ROOT
 from strategies import dataloader as dataloader_strategy
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -208,9 +208,11 @@ def test_cpu_search_on_jpegs_records_the_loader_and_reports_it(tmp_path):
     assert said.startswith("wrote 160 JPEGs in 4 classes")
     assert sorted(p.name for p in data.iterdir()) == ["class00", "class01", "class02", "class03"]
     out = tmp_path / "out"
-    run_cli("search", "--model", "fake_models:tiny_cnn", "--device", "cpu", "--input-shape", "3x32x32",
-            "--num-classes", "10", "--min-measure-time", "0.3", "--trials", "2", "--no-accuracy-check",
-            "--data", str(data), "--out", str(out))
+    # in process (each trial still in its own worker), with short warm-ups: a shared CPU is noisy
+    measure = MeasureSettings(min_warmup_steps=1, max_warmup_s=2.0, steady_tolerance=0.15, min_steps=3,
+                              min_time_s=0.3, max_steps=100, spread_tolerance=0.3, max_remeasure=0)
+    run_search(SearchConfig(workload=SPEC, device="cpu", trials=2, accuracy_check=False, data=str(data),
+                            out_dir=out, measure=measure))
     trials = pd.read_csv(out / "trials.csv")
     trials = trials[trials["state"] == "COMPLETE"]  # a data-bound finding may have queued one more
     assert len(trials) == 2
