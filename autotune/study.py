@@ -271,6 +271,15 @@ def build_space(config: SearchConfig, device: str, info: dict[str, Any]) -> Sear
     )
 
 
+def _same_space(stored: dict[str, Any], space: SearchSpace) -> bool:
+    """Whether a study's stored space is ``space``; a field added since the study was made (the
+    dataloader's, say) takes its default, which is what the study's trials ran with."""
+    try:
+        return SearchSpace.from_dict(stored).to_dict() == space.to_dict()
+    except TypeError:  # a field this version does not know: made by a newer autotune
+        return False
+
+
 def _nearest(values: list[int], target: int) -> int:
     return min(values, key=lambda v: (abs(v - target), v))
 
@@ -459,7 +468,9 @@ class _Lock:
         except BlockingIOError:
             self.file.close()
             raise ConfigError(f"another `autotune search` is running on {path.parent}; wait for it to end, "
-                              "or give this one another --out") from None
+                              "or give this one another --out (to search one study with several processes, "
+                              "give each its own --out and the same --storage postgresql://USER@HOST/DB "
+                              "--study-name NAME; on one machine, --gpus)") from None
 
     def release(self) -> None:
         fcntl.flock(self.file, fcntl.LOCK_UN)
@@ -560,7 +571,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         stored_space = wait_for_setup(storage, study)
         check_same_hardware(study, device, info["provenance"], suggestion=f"{name}-{slug}",
                             where=mask_url(config.storage or str(out_dir / "study.db")))
-        if stored_space is not None and stored_space != space.to_dict():
+        if stored_space is not None and not _same_space(stored_space, space):
             raise ConfigError(
                 f"study {name!r} in {mask_url(config.storage or str(out_dir / 'study.db'))} was made with another search space ({stored_space}); "
                 "resume it with the same options, or start a new one with another --study-name or --out")
