@@ -300,3 +300,15 @@ def test_the_nvml_index_is_found_by_pci_bus_id(monkeypatch):
     assert gpus.nvml_index(0) == 3 and gpus.nvml_index(1) == 1
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert gpus.nvml_index(0) == 0
+
+
+def test_a_second_search_on_the_same_folder_is_told_how_to_share_a_study(tmp_path):
+    from autotune.study import _Lock
+
+    first = _Lock(tmp_path / ".search.lock")
+    try:
+        with pytest.raises(ConfigError, match=r"same --storage postgresql://USER@HOST/DB --study-name NAME"):
+            _Lock(tmp_path / ".search.lock")
+    finally:
+        first.release()
+    _Lock(tmp_path / ".search.lock").release()  # free again once the first search ends
