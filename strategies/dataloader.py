@@ -126,5 +126,9 @@ class EndlessSampler(Sampler[int]):
 
 
 def endless_loader(dataset: Dataset, batch_size: int, kwargs: Mapping[str, Any], *, seed: int = 0) -> DataLoader:
-    """The DataLoader a trial feeds its steps from: ``kwargs`` (the knob's), an endless shuffle."""
+    """The DataLoader a trial feeds its steps from: ``kwargs`` (the knob's), an endless shuffle.
+
+    Without ``persistent_workers``: there is no second epoch to keep them for, and a persistent
+    loader would hold its iterator, so dropping the iterator would not stop the workers."""
+    kwargs = {k: v for k, v in kwargs.items() if k != "persistent_workers"}
     return DataLoader(dataset, batch_size=batch_size, sampler=EndlessSampler(len(dataset), seed), **kwargs)
