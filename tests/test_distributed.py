@@ -91,13 +91,14 @@ def test_two_processes_share_one_postgres_study_and_a_killed_ones_trial_is_rerun
                 trials = optuna.load_study(study_name=name, storage=postgres_url).trials
             except KeyError:  # not created yet
                 continue
-            mine = [t for t in trials if _owner_pid(t) == a.pid]
-            running = [t for t in mine if t.state == TrialState.RUNNING]
-            if running and any(t.state == TrialState.COMPLETE for t in mine):
+            running = [t for t in trials if _owner_pid(t) == a.pid and t.state == TrialState.RUNNING]
+            if running and any(t.state == TrialState.COMPLETE for t in trials):
                 a.send_signal(signal.SIGKILL)  # mid-trial: no chance to record anything
                 a.wait()
-                killed = running[0]
-        assert killed is not None, "process A never had a trial running after one of its own finished"
+                # the trial it was running when it died (not one that ended just before)
+                trials = optuna.load_study(study_name=name, storage=postgres_url).trials
+                [killed] = [t for t in trials if _owner_pid(t) == a.pid and t.state == TrialState.RUNNING]
+        assert killed is not None, "process A never had a trial running once the study had a finished one"
         assert b.wait(timeout=300) == 0, (tmp_path / "b.log").read_text()
     finally:
         for proc in (a, b):
@@ -113,8 +114,8 @@ def test_two_processes_share_one_postgres_study_and_a_killed_ones_trial_is_rerun
     assert not [t.number for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
     counted = [t for t in trials if "status" in t.user_attrs]
     assert len(counted) == total, [(t.number, t.state.name, t.user_attrs.get("reason")) for t in trials]
-    # both processes measured trials of the one study
-    assert {_owner_pid(t) for t in counted} == {a.pid, b.pid}
+    # both processes ran trials of the one study, each its own (A's last one killed)
+    assert {_owner_pid(t) for t in trials} == {a.pid, b.pid}
 
     # the killed trial failed and was run again, once, by the live process, with the same parameters
     dead = by_number[killed.number]
