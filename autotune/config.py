@@ -77,11 +77,7 @@ class TunedConfig:
         try:
             space = SearchSpace.from_dict(data["space"])
             cfg = cls.from_params(data["params"], space, info=data)
-            recorded = strategies.knobs_from_dict(data["knobs"])
-            # a knob added after this file was written is absent from it and took its untuned
-            # default there; replay gives the same default, since the old space offers no other
-            for name in cfg.knobs.keys() - recorded.keys():
-                recorded[name] = strategies.BY_NAME[name].default()
+            recorded = strategies.knobs_from_dict(data["knobs"], fill_missing=True)
         except (ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"{path}: its space, parameters or knobs do not replay on this version of "
                               f"autotune ({type(exc).__name__}: {exc}); re-export it with `autotune search`") from None

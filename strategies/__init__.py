@@ -68,8 +68,15 @@ def knobs_to_dict(knobs: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     return {name: BY_NAME[name].to_dict(cfg) for name, cfg in knobs.items()}
 
 
-def knobs_from_dict(data: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    return {name: BY_NAME[name].from_dict(values) for name, values in data.items()}
+def knobs_from_dict(data: Mapping[str, Mapping[str, Any]], *, fill_missing: bool = False) -> dict[str, Any]:
+    """Knob configs from their recorded dicts. With ``fill_missing``, a knob added after they were
+    recorded (a trial or config.json of an older autotune) takes its untuned default: that is what
+    ran then, and what replaying the old space gives, since it offered no other choice."""
+    knobs = {name: BY_NAME[name].from_dict(values) for name, values in data.items()}
+    if fill_missing:
+        for strategy in REGISTRY:
+            knobs.setdefault(strategy.name, strategy.default())
+    return knobs
 
 
 __all__ = ["REGISTRY", "BY_NAME", "Strategy", "sample", "build_recipe", "knobs_to_dict", "knobs_from_dict"]

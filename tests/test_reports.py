@@ -42,3 +42,33 @@ def test_report_replays_and_is_consistent(path: Path, monkeypatch):
     assert data["speedup_vs_baseline"] == pytest.approx(best["samples_per_s"] / baseline["samples_per_s"])
     for key in ("torch", "gpu", "driver", "cuda", "cudnn") if data["device"] == "cuda" else ("torch",):
         assert data["provenance"].get(key), key
+
+
+def test_a_gpu_study_from_before_the_newest_knobs_exports_again(tmp_path, monkeypatch):
+    """A study resumed by a newer autotune: its trials recorded no dataloader knob (it did not exist),
+    and replaying the best one with the knob at its default is the same configuration."""
+    import shutil
+    from types import SimpleNamespace
+
+    import optuna
+
+    from autotune.export import export
+    from autotune.measure import MeasureSettings
+    from autotune.space import SearchSpace
+    from autotune.workloads import WorkloadSpec
+
+    shutil.copy(ROOT / "reports" / "resnet50-h200-4m" / "study.db", tmp_path / "study.db")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.load_study(study_name=None, storage=f"sqlite:///{tmp_path / 'study.db'}")
+    assert all("dataloader" not in t.user_attrs["knobs"] for t in study.trials if "knobs" in t.user_attrs)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
+    attrs = study.user_attrs
+    config = SimpleNamespace(storage=None, command="autotune search --model resnet50", input_on_device=False, data=None,
+                             workload=WorkloadSpec.from_dict(attrs["workload"]),
+                             measure=MeasureSettings.for_device("cuda"))
+    files = export(study, tmp_path, config=config, space=SearchSpace.from_dict(attrs["space"]),
+                   probe={"provenance": attrs["provenance"]})
+    cfg = autotune.load(files["config.json"])
+    assert cfg.knobs["dataloader"] == type(cfg.knobs["dataloader"])()  # the untuned loader, as it ran
+    assert json.loads(files["config.json"].read_text())["knobs"]["compile"] == {"mode": "default"}
