@@ -146,7 +146,8 @@ def derive(profile: Mapping[str, Any] | None, energy: Mapping[str, Any] | None, 
             else:
                 shown = f", {_pct(overlap)} of them overlapped" if overlap is not None else ""
                 out.append(Finding("copies", f"host-to-device copies still cost {_pct(exposed)} of the step{shown}: "
-                                             "the input pipeline is the bottleneck"))
+                                             "time the side stream does not hide; smaller inputs (uint8 images, "
+                                             "normalised on the GPU) would cut it"))
         elif streams > 1 and overlap is not None and overlap >= 0.5:
             out.append(Finding("copies-hidden", f"{_pct(overlap)} of the host-to-device copy time runs under "
                                                 "compute on the side stream"))
