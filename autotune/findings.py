@@ -83,6 +83,10 @@ def derive(profile: Mapping[str, Any] | None, energy: Mapping[str, Any] | None, 
     compile_mode = knob("compile", "mode", "off")
     out: list[Finding] = []
     f = figures or {}
+    if compile_mode != "off" and f.get("compiled_graphs") == 0:
+        out.append(Finding("compile-inert", f"torch.compile ({compile_mode}) compiled no graph in this trial: the "
+                                            "model ran eagerly, so these are eager figures "
+                                            "(TORCH_LOGS=graph_breaks,recompiles says why)"))
     if f.get("data_bound"):
         # first: while the loader starves the step, no other remedy shows in the throughput
         workers = knob("dataloader", "num_workers", 0)

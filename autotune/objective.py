@@ -143,7 +143,7 @@ class Objective:
             trial.set_user_attr("energy", energy)
         if profile:
             trial.set_user_attr("profile", profile)
-        if not (energy or profile or "data_bound" in figures):
+        if not (energy or profile or "data_bound" in figures or figures.get("compiled_graphs") == 0):
             return
         findings = derive(profile, energy, trial.user_attrs["knobs"], misaligned=self.misaligned,
                           offered=offered(self.space), figures=figures)

@@ -143,6 +143,15 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def _compiled_graphs() -> int:
+    """Graphs TorchDynamo compiled in this process so far. A compiled trial with none ran eagerly
+    (its frames skipped, or reusing code compiled for an identical model): its compile_s is then
+    no compile time, and its speed is eager speed."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def _input_batches(workload, batch_size: int, device: str, on_device: bool, seed: int) -> list[Any]:
     """Distinct random batches, cycled by the measured loop: in pinned host memory (copied each
     step, as from a DataLoader with pin_memory=True) or, with on_device, already on the GPU."""
@@ -358,6 +367,8 @@ def run_trial(request: dict[str, Any]) -> dict[str, Any]:
     figures["batch_size"] = cfg.batch_size
     figures["final_loss"] = loss
     figures["loss_finite"] = bool(torch.isfinite(torch.tensor(loss)))
+    if cfg.recipe.compile_mode is not None:
+        figures["compiled_graphs"] = _compiled_graphs()
     result: dict[str, Any] = {"status": "ok", "figures": figures, "knobs": strategies.knobs_to_dict(cfg.knobs)}
     if windows and windows[0] is not None:
         energy = windows[0].to_dict()

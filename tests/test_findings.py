@@ -101,3 +101,11 @@ def test_no_suggestion_outside_the_space(param, value):
     narrow = {k: ([v for v in vs if v != value]) for k, vs in OFFERED.items()}
     found = derive(profile(layout_share=0.3, memcpy_share=0.2), None, knobs(), offered=narrow)
     assert all(f.suggest.get(param) != value for f in found)
+
+
+def test_a_compile_that_compiled_nothing_is_said():
+    knobs = {"compile": {"mode": "default"}}
+    found = derive(None, None, knobs, figures={"compiled_graphs": 0})
+    assert [f.rule for f in found] == ["compile-inert"] and "ran eagerly" in found[0].text
+    assert derive(None, None, knobs, figures={"compiled_graphs": 3}) == []
+    assert derive(None, None, {"compile": {"mode": "off"}}, figures={"compiled_graphs": 0}) == []
