@@ -143,15 +143,13 @@ class Objective:
             trial.set_user_attr("energy", energy)
         if profile:
             trial.set_user_attr("profile", profile)
-        if not (energy or profile or "data_bound" in figures or figures.get("compiled_graphs") == 0):
-            return
         findings = derive(profile, energy, trial.user_attrs["knobs"], misaligned=self.misaligned,
                           offered=offered(self.space), figures=figures)
         if not findings:
             return
         trial.set_user_attr("findings", [f.text for f in findings])
         trial.set_user_attr("finding_rules", [f.to_dict() for f in findings])
-        if self.steer and (result.get("figures") or {}).get("loss_finite", True):
+        if self.steer and figures.get("loss_finite", True):
             queued = steer(trial.study, trial, findings, self.space)
             if queued:
                 trial.set_user_attr("steered", queued)

@@ -91,6 +91,8 @@ def test_a_real_profile_becomes_findings_and_a_queued_channels_last_trial(tmp_pa
 def test_no_profile_no_findings():
     study = optuna.create_study(direction="maximize")
     trial = _trial(study, FP16_NCHW)
+    # Objective.__call__ records the trial's knobs before it explains the result
+    trial.set_user_attr("knobs", {"precision": {"mode": "fp16"}, "memory_format": {"format": "contiguous"}})
     objective = Objective(space=SPACE, workload={}, measure={}, input_on_device=False, seed=0, trial_timeout_s=60)
     objective._explain(trial, {"status": "ok", "figures": {"loss_finite": True}})
     assert "findings" not in study.trials[0].user_attrs and not study.get_trials(
