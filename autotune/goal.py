@@ -27,9 +27,7 @@ class Goal:
     unit: str
     """The unit of the value, for humans."""
     column: str
-    """The trials.csv column that holds the value (in ``scale`` units)."""
-    scale: float = 1.0
-    """trials.csv column = value / scale (peak memory: bytes in the study, GiB in the table)."""
+    """The trials.csv column that holds the value (peak memory: bytes in the study, GiB in the table)."""
     needs_nvml: bool = False
 
     @property
@@ -48,22 +46,6 @@ class Goal:
                "memory": figures.get("peak_memory_bytes")}[self.name]
         return None if raw is None else float(raw)
 
-    def better(self, a: float, b: float) -> bool:
-        """Whether value ``a`` is strictly better than ``b``."""
-        return a > b if self.maximize else a < b
-
-    def best(self, values):
-        """The best of ``values`` (an iterable of numbers, or of anything with ``key``)."""
-        return max(values) if self.maximize else min(values)
-
-    def within(self, value: float, reference: float, tolerance: float) -> bool:
-        """Whether ``value`` is within ``tolerance`` (a share, 0.02 = 2%) of ``reference``, on the
-        good side counted as within: at least (1 - tolerance) x reference when maximizing, at most
-        (1 + tolerance) x reference when minimizing."""
-        if self.maximize:
-            return value >= (1.0 - tolerance) * reference
-        return value <= (1.0 + tolerance) * reference
-
     def format(self, value: float | None) -> str:
         if value is None:
             return "-"
@@ -77,7 +59,7 @@ class Goal:
 GOALS: dict[str, Goal] = {
     "throughput": Goal("throughput", "maximize", "samples/s", "samples_per_s"),
     "energy": Goal("energy", "minimize", "joules per sample", "joules_per_sample", needs_nvml=True),
-    "memory": Goal("memory", "minimize", "peak memory", "peak_memory_gb", scale=2.0**30),
+    "memory": Goal("memory", "minimize", "peak memory", "peak_memory_gb"),
 }
 
 
