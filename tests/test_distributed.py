@@ -91,12 +91,15 @@ def test_two_processes_share_one_postgres_study_and_a_killed_ones_trial_is_rerun
                 trials = optuna.load_study(study_name=name, storage=postgres_url).trials
             except KeyError:  # not created yet
                 continue
-            running = [t for t in trials if _owner_pid(t) == a.pid and t.state == TrialState.RUNNING]
+            # a trial that has chosen its parameters: one killed before that has nothing to re-run
+            # but a fresh sample (RetryStaleTrial queues its empty parameters)
+            running = [t for t in trials if _owner_pid(t) == a.pid and t.state == TrialState.RUNNING and t.params]
             if running and any(t.state == TrialState.COMPLETE for t in trials):
                 a.send_signal(signal.SIGKILL)  # mid-trial: no chance to record anything
                 a.wait()
                 # the trial it was running when it died (not one that ended just before)
                 trials = optuna.load_study(study_name=name, storage=postgres_url).trials
+                # (usually the one seen above; A may have finished it and started another meanwhile)
                 [killed] = [t for t in trials if _owner_pid(t) == a.pid and t.state == TrialState.RUNNING]
         assert killed is not None, "process A never had a trial running once the study had a finished one"
         assert b.wait(timeout=300) == 0, (tmp_path / "b.log").read_text()
@@ -122,7 +125,13 @@ def test_two_processes_share_one_postgres_study_and_a_killed_ones_trial_is_rerun
     assert dead.state == TrialState.FAIL and "status" not in dead.user_attrs
     retries = [t for t in trials if t.user_attrs.get("retry_of") == killed.number]
     assert len(retries) == 1, [(t.number, t.user_attrs) for t in trials]
-    assert retries[0].state == TrialState.COMPLETE and retries[0].params == dead.params
+    assert retries[0].state == TrialState.COMPLETE
+    # queued with what the dead trial had chosen (its own queued parameters if it died before choosing)
+    requeued = retries[0].system_attrs.get("fixed_params")
+    assert requeued == (dead.params or dead.system_attrs.get("fixed_params") or {})
+    assert {k: retries[0].params[k] for k in requeued} == requeued
+    if dead.params:
+        assert retries[0].params == dead.params
     assert _owner_pid(retries[0]) == b.pid
     # nothing else failed: every trial is measured, or is the killed one
     assert [t.number for t in trials if t.state == TrialState.FAIL] == [killed.number]
