@@ -111,6 +111,11 @@ class Recipe:
     """torch.compile mode the model is compiled with ("default", "reduce-overhead", ...); None: eager."""
     cuda_graphs: bool = False
     """Capture the whole step (forward, backward, optimizer step) in one CUDA graph and replay it."""
+    ddp: dict[str, Any] | None = None
+    """DistributedDataParallel keyword arguments (bucket_cap_mb, gradient_as_bucket_view,
+    static_graph) the model is wrapped with; None: no DDP."""
+    ddp_world_size: int = 1
+    """Processes the DDP step was tuned for (1: no DDP)."""
     dataloader: dict[str, Any] = field(default_factory=dict)
     """DataLoader keyword arguments the dataloader knob chose (num_workers, pin_memory, ...); what
     user code gets through ``TunedConfig.dataloader_kwargs``."""

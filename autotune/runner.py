@@ -50,7 +50,13 @@ def run_worker(request: dict[str, Any], *, timeout_s: float | None = None,
     status is "ok", "oom", "error" (an exception in the trial), "crashed" (the process died
     without a result: segfault, kill, sticky CUDA error) or "timeout" (the watchdog killed it).
     ``worker_start_s`` is the time from spawn until the worker had imported everything.
+    A trial of a ``--ddp N`` search runs in N rank processes instead (``autotune.ddp.run_ranks``).
     """
+    from autotune.ddp import request_world_size, run_ranks
+
+    world_size = request_world_size(request)
+    if world_size > 1:
+        return run_ranks(request, world_size=world_size, timeout_s=timeout_s, log_path=log_path)
     with tempfile.TemporaryDirectory(prefix="autotune-") as tmp:
         result_path = Path(tmp) / "result.json"
         log = open(log_path, "w") if log_path else tempfile.TemporaryFile("w+", dir=tmp)

@@ -38,11 +38,16 @@ def grad_scaler(recipe: Recipe) -> torch.amp.GradScaler:
 
 
 def prepare_model(model: nn.Module, recipe: Recipe, *, set_flags: bool = True) -> nn.Module:
-    """Apply the recipe's model transforms, then move the model to the device and memory format.
+    """Apply the recipe's model transforms, then move the model to the device and memory format,
+    wrap it in DistributedDataParallel (a ``--ddp`` configuration, inside a process group), compile.
 
     Parameters keep their identity (padding shares them, ``Module.to`` converts in place), so an
     optimizer created before this call still steps the prepared model.
     """
+    if recipe.ddp is not None:
+        # before any work: a DDP configuration outside a process group gets the error, not a model
+        # half prepared; on CUDA this process's GPU is its local rank's, so `.to("cuda")` lands there
+        check_process_group(recipe)
     if set_flags:
         apply_backend_flags(recipe.backend_flags)
     for transform in recipe.model_transforms:
@@ -50,11 +55,60 @@ def prepare_model(model: nn.Module, recipe: Recipe, *, set_flags: bool = True) -
     model = model.to(recipe.device)
     if recipe.memory_format is not torch.contiguous_format:
         model = model.to(memory_format=recipe.memory_format)
+    if recipe.ddp is not None:
+        # after the device move and memory format, before compiling: torch.compile of the DDP
+        # module is PyTorch's supported order (TorchDynamo's DDPOptimizer splits the compiled
+        # graph at DDP's bucket boundaries, so all-reduces still overlap the backward pass)
+        model = wrap_ddp(model, recipe)
     if recipe.compile_mode is not None:
         # in place: same module, same parameters, same state_dict keys (no "_orig_mod." prefix);
         # the compile itself happens in the first step
         model.compile(mode=recipe.compile_mode)
     return model
+
+
+def check_process_group(recipe: Recipe) -> None:
+    """Refuse a DDP configuration where it cannot run: no process group, or CUDA graphs of the
+    whole step (the search never offers them together); on CUDA, select the local rank's GPU."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError(
+            f"this configuration was tuned for DistributedDataParallel over {recipe.ddp_world_size} processes, "
+            "but this process has no torch.distributed process group: launch your training script with "
+            f"`torchrun --nproc-per-node {recipe.ddp_world_size} train.py` and call "
+            "torch.distributed.init_process_group() (backend \"nccl\" on GPUs) before cfg.prepare(...); "
+            "or tune a single-process configuration with `autotune search` without --ddp")
+    if recipe.cuda_graphs:
+        raise ConfigError("a DDP configuration cannot capture the whole step in one CUDA graph (DDP's "
+                          "all-reduces run from autograd hooks outside it); re-export it with `autotune search`")
+    if recipe.device == "cuda":
+        torch.cuda.set_device(local_rank())
+
+
+def local_rank() -> int:
+    """This process's GPU among the node's: torchrun's LOCAL_RANK, else the current device."""
+    import os
+
+    value = os.environ.get("LOCAL_RANK")
+    return int(value) if value is not None else torch.cuda.current_device()
+
+
+def wrap_ddp(model: nn.Module, recipe: Recipe) -> nn.Module:
+    """``DistributedDataParallel(model, ...)`` with the tuned bucket size, bucket views and static
+    graph, on this process's GPU (``device_ids=[local rank]``) or on the CPU (gloo)."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    world = dist.get_world_size()
+    if world != recipe.ddp_world_size:
+        warnings.warn(f"this configuration was measured with {recipe.ddp_world_size} DDP processes and runs "
+                      f"with {world} here: it works, but its per-GPU figures may not hold", stacklevel=3)
+    device_ids = [torch.cuda.current_device()] if recipe.device == "cuda" else None
+    assert recipe.ddp is not None
+    return DistributedDataParallel(model, device_ids=device_ids, **recipe.ddp)
 
 
 def prepare_optimizer(optimizer: torch.optim.Optimizer, recipe: Recipe) -> torch.optim.Optimizer:

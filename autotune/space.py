@@ -51,6 +51,15 @@ class SearchSpace:
     """DataLoader(pin_memory=...) choices ([False, True] with --data on a GPU)."""
     dataloader_prefetch_factors: list[int] = field(default_factory=lambda: [2])
     """DataLoader(prefetch_factor=...) choices, sampled only with workers."""
+    ddp_world_size: int = 1
+    """Processes (one GPU each) every trial's step runs in under DistributedDataParallel
+    (``--ddp N``); 1 (the default) measures a single process without DDP."""
+    ddp_bucket_caps_mb: list[int] = field(default_factory=lambda: [25])
+    """DistributedDataParallel(bucket_cap_mb=...) choices; only PyTorch's default without --ddp."""
+    ddp_gradient_as_bucket_view: list[bool] = field(default_factory=lambda: [False])
+    """DistributedDataParallel(gradient_as_bucket_view=...) choices."""
+    ddp_static_graph: list[bool] = field(default_factory=lambda: [False])
+    """DistributedDataParallel(static_graph=...) choices (sampled for eager steps only)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

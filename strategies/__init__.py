@@ -17,6 +17,7 @@ from strategies.channel_alignment import ChannelAlignment
 from strategies.compile import Compile
 from strategies.cudnn import Cudnn
 from strategies.dataloader import DataLoaderStrategy
+from strategies.ddp import DDP
 from strategies.cuda_graphs import CudaGraphs
 from strategies.fp32_layers import FP32Layers
 from strategies.grad_scaler import GradScalerStrategy
@@ -42,6 +43,9 @@ REGISTRY: list[Strategy] = [
     # cuda_graphs decides after precision, optimizer and compile, which say whether capture is legal
     Optimizer(),
     Compile(),
+    # after compile, whose mode it sees (static_graph only for eager steps); the wrapping order in
+    # the runtime is fixed apart from this: device move, then DDP, then torch.compile
+    DDP(),
     CudaGraphs(),
 ]
 

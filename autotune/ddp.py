@@ -1,0 +1,434 @@
+"""Measuring a trial under DistributedDataParallel: ``autotune search --ddp N``.
+
+A ``--ddp N`` trial runs in N rank processes of one torch.distributed group (NCCL on CUDA, gloo on
+a CPU), started by the study process for that trial alone (``run_ranks``) with torchrun's
+environment: MASTER_ADDR/MASTER_PORT (a port free at that moment), RANK, WORLD_SIZE, LOCAL_RANK.
+Each rank is pinned to its own GPU (LOCAL_RANK) and builds the configuration through
+``TunedConfig`` as user code does: padding, memory format and the device move, then
+``DistributedDataParallel`` with the trial's bucket size, bucket views and static graph, then
+torch.compile. Batch sizes are per rank: N ranks at batch b train a global batch of N x b.
+
+Every rank measures two windows, all ranks at the same time, each on its own GPU:
+
+1. **single GPU**: the same configuration without DDP (its own model, compiled too when the
+   configuration compiles, so the ratio compares like with like), timed alone on each GPU with
+   no collective in the step: what one GPU does by itself under the same host load. A compiled
+   configuration therefore compiles twice per trial, once without and once with DDP (DDPOptimizer
+   splits the graph at the bucket boundaries, so the first compile cannot be reused); that
+   second compile goes into the trial's warm-up time, and only the DDP compile into
+   ``compile_s`` (the one a user's training run pays).
+2. **DDP**: the wrapped model, gradients all-reduced every step. DDP steps are collectives, so
+   every rank must run exactly as many steps: the warm-up and timed step counts are derived from
+   the single-GPU step times that all ranks gathered (``plan``), not decided per rank the way
+   ``autotune.measure.measure`` decides (that would leave one rank waiting in an all-reduce
+   another never joins).
+
+The trial's figures (rank 0 gathers them): ``samples_per_s`` is the total throughput, N x batch
+per step of the slowest rank (the group moves at its pace), and the study's objective;
+``per_gpu_samples_per_s`` is that over N; ``single_gpu_samples_per_s`` the mean of the ranks'
+single-GPU rates; ``scaling_efficiency`` = per-GPU DDP rate / single-GPU rate (1.0: DDP costs
+nothing; N GPUs then train N times as fast as one). Peak memory is the largest rank's.
+No profile or NVML window is taken under DDP.
+
+A rank that raises, runs out of memory or dies ends the trial at once: the others are killed
+(they would wait in a collective for it) and the trial is recorded as oom, error or crashed with
+that rank's reason; a group that stops making progress is killed at the trial's timeout.
+
+    python -c BOOT RESULT.json STUDY_PID REQUEST.json     (one per rank, environment as above)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+
+def _watch_parent(expected_parent: int) -> None:
+    """Exit when the study process dies (as the worker does): no rank outlives its search."""
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != expected_parent:
+                os._exit(3)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+if __name__ == "__main__" and len(sys.argv) > 3:
+    _watch_parent(int(sys.argv[2]))
+
+import dataclasses  # noqa: E402
+import datetime  # noqa: E402
+import gc  # noqa: E402
+import itertools  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+import torch  # noqa: E402,F401  (a rank is ready once torch is imported, as a worker is)
+
+READY_AT = time.time()
+
+COLLECTIVE_TIMEOUT_S = 600.0
+"""torch.distributed's own timeout for a collective; the trial's timeout (shorter) acts first."""
+
+PLAN_WARMUP_S = 1.0
+"""Seconds of DDP warm-up steps (at the single-GPU step time), after any compile steps: DDP
+rebuilds its buckets in the order gradients arrived after the first step, and a static graph is
+recorded then too; at least MIN_DDP_WARMUP_STEPS steps either way."""
+
+MIN_DDP_WARMUP_STEPS = 3
+
+_BOOT = ("import os, sys; cwd = os.getcwd(); "
+         "sys.path[:] = [p for p in sys.path if p not in ('', cwd)] + [cwd]; "
+         "import runpy; runpy.run_module('autotune.ddp', run_name='__main__', alter_sys=True)")
+
+_STATUS_RANK = {"oom": 0, "error": 1, "crashed": 2}
+"""Which failing rank explains a failed trial: an OOM or an exception over a rank that died, since
+a rank's failure makes its peers fail too (a closed connection, an aborted collective)."""
+
+
+# the study process's side: start the ranks, watch them, read back the trial ------------------------
+
+def request_world_size(request: dict[str, Any]) -> int:
+    """The DDP world size a trial request asks for (1: a plain single-process trial)."""
+    if request.get("mode", "trial") != "trial":
+        return 1
+    knobs = request.get("knobs")
+    if knobs is None and request.get("config_path"):  # `autotune verify` of an exported config
+        try:
+            knobs = json.loads(Path(request["config_path"]).read_text()).get("knobs")
+        except (OSError, ValueError):
+            return 1  # the worker reports the unreadable file
+    return int(((knobs or {}).get("ddp") or {}).get("world_size", 1))
+
+
+def free_port() -> int:
+    """A TCP port free on this host right now, for the group's rendezvous (MASTER_PORT)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_command(result_path: Path, request_path: Path) -> list[str]:
+    return [sys.executable, "-c", _BOOT, str(result_path), str(os.getpid()), str(request_path)]
+
+
+def run_ranks(request: dict[str, Any], *, world_size: int, timeout_s: float | None = None,
+              log_path: Path | None = None) -> dict[str, Any]:
+    """Run one trial in ``world_size`` rank processes; returns a result like ``run_worker``'s.
+
+    status is rank 0's ("ok", with the gathered figures) when every rank finished, else the
+    failing rank's ("oom", "error", or "crashed" for a rank that died without a result), or
+    "timeout" when the group was still running at ``timeout_s``; the other ranks are killed.
+    """
+    from autotune.runner import _exit_description, _worker_env, salient_error
+
+    with tempfile.TemporaryDirectory(prefix="autotune-ddp-") as tmp_name:
+        tmp = Path(tmp_name)
+        request_path = tmp / "request.json"
+        request_path.write_text(json.dumps(request))
+        results = [tmp / f"result-{rank}.json" for rank in range(world_size)]
+        logs = [tmp / f"rank-{rank}.log" for rank in range(world_size)]
+        env = _worker_env()
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size),
+                   LOCAL_WORLD_SIZE=str(world_size))
+        spawned = time.time()
+        procs: list[subprocess.Popen] = []
+        try:
+            for rank in range(world_size):
+                with open(logs[rank], "w") as log:
+                    procs.append(subprocess.Popen(rank_command(results[rank], request_path), stdin=subprocess.DEVNULL,
+                                                  stdout=log, stderr=subprocess.STDOUT, text=True,
+                                                  env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
+            outcome = _wait(procs, results, None if timeout_s is None else spawned + timeout_s)
+        finally:  # a failed or hung group, or Ctrl-C in the study: no rank stays on its GPU
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+            for proc in procs:
+                proc.wait()
+        finished = time.time()
+        texts = [log.read_text(errors="replace") if log.exists() else "" for log in logs]
+        joined = "".join(f"==== rank {rank} ====\n{text}\n" for rank, text in enumerate(texts))
+        if log_path:
+            Path(log_path).write_text(joined)
+        read = [_read(path) for path in results]
+        if outcome == "timeout":
+            result = {"status": "timeout",
+                      "reason": f"no result from all {world_size} DDP ranks after {timeout_s:.0f} s; the ranks were killed"}
+        elif outcome == "done":
+            result = read[0] if read[0] is not None else {"status": "crashed", "reason": "rank 0 wrote no result"}
+        else:
+            failed = []
+            for rank, proc in enumerate(procs):
+                got = read[rank]
+                if got is not None and got.get("status") not in (None, "ok"):
+                    failed.append((_STATUS_RANK.get(got["status"], 1), rank, got))
+                elif proc.returncode not in (0, None) and outcome == rank:
+                    failed.append((2, rank, {"status": "crashed", "reason": (
+                        f"worker {_exit_description(proc.returncode)} and no result: {salient_error(texts[rank])}")}))
+            if not failed:  # the first rank seen gone was killed by us or left with code 0 and no file
+                failed.append((2, outcome, {"status": "crashed", "reason": (
+                    f"worker {_exit_description(procs[outcome].returncode)} and no result: "
+                    f"{salient_error(texts[outcome])}")}))
+            _, rank, got = min(failed, key=lambda f: (f[0], f[1]))
+            result = dict(got)
+            result["reason"] = f"DDP rank {rank} of {world_size}: {got.get('reason', '')}"
+            result["failed_rank"] = rank
+    result["wall_s"] = finished - spawned
+    ready = [r["ready_at"] for r in read if r and "ready_at" in r]
+    if ready:
+        result["worker_start_s"] = max(ready) - spawned
+    result["log_tail"] = joined[-2000:]
+    return result
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _wait(procs: list[subprocess.Popen], results: list[Path], deadline: float | None) -> str | int:
+    """Until every rank is done ("done"), one fails (its rank number) or the deadline ("timeout").
+    A rank fails when it exits with an error code, without a result, or with a result that is
+    not "ok": its peers would otherwise wait for it in a collective until their own timeout."""
+    while True:
+        running = False
+        for rank, proc in enumerate(procs):
+            code = proc.poll()
+            if code is None:
+                running = True
+                continue
+            got = _read(results[rank])
+            if code != 0 or got is None or got.get("status") != "ok":
+                time.sleep(0.2)  # a peer failing at the same moment may still be writing its reason
+                return rank
+        if not running:
+            return "done"
+        if deadline is not None and time.time() > deadline:
+            return "timeout"
+        time.sleep(0.05)
+
+
+# a rank's side: two windows, gathered by rank 0 ---------------------------------------------------
+
+def plan(single_step_ms: list[float], settings) -> tuple[int, int]:
+    """(warm-up steps, timed steps) of the DDP window, the same on every rank: from the slowest
+    rank's single-GPU step time, about PLAN_WARMUP_S of warm-up and settings.min_time_s of timed
+    steps, within settings' step limits (a DDP step takes at least as long, so no less time)."""
+    step_ms = max(max(single_step_ms), 1e-3)
+    warmup = max(settings.min_warmup_steps, MIN_DDP_WARMUP_STEPS, math.ceil(PLAN_WARMUP_S * 1e3 / step_ms))
+    timed = max(settings.min_steps, math.ceil(settings.min_time_s * 1e3 / step_ms))
+    return warmup, min(timed, settings.max_steps)
+
+
+def measure_fixed(step: Callable[[], Any], device: str, settings, *, setup_steps: int, warmup_steps: int,
+                  timed_steps: int):
+    """Time a fixed number of steps (every rank the same): setup steps (compile) apart, then
+    warm-up, then the timed steps; steady and noisy are judged as ``measure`` judges them."""
+    import torch
+
+    from autotune.measure import Measurement, _quantile, _Timer
+
+    timer = _Timer(device)
+    compile_s = 0.0
+    if setup_steps:
+        start = time.perf_counter()
+        for _ in range(setup_steps):
+            step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        compile_s = time.perf_counter() - start
+    start = time.perf_counter()
+    warm = timer.run(step, warmup_steps)
+    warmup_s = time.perf_counter() - start
+    start = time.perf_counter()
+    times = timer.run(step, timed_steps)
+    measure_s = time.perf_counter() - start
+    med = statistics.median(times)
+    warm_med = statistics.median(warm[len(warm) // 2:])
+    spread = (_quantile(times, 0.9) - _quantile(times, 0.1)) / med
+    return Measurement(step_time_ms=med, step_time_p10_ms=_quantile(times, 0.1), step_time_p90_ms=_quantile(times, 0.9),
+                       spread=spread, num_steps=len(times), num_warmup_steps=warmup_steps,
+                       steady=abs(warm_med - med) / med <= settings.steady_tolerance,
+                       noisy=spread > settings.spread_tolerance, num_remeasured=0, warmup_s=warmup_s,
+                       measure_s=measure_s, compile_s=compile_s, num_setup_steps=setup_steps,
+                       num_timed_steps_total=len(times))
+
+
+class _Run:
+    """One model of a rank, prepared through TunedConfig, with its step and batches."""
+
+    def __init__(self, cfg, spec, *, input_on_device: bool, seed: int, rank: int) -> None:
+        import torch
+
+        from autotune.worker import _input_batches
+        from autotune.workloads import build
+
+        torch.manual_seed(seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
+        workload = build(spec)
+        optimizer = torch.optim.SGD(workload.model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+        self.model, self.optimizer = cfg.prepare(workload.model, optimizer)
+        self.step = cfg.train_step(self.model, self.optimizer, workload.loss_fn)
+        # each rank trains on its own shard of the data, as a DistributedSampler gives it
+        batches = _input_batches(workload, cfg.batch_size, cfg.device, input_on_device, seed + 1000 * rank)
+        self.stream = iter(cfg.loader(itertools.cycle(batches)))
+        self.last_loss: list[Any] = []
+
+    def one_step(self) -> None:
+        x, y = next(self.stream)
+        self.last_loss[:] = [self.step(x, y)]
+
+    def loss(self) -> float:
+        return float(self.last_loss[0].float().item())
+
+
+def run_rank(request: dict[str, Any]) -> dict[str, Any]:
+    """One rank of a DDP trial: join the group, time the single-GPU window, then the DDP window;
+    rank 0 returns the trial's figures, gathered from every rank."""
+    import torch
+    import torch.distributed as dist
+
+    import strategies
+    from autotune.config import TunedConfig, load
+    from autotune.measure import MeasureSettings, measure, memory_figures
+    from autotune.space import SearchSpace
+    from autotune.workloads import WorkloadSpec
+
+    rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    t0 = time.perf_counter()
+    if request.get("config_path"):
+        cfg = load(request["config_path"])  # `autotune verify`
+        spec = WorkloadSpec.from_dict(cfg.info["workload"])
+        settings = MeasureSettings(**cfg.info["measure"]) if "measure" in cfg.info else MeasureSettings.for_device(cfg.device)
+        input_on_device = cfg.info.get("input_on_device", False)
+    else:
+        space = SearchSpace.from_dict(request["space"])
+        cfg = TunedConfig(strategies.knobs_from_dict(request["knobs"]), space)
+        spec = WorkloadSpec.from_dict(request["workload"])
+        settings = MeasureSettings(**request["measure"])
+        input_on_device = request.get("input_on_device", False)
+    if request.get("data") or cfg.info.get("data"):
+        raise ValueError("--data is not measured under --ddp yet: each rank would need its DistributedSampler shard")
+    device, seed = cfg.device, int(request.get("seed", 0))
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+                            **({"device_id": torch.device("cuda", local)} if cuda else {}))
+    try:
+        # 1. single GPU: the same configuration without DDP, every rank alone on its own GPU
+        single_cfg = TunedConfig({**cfg.knobs, "ddp": strategies.BY_NAME["ddp"].default()}, cfg.space)
+        run = _Run(single_cfg, spec, input_on_device=input_on_device, seed=seed, rank=rank)
+        build_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        single = measure(run.one_step, device,
+                         dataclasses.replace(settings, min_time_s=min(settings.min_time_s, 1.0), max_remeasure=0),
+                         setup_steps=run.step.num_setup_steps)
+        single_window_s = time.perf_counter() - t1
+        del run
+        gc.collect()
+        if cfg.recipe.compile_mode is not None:
+            torch._dynamo.reset()  # the DDP model compiles afresh (DDPOptimizer); free the first one's graphs
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        singles: list[Any] = [None] * world
+        dist.all_gather_object(singles, {"step_time_ms": single.step_time_ms, "compile_s": single.compile_s})
+        warmup_steps, timed_steps = plan([s["step_time_ms"] for s in singles], settings)
+
+        # 2. DDP: the configuration as exported, gradients all-reduced every step
+        t2 = time.perf_counter()
+        run = _Run(cfg, spec, input_on_device=input_on_device, seed=seed, rank=rank)
+        build_s += time.perf_counter() - t2
+        m = measure_fixed(run.one_step, device, settings, setup_steps=run.step.num_setup_steps,
+                          warmup_steps=warmup_steps, timed_steps=timed_steps)
+        loss = run.loss()
+        mine = {"measurement": m.to_dict(), "memory": memory_figures(device), "final_loss": loss,
+                "build_s": build_s, "single_window_s": single_window_s}
+        if cfg.recipe.compile_mode is not None:
+            from autotune.worker import _compiled_graphs
+
+            mine["compiled_graphs"] = _compiled_graphs()
+        ranks: list[Any] = [None] * world
+        dist.all_gather_object(ranks, mine)
+    finally:
+        dist.destroy_process_group()
+    if rank != 0:
+        return {"status": "ok"}
+    figures = _combine(ranks, singles, cfg.batch_size, world)
+    return {"status": "ok", "figures": figures, "knobs": strategies.knobs_to_dict(cfg.knobs)}
+
+
+def _combine(ranks: list[dict[str, Any]], singles: list[dict[str, Any]], batch: int, world: int) -> dict[str, Any]:
+    """The trial's figures from every rank's: the slowest rank's DDP step paces the group."""
+    slowest = max(ranks, key=lambda r: r["measurement"]["step_time_ms"])
+    figures = dict(slowest["measurement"])
+    for key in ranks[0]["memory"]:  # the largest rank's: what each GPU must hold
+        figures[key] = max(r["memory"][key] for r in ranks)
+    per_gpu = batch * 1e3 / figures["step_time_ms"]
+    single_rates = [batch * 1e3 / s["step_time_ms"] for s in singles]
+    single = statistics.fmean(single_rates)
+    losses = [r["final_loss"] for r in ranks]
+    figures.update(
+        samples_per_s=per_gpu * world,
+        per_gpu_samples_per_s=per_gpu,
+        single_gpu_samples_per_s=single,
+        single_gpu_step_time_ms=statistics.fmean(s["step_time_ms"] for s in singles),
+        scaling_efficiency=per_gpu / single,
+        ddp_world_size=world,
+        rank_step_time_ms=[r["measurement"]["step_time_ms"] for r in ranks],
+        batch_size=batch,
+        global_batch_size=batch * world,
+        final_loss=losses[0],
+        loss_finite=all(math.isfinite(x) for x in losses),
+        build_s=max(r["build_s"] for r in ranks),
+        # the single-GPU window (and its compile) is the search's cost, like warm-up
+        warmup_s=figures["warmup_s"] + max(r["single_window_s"] for r in ranks),
+        single_gpu_compile_s=max(s["compile_s"] for s in singles),
+    )
+    if "compiled_graphs" in ranks[0]:
+        figures["compiled_graphs"] = ranks[0]["compiled_graphs"]
+    return figures
+
+
+def main(argv: list[str]) -> int:
+    result_path, request_path = argv[1], argv[3]
+    from autotune.worker import is_out_of_memory
+
+    try:
+        request = json.loads(Path(request_path).read_text())
+        result = run_rank(request)
+    except Exception as exc:  # reported to the study through the launcher, which records it
+        if is_out_of_memory(exc):
+            result = {"status": "oom", "reason": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
+        else:
+            result = {"status": "error", "reason": f"{type(exc).__name__}: {exc}"[:2000],
+                      "traceback": traceback.format_exc()[-4000:]}
+    result["ready_at"] = READY_AT
+    result["done_at"] = time.time()
+    tmp = result_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, default=str)
+    os.replace(tmp, result_path)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # no interpreter teardown: after a peer failed, the group's destructors could block on it
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
