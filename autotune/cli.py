@@ -61,6 +61,11 @@ def _add_search(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--study-name", help="study name (default <model>-<gpu>)")
     p.add_argument("--gpus", help="CUDA GPUs to search on in parallel, one trial worker pinned to each: 0,1 "
                                   "or all (same GPU model; default: one GPU)")
+    p.add_argument("--ddp", type=int, metavar="N",
+                   help="measure each trial as an N-process DistributedDataParallel step on GPUs 0..N-1 "
+                        "(NCCL; gloo on a CPU): total and per-GPU throughput, scaling efficiency versus one GPU, "
+                        "and DDP's bucket size, gradient_as_bucket_view and static_graph are searched; the "
+                        "exported config wraps your model in DDP (launch your training with torchrun)")
     p.add_argument("--seed", type=int, default=0, help="sampler and data seed")
     p.add_argument("--trial-timeout", type=float, default=600.0, help="seconds before a hung trial is killed")
     p.add_argument("--min-measure-time", type=float, help="seconds of timed steps per trial (default 2)")
@@ -139,7 +144,7 @@ class _ProgressView:
         self.walls: list[float] = []
 
     def __call__(self, kind: str, payload: Any) -> None:
-        from autotune.objective import describe
+        from autotune.export import describe_trial
         from autotune.study import best_trial, counted_trials
 
         if kind == "start":
@@ -151,6 +156,10 @@ class _ProgressView:
             console.print(f"  space: precision {space.precisions}, batch {space.batch_sizes}, "
                           f"format {space.memory_formats}, padding {space.alignments}, streams {space.stream_counts}"
                           + (f", threads {space.thread_counts}" if space.thread_counts else ""))
+            if space.ddp_world_size > 1:
+                console.print(f"  DDP: {space.ddp_world_size} processes per trial, bucket_cap_mb {space.ddp_bucket_caps_mb}, "
+                              f"gradient_as_bucket_view {space.ddp_gradient_as_bucket_view}, "
+                              f"static_graph {space.ddp_static_graph}")
             if payload["done"]:
                 console.print(f"  resuming: {payload['done']} trials already finished")
             if payload["recovered"]:
@@ -175,9 +184,13 @@ class _ProgressView:
             self.walls.append(attrs["timing"]["wall_s"])
         outcome = (f"{fig['samples_per_s']:,.0f} samples/s, {fig['step_time_ms']:.1f} ms/step, "
                    f"{fig['peak_memory_bytes'] / 2**30:.2f} GiB") if fig else attrs.get("reason", trial.state.name)
+        if fig.get("ddp_world_size"):
+            unit, units = ("GPU", "GPUs") if self.study.user_attrs.get("device") == "cuda" else ("process", "processes")
+            outcome += (f" over {fig['ddp_world_size']} {units} ({fig['per_gpu_samples_per_s']:,.0f} per {unit}, "
+                        f"scaling efficiency {fig['scaling_efficiency']:.0%})")
         dup = f" (same as #{attrs['duplicate_of']})" if "duplicate_of" in attrs else ""
         role = f"[{attrs['role']}] " if "role" in attrs else ""
-        self.progress.console.print(f"  #{trial.number:<3} {role}{describe(attrs.get('knobs', {}))}: {outcome}{dup}")
+        self.progress.console.print(f"  #{trial.number:<3} {role}{describe_trial(attrs.get('knobs', {}))}: {outcome}{dup}")
         done = len(counted_trials(self.study))
         best = best_trial(self.study)
         elapsed = time.time() - self.started
@@ -220,7 +233,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         precisions=[m.strip() for m in args.precisions.split(",")] if args.precisions else None,
         input_on_device=args.input_on_device, compile=args.compile, profile=args.profile, steer=args.steer,
         objective=args.objective,
-        seed=args.seed, gpus=args.gpus,
+        seed=args.seed, gpus=args.gpus, ddp=args.ddp,
         trial_timeout_s=args.trial_timeout, command=_command_line(args),
         accuracy_check=not args.no_accuracy_check, max_accuracy_drop=args.max_accuracy_drop,
         max_loss_drift=args.max_loss_drift, accuracy_steps=args.accuracy_steps, data=args.data,
@@ -261,6 +274,11 @@ def _print_summary(out_dir: Path, elapsed_s: float | None = None) -> bool:
             table.add_row(label, entry["summary"], f"{f['samples_per_s']:,.0f}", f"{f['step_time_ms']:.1f}",
                           f"{f['peak_memory_bytes'] / 2**30:.2f}")
     console.print(table)
+    best = data.get("figures") or {}
+    if best.get("ddp_world_size"):
+        console.print(f"DDP over {best['ddp_world_size']} processes: {best['samples_per_s']:,.0f} samples/s in total, "
+                      f"{best['per_gpu_samples_per_s']:,.0f} per GPU; one GPU alone: "
+                      f"{best['single_gpu_samples_per_s']:,.0f}; scaling efficiency {best['scaling_efficiency']:.0%}")
     if "speedup_vs_baseline" in data:
         console.print(f"speed-up over the FP32 baseline: {data['speedup_vs_baseline']:.2f}x, "
                       f"memory {data['memory_vs_baseline']:.2f}x")

@@ -132,6 +132,13 @@ class TunedConfig:
         Use the returned optimizer: with ``optimizer.implementation`` other than "default" (or CUDA
         graphs with an Adam-like optimizer, which need ``capturable=True``) it is a new instance of
         your optimizer's class, with the same param_groups, hyperparameters and state.
+
+        A configuration tuned with ``--ddp N`` returns the model wrapped in
+        ``DistributedDataParallel`` with the tuned bucket_cap_mb, gradient_as_bucket_view and
+        static_graph (between the device move and the compile, as measured), on this process's
+        GPU (``LOCAL_RANK``): call it after ``torch.distributed.init_process_group()`` in a
+        script launched with ``torchrun``; without a process group it raises ConfigError. The
+        wrapped model's state_dict keys start with "module." (save ``model.module.state_dict()``).
         """
         model = runtime.prepare_model(model, self.recipe)
         if optimizer is not None:

@@ -66,6 +66,7 @@ import gc  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
+import re  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -82,9 +83,10 @@ COLLECTIVE_TIMEOUT_S = 600.0
 """torch.distributed's own timeout for a collective; the trial's timeout (shorter) acts first."""
 
 PLAN_WARMUP_S = 1.0
-"""Seconds of DDP warm-up steps (at the single-GPU step time), after any compile steps: DDP
-rebuilds its buckets in the order gradients arrived after the first step, and a static graph is
-recorded then too; at least MIN_DDP_WARMUP_STEPS steps either way."""
+"""Seconds of DDP warm-up steps (at the single-GPU step time; no more than the timed window's
+min_time_s), after any compile steps: DDP rebuilds its buckets in the order gradients arrived
+after the first step, and a static graph is recorded then too; at least MIN_DDP_WARMUP_STEPS
+steps either way."""
 
 MIN_DDP_WARMUP_STEPS = 3
 
@@ -92,12 +94,36 @@ _BOOT = ("import os, sys; cwd = os.getcwd(); "
          "sys.path[:] = [p for p in sys.path if p not in ('', cwd)] + [cwd]; "
          "import runpy; runpy.run_module('autotune.ddp', run_name='__main__', alter_sys=True)")
 
-_STATUS_RANK = {"oom": 0, "error": 1, "crashed": 2}
-"""Which failing rank explains a failed trial: an OOM or an exception over a rank that died, since
-a rank's failure makes its peers fail too (a closed connection, an aborted collective)."""
+_PEER_FAILURE = re.compile(r"DistBackendError|Connection closed by peer|Connection reset by peer|ProcessGroup"
+                           r"|gloo|NCCL error|NCCL communicator|watchdog|Timed out|Broken pipe", re.I)
+"""A rank's error that only says a peer went away: a rank's failure makes its peers fail in their
+next collective, so such an error explains nothing when another rank failed by itself."""
+
+
+def _blame(status: str, reason: str) -> int:
+    """How well a failed rank's outcome explains the trial's failure, best (lowest) first: out of
+    memory, died by itself, raised, and last an error that only reports a peer gone."""
+    if status == "oom":
+        return 0
+    if status == "crashed":
+        return 1
+    return 3 if _PEER_FAILURE.search(reason or "") else 2
 
 
 # the study process's side: start the ranks, watch them, read back the trial ------------------------
+
+def describe(knobs: dict[str, Any]) -> str:
+    """A trial's DDP settings in a few words ("" without DDP), for its one-line description."""
+    ddp = knobs.get("ddp") or {}
+    if ddp.get("world_size", 1) <= 1:
+        return ""
+    parts = [f"DDP x{ddp['world_size']}", f"bucket {ddp.get('bucket_cap_mb', 25)} MB"]
+    if ddp.get("gradient_as_bucket_view"):
+        parts.append("grads as bucket views")
+    if ddp.get("static_graph"):
+        parts.append("static graph")
+    return ", ".join(parts)
+
 
 def request_world_size(request: dict[str, Any]) -> int:
     """The DDP world size a trial request asks for (1: a plain single-process trial)."""
@@ -144,6 +170,7 @@ def run_ranks(request: dict[str, Any], *, world_size: int, timeout_s: float | No
                    LOCAL_WORLD_SIZE=str(world_size))
         spawned = time.time()
         procs: list[subprocess.Popen] = []
+        killed: set[int] = set()
         try:
             for rank in range(world_size):
                 with open(logs[rank], "w") as log:
@@ -152,9 +179,10 @@ def run_ranks(request: dict[str, Any], *, world_size: int, timeout_s: float | No
                                                   env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
             outcome = _wait(procs, results, None if timeout_s is None else spawned + timeout_s)
         finally:  # a failed or hung group, or Ctrl-C in the study: no rank stays on its GPU
-            for proc in procs:
+            for rank, proc in enumerate(procs):
                 if proc.poll() is None:
                     proc.kill()
+                    killed.add(rank)
             for proc in procs:
                 proc.wait()
         finished = time.time()
@@ -173,14 +201,10 @@ def run_ranks(request: dict[str, Any], *, world_size: int, timeout_s: float | No
             for rank, proc in enumerate(procs):
                 got = read[rank]
                 if got is not None and got.get("status") not in (None, "ok"):
-                    failed.append((_STATUS_RANK.get(got["status"], 1), rank, got))
-                elif proc.returncode not in (0, None) and outcome == rank:
-                    failed.append((2, rank, {"status": "crashed", "reason": (
+                    failed.append((_blame(got["status"], got.get("reason", "")), rank, got))
+                elif got is None and rank not in killed:  # died by itself, without a word
+                    failed.append((1, rank, {"status": "crashed", "reason": (
                         f"worker {_exit_description(proc.returncode)} and no result: {salient_error(texts[rank])}")}))
-            if not failed:  # the first rank seen gone was killed by us or left with code 0 and no file
-                failed.append((2, outcome, {"status": "crashed", "reason": (
-                    f"worker {_exit_description(procs[outcome].returncode)} and no result: "
-                    f"{salient_error(texts[outcome])}")}))
             _, rank, got = min(failed, key=lambda f: (f[0], f[1]))
             result = dict(got)
             result["reason"] = f"DDP rank {rank} of {world_size}: {got.get('reason', '')}"
@@ -229,7 +253,8 @@ def plan(single_step_ms: list[float], settings) -> tuple[int, int]:
     rank's single-GPU step time, about PLAN_WARMUP_S of warm-up and settings.min_time_s of timed
     steps, within settings' step limits (a DDP step takes at least as long, so no less time)."""
     step_ms = max(max(single_step_ms), 1e-3)
-    warmup = max(settings.min_warmup_steps, MIN_DDP_WARMUP_STEPS, math.ceil(PLAN_WARMUP_S * 1e3 / step_ms))
+    warmup_s = min(PLAN_WARMUP_S, settings.min_time_s)
+    warmup = max(settings.min_warmup_steps, MIN_DDP_WARMUP_STEPS, math.ceil(warmup_s * 1e3 / step_ms))
     timed = max(settings.min_steps, math.ceil(settings.min_time_s * 1e3 / step_ms))
     return warmup, min(timed, settings.max_steps)
 

@@ -19,6 +19,13 @@ from autotune.space import SearchSpace
 from autotune.study import baseline_trial, best_trial, counted_trials
 
 
+def describe_trial(knobs: dict[str, Any]) -> str:
+    """``describe`` with the DDP settings of a --ddp search appended."""
+    from autotune.ddp import describe as describe_ddp
+
+    return ", ".join(x for x in (describe(knobs), describe_ddp(knobs)) if x)
+
+
 def trials_frame(study: optuna.Study) -> pd.DataFrame:
     """One row per trial: identity, outcome, figures, the search's own cost, and the parameters."""
     rows = []
@@ -33,8 +40,14 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
             "status": attrs.get("status", t.system_attrs.get("fail_reason", "")),
             "reason": attrs.get("reason", ""),
             "duplicate_of": attrs.get("duplicate_of"),
-            "config": describe(attrs["knobs"]) if "knobs" in attrs else "",
+            "config": describe_trial(attrs["knobs"]) if "knobs" in attrs else "",
             "samples_per_s": fig.get("samples_per_s"),
+            # with --ddp N: samples_per_s is over all N GPUs; per GPU, and against the same
+            # configuration alone on one GPU measured in the same trial
+            "ddp_world_size": fig.get("ddp_world_size"),
+            "per_gpu_samples_per_s": fig.get("per_gpu_samples_per_s"),
+            "single_gpu_samples_per_s": fig.get("single_gpu_samples_per_s"),
+            "scaling_efficiency": fig.get("scaling_efficiency"),
             "step_time_ms": fig.get("step_time_ms"),
             "step_time_p10_ms": fig.get("step_time_p10_ms"),
             "step_time_p90_ms": fig.get("step_time_p90_ms"),
@@ -119,10 +132,10 @@ def export(study: optuna.Study, out_dir: Path, *, config, space: SearchSpace, pr
         # with --data the timed steps were fed by a DataLoader over it (`autotune verify` does so again)
         "data": config.data,
         "measure": config.measure.to_dict(),
-        "summary": describe(best.user_attrs["knobs"]),
+        "summary": describe_trial(best.user_attrs["knobs"]),
         "figures": best.user_attrs["figures"],
         "baseline": None if base is None else {
-            "summary": describe(base.user_attrs["knobs"]),
+            "summary": describe_trial(base.user_attrs["knobs"]),
             "knobs": base.user_attrs["knobs"],
             "figures": base.user_attrs["figures"],
             "trial_number": base.number,

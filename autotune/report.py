@@ -67,6 +67,10 @@ def _knob_value(strategy: str, name: str, default: Any = None) -> Callable[[dict
     return lambda knobs: (knobs.get(strategy) or {}).get(name, default)
 
 
+def _ddp_on(knobs: dict[str, Any]) -> bool:
+    return (knobs.get("ddp") or {}).get("world_size", 1) > 1
+
+
 def _scaler_on(knobs: dict[str, Any]) -> bool:
     return bool((knobs.get("grad_scaler") or {}).get("enabled"))
 
@@ -86,6 +90,10 @@ KNOBS = [
           _scaler_on),
     _Knob("grad_scaler.growth_interval", "GradScaler growth_interval", _knob_value("grad_scaler", "growth_interval"),
           _scaler_on),
+    _Knob("ddp.bucket_cap_mb", "DDP bucket_cap_mb", _knob_value("ddp", "bucket_cap_mb"), lambda k: _ddp_on(k)),
+    _Knob("ddp.gradient_as_bucket_view", "DDP gradient_as_bucket_view", _knob_value("ddp", "gradient_as_bucket_view"),
+          lambda k: _ddp_on(k)),
+    _Knob("ddp.static_graph", "DDP static_graph", _knob_value("ddp", "static_graph"), lambda k: _ddp_on(k)),
 ]
 
 
@@ -113,6 +121,7 @@ class _Data:
 
 
 _FRAME_COLUMNS = ["number", "role", "state", "status", "reason", "duplicate_of", "config", "samples_per_s",
+                  "ddp_world_size", "per_gpu_samples_per_s", "single_gpu_samples_per_s", "scaling_efficiency",
                   "loader_fed_samples_per_s", "compute_only_samples_per_s", "loader_wait_share", "data_bound",
                   "step_time_ms", "spread", "noisy", "peak_memory_gb", "worker_start_s", "build_s", "warmup_s",
                   "measure_s", "trial_wall_s", "compile_s", "joules_per_sample", "avg_power_w", "accuracy",
@@ -320,6 +329,8 @@ def _summary(d: _Data) -> list[dict[str, str]]:
         rate += f" (FP32 baseline: {fmt_rate(base['samples_per_s'])} samples/s)" if base is not None else \
             " (the FP32 baseline did not complete)"
         items.append({"label": "Throughput", "text": rate})
+        if _num(best.get("ddp_world_size")):
+            items.append({"label": "Data parallel (DDP)", "text": _ddp_text(best)})
         if best.get("data_bound") is not None and not pd.isna(best.get("data_bound")):
             items.append({"label": "Data pipeline", "text": _data_text(best, d.device)})
         if (_num(best.get("compile_s")) or 0.0) > 0:
@@ -369,6 +380,16 @@ def _summary(d: _Data) -> list[dict[str, str]]:
         + (f"compiling {fmt_s(c['compile_s'])}, " if c.get("compile_s") else "")
         + f"warm-up {fmt_s(c.get('warmup_s'))}, measuring {fmt_s(c.get('measure_s'))}")})
     return items
+
+
+def _ddp_text(best: pd.Series) -> str:
+    """With --ddp N: the best trial's throughput per GPU and its scaling efficiency."""
+    n = int(_num(best["ddp_world_size"]))
+    return (f"{n} processes, one GPU each: {fmt_rate(best['samples_per_s'])} samples/s in total, "
+            f"{fmt_rate(best['per_gpu_samples_per_s'])} per GPU; the same configuration alone on one GPU "
+            f"(measured in the same trial) runs {fmt_rate(best['single_gpu_samples_per_s'])} samples/s, so the "
+            f"scaling efficiency is {fmt_pct(best['scaling_efficiency'], 0)} ({n} GPUs train "
+            f"{fmt_ratio(_num(best['scaling_efficiency']) * n)} as fast as one); batch sizes are per GPU")
 
 
 def _data_text(best: pd.Series, device: str) -> str:
@@ -438,12 +459,20 @@ _STATE_WORDS = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed", "R
                 "WAITING": "waiting"}
 
 
+def _is_ddp(d: _Data) -> bool:
+    """Whether the study measured DDP steps (--ddp): its rates are then totals over its GPUs."""
+    return bool(pd.to_numeric(d.frame["ddp_world_size"], errors="coerce").fillna(0).gt(1).any())
+
+
 def _trial_rows(d: _Data) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The table of all trials: (columns, rows); each cell has its text and a sort value."""
     cols = [("number", "#", "number"), ("role", "role", "text"), ("state", "state", "text"),
             ("config", "configuration", "text"), ("samples_per_s", "samples/s", "number"),
             ("step_time_ms", "step ms", "number"), ("spread", "spread", "number"),
             ("peak_memory_gb", "peak GiB", "number")]
+    if _is_ddp(d):
+        cols[5:5] = [("per_gpu_samples_per_s", "samples/s per GPU", "number"),
+                     ("scaling_efficiency", "scaling efficiency", "number")]
     if d.has["energy"]:
         cols.append(("joules_per_sample", "J/sample", "number"))
     if d.has["accuracy"]:
@@ -451,7 +480,8 @@ def _trial_rows(d: _Data) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     if (pd.to_numeric(d.frame["compile_s"], errors="coerce").fillna(0) > 0).any():
         cols.append(("compile_s", "compile s", "number"))
     cols += [("reason", "reason", "text"), ("trial_wall_s", "time s", "number")]
-    formats = {"samples_per_s": fmt_rate, "step_time_ms": fmt_ms, "spread": lambda v: fmt_pct(v, 1),
+    formats = {"samples_per_s": fmt_rate, "per_gpu_samples_per_s": fmt_rate,
+               "scaling_efficiency": lambda v: fmt_pct(v, 0), "step_time_ms": fmt_ms, "spread": lambda v: fmt_pct(v, 1),
                "peak_memory_gb": fmt_gib, "joules_per_sample": lambda v: fmt_g(v, 3),
                "accuracy_drop": lambda v: fmt_g(v, 3), "trial_wall_s": lambda v: fmt_g(v, 3),
                "compile_s": lambda v: fmt_g(v, 3)}
@@ -1034,9 +1064,13 @@ def render_markdown(d: _Data) -> str:
         top = d.measured.sort_values(ranking.column, ascending=not ranking.maximize).head(10)
         base_rate = _num(d.baseline["samples_per_s"]) if d.baseline is not None else None
         out += ["## Top 10 configurations", ""]
+        ddp = _is_ddp(d)  # --ddp: total samples/s, per GPU, and scaling efficiency versus one GPU
         out += _md_table(
-            ["rank", "trial", "role", "configuration", "samples/s", "step ms", "spread", "peak GiB", "vs baseline"],
+            ["rank", "trial", "role", "configuration", "samples/s",
+             *(["samples/s per GPU", "scaling efficiency"] if ddp else []),
+             "step ms", "spread", "peak GiB", "vs baseline"],
             [[i + 1, f"#{int(r['number'])}", r["role"], r["config"], fmt_rate(r["samples_per_s"]),
+              *([fmt_rate(r["per_gpu_samples_per_s"]), fmt_pct(r["scaling_efficiency"], 0)] if ddp else []),
               fmt_ms(r["step_time_ms"]), fmt_pct(r["spread"]), fmt_gib(r["peak_memory_gb"]),
               fmt_ratio(r["samples_per_s"] / base_rate) if base_rate else ""]
              for i, (_, r) in enumerate(top.iterrows())])

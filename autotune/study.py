@@ -30,6 +30,7 @@ from autotune.workloads import WorkloadSpec, check_spec
 from strategies import batch_size as batch_size_strategy
 from strategies import compile as compile_strategy
 from strategies import dataloader as dataloader_strategy
+from strategies import ddp as ddp_strategy
 from strategies import optimizer as optimizer_strategy
 from strategies import fp32_layers as fp32_layers_strategy
 from strategies import threads as threads_strategy
@@ -94,6 +95,10 @@ class SearchConfig:
     gpus: list[int] | str | None = None
     """CUDA GPUs to search on in parallel, one trial worker on each ("0,1", [0, 1] or "all");
     None: the first visible GPU. All must be the same model (autotune.gpus)."""
+    ddp: int | None = None
+    """--ddp N: measure every trial as an N-process DistributedDataParallel step, one GPU per
+    process (autotune.ddp), and search DDP's bucket size, bucket views and static graph; None:
+    single-process trials."""
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cuda", "cpu"):
@@ -102,6 +107,21 @@ class SearchConfig:
             self.gpus = parse_gpus(self.gpus)
         if self.gpus is not None and self.device == "cpu":
             raise ConfigError("--gpus runs one trial worker per CUDA GPU; it cannot go with --device cpu")
+        if self.ddp is not None:
+            if self.ddp < 2:
+                raise ConfigError(f"--ddp {self.ddp}: give the number of processes (GPUs) of the data-parallel "
+                                  "step, at least 2; without --ddp trials run in one process")
+            if self.gpus is not None:
+                raise ConfigError("--ddp N runs each trial on GPUs 0..N-1 together, --gpus runs separate trials on "
+                                  "separate GPUs: give one of them (choose the GPUs of a --ddp search with "
+                                  "CUDA_VISIBLE_DEVICES)")
+            if self.objective == "energy":
+                raise ConfigError("--objective energy is not measured under --ddp (no NVML window is taken across "
+                                  "the ranks); use --objective throughput or memory")
+            if self.data is not None:
+                raise ConfigError("--data is not measured under --ddp yet (each rank would need its own "
+                                  "DistributedSampler shard); drop --data, the accuracy check then uses "
+                                  "synthetic data")
         if self.trials is not None and self.trials < 1:
             raise ConfigError(f"--trials must be at least 1, got {self.trials}")
         if self.budget_s is not None and self.budget_s < MIN_BUDGET_S:
@@ -220,6 +240,39 @@ def _compile_modes(config: SearchConfig, device: str, info: dict[str, Any]) -> l
     return compile_strategy.candidates(device)
 
 
+def check_ddp(config: SearchConfig, device: str) -> None:
+    """Refuse a --ddp search this machine cannot run, before any device time."""
+    if config.ddp is None:
+        return
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise ConfigError("--ddp needs torch.distributed, which this build of torch lacks; install a torch "
+                          "build with distributed support")
+    if device == "cuda":
+        import torch
+
+        visible = torch.cuda.device_count()
+        if config.ddp > visible:
+            raise ConfigError(f"--ddp {config.ddp}: PyTorch sees {visible} CUDA GPU{'s' if visible != 1 else ''} "
+                              f"here; give --ddp {visible} or less (CUDA_VISIBLE_DEVICES chooses which)")
+        if not dist.is_nccl_available():
+            raise ConfigError("--ddp on CUDA runs NCCL, which this build of torch lacks; install a CUDA build "
+                              "of torch with NCCL")
+    elif not dist.is_gloo_available():
+        raise ConfigError("--ddp on a CPU runs gloo, which this build of torch lacks")
+
+
+def _cpus_per_rank(config: SearchConfig) -> int | None:
+    """Under --ddp on a CPU, each rank's share of the cores (ranks run at once); else None (all)."""
+    if not config.ddp:
+        return None
+    import os
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // config.ddp)
+
+
 def build_space(config: SearchConfig, device: str, info: dict[str, Any]) -> SearchSpace:
     cuda = device == "cuda"
     if config.batch_size:
@@ -254,7 +307,7 @@ def build_space(config: SearchConfig, device: str, info: dict[str, Any]) -> Sear
         memory_formats=["contiguous", "channels_last"] if image_like else ["contiguous"],
         stream_counts=[1, 2] if cuda and not config.input_on_device else [1],
         cudnn_benchmark=[False, True] if cuda else [False],
-        thread_counts=[] if cuda else threads_strategy.candidates(),
+        thread_counts=[] if cuda else threads_strategy.candidates(_cpus_per_rank(config)),
         # keeping layers in FP32 only trades speed for accuracy: offered where the accuracy check
         # can tell whether it is needed, under autocast, for the kinds the model has
         fp32_layer_sets=(fp32_layers_strategy.combinations(info.get("fp32_layer_kinds") or [])
@@ -263,11 +316,15 @@ def build_space(config: SearchConfig, device: str, info: dict[str, Any]) -> Sear
         # zeroing in place keeps gradient memory allocated; on a CPU the difference is noise
         zero_grad_set_to_none=[True, False] if cuda else [True],
         compile_modes=_compile_modes(config, device, info),
-        cuda_graphs=[False, True] if cuda else [False],
+        # not under DDP: its all-reduces run from autograd hooks on NCCL's own stream, outside a
+        # whole-step capture (the compile modes with CUDA graphs graph only the compiled pieces)
+        cuda_graphs=[False, True] if cuda and not config.ddp else [False],
         # with real data the timed steps are fed by a DataLoader, whose settings are searched too
         dataloader_workers=dataloader_strategy.candidates() if config.data else [],
         dataloader_pin_memory=[False, True] if cuda and config.data else [False],
         dataloader_prefetch_factors=dataloader_strategy.PREFETCH_FACTORS if config.data else [2],
+        ddp_world_size=config.ddp or 1,
+        **(ddp_strategy.candidates() if config.ddp else {}),
     )
 
 
@@ -278,6 +335,10 @@ def _same_space(stored: dict[str, Any], space: SearchSpace) -> bool:
         return SearchSpace.from_dict(stored).to_dict() == space.to_dict()
     except TypeError:  # a field this version does not know: made by a newer autotune
         return False
+
+
+def _ddp_words(world_size: Any) -> str:
+    return "single-process" if world_size == 1 else f"{world_size}-process DDP"
 
 
 def _nearest(values: list[int], target: int) -> int:
@@ -310,7 +371,10 @@ def seed_configurations(space: SearchSpace) -> list[tuple[str, dict[str, Any]]]:
         "optimizer.implementation": (optimizer_strategy.UNTUNED[space.device]
                                      if optimizer_strategy.UNTUNED[space.device] in implementations
                                      else implementations[0]),
-        "optimizer.set_to_none": True, "compile.mode": "off", "cuda_graphs.enabled": False}
+        "optimizer.set_to_none": True, "compile.mode": "off", "cuda_graphs.enabled": False,
+        # under --ddp: DistributedDataParallel as a user builds it, with PyTorch's defaults
+        "ddp.bucket_cap_mb": ddp_strategy.DDP.Config.bucket_cap_mb, "ddp.gradient_as_bucket_view": False,
+        "ddp.static_graph": False}
     baseline = params(**{
         "precision.mode": "fp32", "batch_size.batch_size": base, "channel_alignment.multiple": 1,
         "memory_format.format": "contiguous", "cudnn.benchmark": False, "streams.num_streams": 1,
@@ -525,6 +589,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     check_spec(config.workload)
     device = resolve_device(config.device)
+    check_ddp(config, device)
     gpu_pool = GpuPool.for_search(config.gpus, device)  # --gpus: refused on a CPU or a mix of GPU models
     # before any device time: the folder (or, by default, reports/) must take the results
     _check_writable(Path(config.out_dir) if config.out_dir else Path("reports"))
@@ -546,6 +611,10 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         warnings.warn(f"NVML is not usable here ({nvml.get('reason')}): energy, power, clock and throttling "
                       "figures are missing; everything else is measured", stacklevel=2)
     slug = device_slug(info["provenance"], device)
+    if config.ddp:
+        # a study of N-process DDP steps never mixes with single-process ones (nor another N):
+        # its own folder and study name by default, and refused on resume below
+        slug = f"{slug}-ddp{config.ddp}"
     out_dir = Path(config.out_dir or Path("reports") / f"{config.workload.short_name}-{slug}")
     _check_writable(out_dir)
     (out_dir / "logs").mkdir(exist_ok=True)
@@ -571,6 +640,14 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         stored_space = wait_for_setup(storage, study)
         check_same_hardware(study, device, info["provenance"], suggestion=f"{name}-{slug}",
                             where=mask_url(config.storage or str(out_dir / "study.db")))
+        # a space stored before --ddp existed has no ddp_world_size: single-process trials
+        theirs = None if stored_space is None else stored_space.get("ddp_world_size", 1)
+        if theirs is not None and theirs != space.ddp_world_size:
+            raise ConfigError(
+                f"study {name!r} in {mask_url(config.storage or str(out_dir / 'study.db'))} holds "
+                f"{_ddp_words(theirs)} measurements and this search measures {_ddp_words(space.ddp_world_size)}: "
+                "one study must not mix them. Resume it with " + (f"--ddp {theirs}" if theirs != 1 else "no --ddp")
+                + ", or start a new search with another --study-name or --out")
         if stored_space is not None and not _same_space(stored_space, space):
             raise ConfigError(
                 f"study {name!r} in {mask_url(config.storage or str(out_dir / 'study.db'))} was made with another search space ({stored_space}); "
