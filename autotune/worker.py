@@ -244,8 +244,12 @@ class _LoaderFeed:
 
         workers = self.kwargs.get("num_workers", 0)
         # a loader-fed step time varies by design (workers deliver in waves): one window, long
-        # enough for two waves, and the rate is taken over it rather than from the median step
-        m = measure(fed_step, device, dataclasses.replace(settings, max_remeasure=0,
+        # enough for two waves, and the rate is taken over it rather than from the median step.
+        # Its warm-up only has to let the workers deliver their first wave (the compile, cudnn's
+        # autotuning and the steady state were reached in the compute-only window): waiting for
+        # two windows to agree would wait out max_warmup_s (60 s on a GPU) on waves that never do
+        m = measure(fed_step, device, dataclasses.replace(settings, max_remeasure=0, max_warmup_s=0.0,
+                                                          min_warmup_steps=max(settings.min_warmup_steps, 2 * workers + 1),
                                                           min_steps=max(settings.min_steps, 2 * workers + 1)),
                     timed_window=timed)
         begin, end = fed_wall[0]
