@@ -168,6 +168,9 @@ def run_ranks(request: dict[str, Any], *, world_size: int, timeout_s: float | No
         env = _worker_env()
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size),
                    LOCAL_WORLD_SIZE=str(world_size))
+        # as torchrun does for several processes per node (unless the user set it): what the
+        # exported config's training run will see; a CPU search's threads knob sets its own count
+        env.setdefault("OMP_NUM_THREADS", "1")
         spawned = time.time()
         procs: list[subprocess.Popen] = []
         killed: set[int] = set()
@@ -205,6 +208,9 @@ def run_ranks(request: dict[str, Any], *, world_size: int, timeout_s: float | No
                 elif got is None and rank not in killed:  # died by itself, without a word
                     failed.append((1, rank, {"status": "crashed", "reason": (
                         f"worker {_exit_description(proc.returncode)} and no result: {salient_error(texts[rank])}")}))
+            if not failed:  # the rank that ended the wait left an "ok" result, yet exited with an error
+                failed.append((1, outcome, {"status": "crashed", "reason": (
+                    f"worker {_exit_description(procs[outcome].returncode)}: {salient_error(texts[outcome])}")}))
             _, rank, got = min(failed, key=lambda f: (f[0], f[1]))
             result = dict(got)
             result["reason"] = f"DDP rank {rank} of {world_size}: {got.get('reason', '')}"
