@@ -330,7 +330,7 @@ def _summary(d: _Data) -> list[dict[str, str]]:
             " (the FP32 baseline did not complete)"
         items.append({"label": "Throughput", "text": rate})
         if _num(best.get("ddp_world_size")):
-            items.append({"label": "Data parallel (DDP)", "text": _ddp_text(best)})
+            items.append({"label": "Data parallel (DDP)", "text": _ddp_text(best, d.device)})
         if best.get("data_bound") is not None and not pd.isna(best.get("data_bound")):
             items.append({"label": "Data pipeline", "text": _data_text(best, d.device)})
         if (_num(best.get("compile_s")) or 0.0) > 0:
@@ -382,14 +382,16 @@ def _summary(d: _Data) -> list[dict[str, str]]:
     return items
 
 
-def _ddp_text(best: pd.Series) -> str:
+def _ddp_text(best: pd.Series, device: str) -> str:
     """With --ddp N: the best trial's throughput per GPU and its scaling efficiency."""
     n = int(_num(best["ddp_world_size"]))
-    return (f"{n} processes, one GPU each: {fmt_rate(best['samples_per_s'])} samples/s in total, "
-            f"{fmt_rate(best['per_gpu_samples_per_s'])} per GPU; the same configuration alone on one GPU "
+    unit, units = ("GPU", "GPUs") if device == "cuda" else ("process", "processes")
+    return (f"{n} processes" + (", one GPU each" if device == "cuda" else " on the CPU")
+            + f": {fmt_rate(best['samples_per_s'])} samples/s in total, "
+            f"{fmt_rate(best['per_gpu_samples_per_s'])} per {unit}; the same configuration alone on one {unit} "
             f"(measured in the same trial) runs {fmt_rate(best['single_gpu_samples_per_s'])} samples/s, so the "
-            f"scaling efficiency is {fmt_pct(best['scaling_efficiency'], 0)} ({n} GPUs train "
-            f"{fmt_ratio(_num(best['scaling_efficiency']) * n)} as fast as one); batch sizes are per GPU")
+            f"scaling efficiency is {fmt_pct(best['scaling_efficiency'], 0)} ({n} {units} train "
+            f"{fmt_ratio(_num(best['scaling_efficiency']) * n)} as fast as one); batch sizes are per {unit}")
 
 
 def _data_text(best: pd.Series, device: str) -> str:

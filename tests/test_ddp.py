@@ -187,7 +187,7 @@ def test_ddp_search_reports_per_gpu_throughput_and_scaling_efficiency(ddp_search
     assert study.trials[0].user_attrs["knobs"]["ddp"] == {"world_size": 2, "bucket_cap_mb": 25,
                                                          "gradient_as_bucket_view": False, "static_graph": False}
     report = (out / "report.md").read_text()
-    assert "**Data parallel (DDP):** 2 processes, one GPU each" in report and "scaling efficiency is" in report
+    assert "**Data parallel (DDP):** 2 processes on the CPU" in report and "scaling efficiency is" in report
     assert "samples/s per GPU | scaling efficiency" in report
     html = (out / "report.html").read_text()
     assert "scaling efficiency" in html
