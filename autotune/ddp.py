@@ -371,9 +371,9 @@ def run_rank(request: dict[str, Any]) -> dict[str, Any]:
                          setup_steps=run.step.num_setup_steps)
         single_window_s = time.perf_counter() - t1
         del run
-        gc.collect()
         if cfg.recipe.compile_mode is not None:
             torch._dynamo.reset()  # the DDP model compiles afresh (DDPOptimizer); free the first one's graphs
+        gc.collect()  # the first model's memory is free before the DDP model is built
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
