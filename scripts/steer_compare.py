@@ -33,6 +33,11 @@ trials per run, 3 seeds (6 runs of about 40 s: a probe, 8 trials of 4-5 s, the e
 ``--total-time 4m`` makes that a limit: each run gets a sixth of it as its --budget, and a run
 that runs out before reaching the reference counts as not reached. Writes steer-compare.json and
 steer-compare.csv into --out and prints the table and the medians per arm.
+
+A run already finished under --out (ARM-seedSEED/ with its config.json) is reused, not run again:
+runs spread over several GPUs (one invocation per GPU, each its own --first-seed) or cut short by
+a time limit are completed by running the same command on a folder holding the finished ones,
+and the summary then takes one reference over all of them.
 """
 
 from __future__ import annotations
@@ -146,14 +151,15 @@ def search_config(args: argparse.Namespace, *, steer: bool, seed: int, budget_s:
 
 
 def run_one(args: argparse.Namespace, arm: str, seed: int, budget_s: float | None) -> dict[str, Any]:
-    from autotune.goal import goal_of
-    from autotune.knob_effects import fixed_knobs
+    """Run one arm for one seed into ARM-seedSEED under --out, or reuse that run if it finished."""
     from autotune.objective import describe
-    from autotune.study import best_trial, run_search
+    from autotune.study import run_search
 
     out_dir = args.out / f"{arm}-seed{seed}"
     if (out_dir / "study.db").exists():
-        raise SystemExit(f"{out_dir} already holds a study: give another --out (the comparison needs fresh runs)")
+        finished = finished_run(out_dir, arm, seed, trials=args.trials)
+        print(f"    reused the finished run in {out_dir} ({len(finished['values'])} trials)", flush=True)
+        return finished
     config = search_config(args, steer=arm == "steered", seed=seed, budget_s=budget_s, out_dir=out_dir)
 
     def on_event(kind: str, payload: Any) -> None:
@@ -168,11 +174,39 @@ def run_one(args: argparse.Namespace, arm: str, seed: int, budget_s: float | Non
 
     started = time.time()
     result = run_search(config, on_event=on_event)
-    study = result.study
+    return run_record(result.study, arm, seed, out_dir, wall_s=round(time.time() - started, 1))
+
+
+def finished_run(out_dir: Path, arm: str, seed: int, *, trials: int | None) -> dict[str, Any]:
+    """The record of a run that an earlier invocation finished in ``out_dir`` (its config.json
+    is written at the end of a run), so that runs cut short, or spread over several GPUs or
+    machines, are completed and summarized together with one reference. A run that did not
+    finish, or ran another number of trials, is refused: its count would not compare."""
+    import optuna
+
+    if not (out_dir / "config.json").exists():
+        raise SystemExit(f"{out_dir} holds a run that did not finish (no config.json): delete the folder "
+                         "to run it again")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.load_study(study_name=None, storage=f"sqlite:///{out_dir / 'study.db'}")
+    record = run_record(study, arm, seed, out_dir, wall_s=None)
+    if trials is not None and len(record["values"]) != trials:
+        raise SystemExit(f"{out_dir} holds a run of {len(record['values'])} trials, not --trials {trials}: "
+                         "give the same --trials, or another --out")
+    return record
+
+
+def run_record(study, arm: str, seed: int, out_dir: Path, *, wall_s: float | None) -> dict[str, Any]:
+    """What the comparison keeps of one run: its values in trial order, roles, best and fixed knobs."""
+    from autotune.goal import goal_of
+    from autotune.knob_effects import fixed_knobs
+    from autotune.objective import describe
+    from autotune.study import best_trial
+
     best = best_trial(study)
     values = run_values(study)
     return {
-        "arm": arm, "seed": seed, "out_dir": str(out_dir), "wall_s": round(time.time() - started, 1),
+        "arm": arm, "seed": seed, "out_dir": str(out_dir), "wall_s": wall_s,
         "objective": goal_of(study).name, "values": values,
         "roles": [t.user_attrs.get("role", "search") for t in sorted(
             (t for t in study.trials if "status" in t.user_attrs), key=lambda t: t.number)],

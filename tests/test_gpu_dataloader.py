@@ -29,7 +29,8 @@ def test_resnet50_search_on_jpegs_says_whether_the_loader_keeps_the_gpu_busy(tmp
     made = time.time() - start
     # batch 64 to 256 and 1 s windows: the baseline decodes every batch in the training process
     # (0 workers); at the defaults (batch 256, 2 s) the search did not finish in 205 s on the H200
-    run_cli("search", "--model", "resnet50", "--input-shape", "3x224x224", "--trials", "4", "--no-accuracy-check",
+    # 3 trials: the baseline alone decodes at about 24 images/s on the H200 machine, 53 s for its 20 steps
+    run_cli("search", "--model", "resnet50", "--input-shape", "3x224x224", "--trials", "3", "--no-accuracy-check",
             "--no-compile", "--base-batch-size", "64", "--max-batch-size", "256", "--min-measure-time", "1",
             "--data", str(data), "--out", str(out), timeout=600)
     searched = time.time() - start - made
@@ -38,7 +39,7 @@ def test_resnet50_search_on_jpegs_says_whether_the_loader_keeps_the_gpu_busy(tmp
     columns = ["number", "config", "samples_per_s", "compute_only_samples_per_s", "loader_wait_share", "data_bound"]
     print(f"\nJPEGs written in {made:.1f} s, search in {searched:.1f} s")
     print(trials[columns].to_string(index=False))
-    assert len(trials) == 4
+    assert len(trials) == 3
     assert (trials["loader_fed_samples_per_s"] > 0).all() and (trials["compute_only_samples_per_s"] > 0).all()
     # the baseline decodes in the training process (no workers): far from what the GPU trains
     baseline = trials[trials["role"] == "baseline"].iloc[0]
