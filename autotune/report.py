@@ -401,8 +401,16 @@ def _data_text(best: pd.Series, device: str) -> str:
     wait = _num(best.get("loader_wait_share"))
     waited = f"; the step waited for data {fmt_pct(wait, 0)} of the time" if wait is not None else ""
     if str(best["data_bound"]).lower() == "true":
+        workers = _num(best.get("param.dataloader.num_workers"))
+        if wait is not None and wait < 0.5 and workers:
+            # the step seldom waited, yet ran slower than fed from memory: the workers' decoding
+            # took CPU time from the training process itself (findings.py words it the same way)
+            remedy = (f"the {workers:.0f} loader workers compete with the training process for the CPUs, so a "
+                      "cheaper decode (DALI, smaller or pre-resized images) or fewer workers would help")
+        else:
+            remedy = "more loader workers, DALI or a faster decode would help"
         return (f"data-bound: the data pipeline delivers {fed} samples/s, the {unit} could train {compute} "
-                f"samples/s{waited}; more loader workers, DALI or a faster decode would help")
+                f"samples/s{waited}; {remedy}")
     return f"the data pipeline keeps the {unit} busy (loader-fed {fed} samples/s vs {compute} compute-only{waited})"
 
 
