@@ -45,3 +45,29 @@ def test_one_reference_for_every_run_of_both_arms():
 def test_the_median_counts_not_reached_as_worst():
     assert steer_compare.arm_median([2, 3, None]) == 3
     assert steer_compare.arm_median([2, None, None]) == math.inf
+
+
+def test_finished_runs_are_reused_and_summarized_with_one_reference(tmp_path, capsys):
+    """The H200 comparison in reports/steer-compare (4 seeds per arm, run on two GPUs over two device
+    calls) is summarized again from its runs' studies, without running anything."""
+    import json
+    import shutil
+
+    out = tmp_path / "steer-compare"
+    shutil.copytree(ROOT / "reports" / "steer-compare", out)
+    (out / "steer-compare.json").unlink()
+    assert steer_compare.main(["--seeds", "4", "--trials", "6", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.count("reused the finished run") == 8
+    report = json.loads((out / "steer-compare.json").read_text())
+    committed = json.loads((ROOT / "reports" / "steer-compare" / "steer-compare.json").read_text())
+    counts = {(r["arm"], r["seed"]): r["trials_to_reach"] for r in report["runs"]}
+    assert counts == {(r["arm"], r["seed"]): r["trials_to_reach"] for r in committed["runs"]}
+    assert report["reference"] == max(v for r in report["runs"] for v in r["values"] if v is not None)
+    assert report["medians"] == committed["medians"]
+
+    # a run that did not finish, or ran another number of trials, is refused rather than counted
+    with pytest.raises(SystemExit, match="not --trials 8"):
+        steer_compare.main(["--seeds", "1", "--trials", "8", "--out", str(out)])
+    (out / "plain-seed0" / "config.json").unlink()
+    with pytest.raises(SystemExit, match="did not finish"):
+        steer_compare.main(["--seeds", "1", "--trials", "6", "--out", str(out)])
