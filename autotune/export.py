@@ -56,6 +56,8 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
             "num_steps": fig.get("num_steps"),
             "peak_memory_gb": fig["peak_memory_bytes"] / 2**30 if "peak_memory_bytes" in fig else None,
             "final_loss": fig.get("final_loss"),
+            # False: the step's loss was NaN/inf; such a trial is never chosen as the best
+            "loss_finite": fig.get("loss_finite"),
             # with --data: the rate the DataLoader fed (samples_per_s) against the step fed from memory
             "loader_fed_samples_per_s": fig.get("loader_fed_samples_per_s"),
             "compute_only_samples_per_s": fig.get("compute_only_samples_per_s"),

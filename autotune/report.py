@@ -1079,7 +1079,9 @@ def render_markdown(d: _Data) -> str:
             ["rank", "trial", "role", "configuration", "samples/s",
              *(["samples/s per GPU", "scaling efficiency"] if ddp else []),
              "step ms", "spread", "peak GiB", "vs baseline"],
-            [[i + 1, f"#{int(r['number'])}", r["role"], r["config"], fmt_rate(r["samples_per_s"]),
+            [[i + 1, f"#{int(r['number'])}", r["role"],
+              r["config"] + (" (unstable: loss not finite, never chosen as best)" if r["unstable"] else ""),
+              fmt_rate(r["samples_per_s"]),
               *([fmt_rate(r["per_gpu_samples_per_s"]), fmt_pct(r["scaling_efficiency"], 0)] if ddp else []),
               fmt_ms(r["step_time_ms"]), fmt_pct(r["spread"]), fmt_gib(r["peak_memory_gb"]),
               fmt_ratio(r["samples_per_s"] / base_rate) if base_rate else ""]

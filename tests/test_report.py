@@ -16,7 +16,7 @@ import pytest
 from optuna.trial import TrialState
 
 from autotune.report import write_report
-from conftest import run_cli
+from conftest import ROOT, run_cli
 
 SEARCH = ["search", "--model", "fake_models:tiny_cnn", "--device", "cpu", "--input-shape", "3x32x32",
           "--num-classes", "10", "--min-measure-time", "0.3", "--trials", "5",
@@ -277,3 +277,25 @@ def test_the_data_pipeline_line_names_the_remedy_that_fits_the_wait(wait, worker
     assert remedy in text
     kept = _data_text(best.copy().replace({True: False}), "cuda")
     assert kept.startswith("the data pipeline keeps the GPU busy (loader-fed 3,211 samples/s")
+
+
+def test_a_faster_trial_whose_loss_was_not_finite_is_marked_not_chosen(tmp_path):
+    """The H200 JPEG search: trial #1 (fp16 + CUDA graphs) ran fastest but ended with a NaN loss;
+    trials.csv says so, the top table marks it, and the best is #2."""
+    import shutil
+
+    from autotune.export import trials_frame
+
+    folder = ROOT / "reports" / "resnet50-h200-jpegs"
+    for name in ("study.db", "config.json"):
+        shutil.copy(folder / name, tmp_path / name)
+    study, config = load(tmp_path)
+    frame = trials_frame(study).set_index("number")
+    assert frame.loc[1, "loss_finite"] == False and frame.loc[2, "loss_finite"] == True  # noqa: E712
+    assert frame.loc[1, "samples_per_s"] > frame.loc[2, "samples_per_s"]
+    md = write_report(study, tmp_path, config)["report.md"].read_text()
+    assert "(trial #2)" in md.split("**Best configuration:**")[1].splitlines()[0]
+    rows = {line.split(" | ")[1]: line for line in md.split("## Top 10 configurations")[1].split("##")[0].splitlines()
+            if line.startswith("| ") and " | #" in line}
+    assert "(unstable: loss not finite, never chosen as best)" in rows["#1"]
+    assert "unstable" not in rows["#2"]
