@@ -116,7 +116,9 @@ def prepare_optimizer(optimizer: torch.optim.Optimizer, recipe: Recipe) -> torch
     (and ``capturable=True`` when the step is captured in a CUDA graph); call it after the model
     is on the device, since a fused implementation checks where the parameters are."""
     move_optimizer_state(optimizer, recipe.device)
-    return optimizer_strategy.rebuild(optimizer, recipe.optimizer_implementation, capturable=recipe.cuda_graphs)
+    optimizer = optimizer_strategy.rebuild(optimizer, recipe.optimizer_implementation, capturable=recipe.cuda_graphs)
+    optimizer_strategy.prime_fused_sgd(optimizer)  # a GradScaler-skipped first step must not leave garbage
+    return optimizer
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, device: str | torch.device) -> None:

@@ -202,3 +202,64 @@ def test_zero_grad_set_to_none_is_what_the_step_does(set_to_none: bool) -> None:
     same = [a is b for a, b in zip(first, (p.grad for p in model.parameters()))]
     # zeroed in place: the same gradient tensors every step; set to None: backward makes new ones
     assert all(same) if not set_to_none else not any(same)
+
+
+def _overflowing_first_step(optimizer: torch.optim.Optimizer, model: nn.Module, scaler) -> None:
+    """One GradScaler step whose gradients overflow (so the scaler skips it), as fp16's first
+    steps usually do."""
+    optimizer.zero_grad()
+    x = torch.full((8, 6), 1e37)  # x 65536 (the scale) overflows fp32 in the gradients
+    scaler.scale(model(x).sum()).backward()
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def test_a_skipped_first_step_leaves_fused_sgd_where_plain_sgd_is() -> None:
+    """Fused SGD makes its momentum buffers with empty_like on the first step and its kernel fills
+    them; a GradScaler-skipped first step used to leave them uninitialized (NaN weights on the
+    H200). prepare() gives them zeros first, and training after a skip matches plain SGD."""
+    implementation, results = "fused", {}
+    for impl in ("plain", implementation):
+        cfg = TunedConfig.from_params(_params(impl), SPACE)
+        torch.manual_seed(0)
+        model = small_net()
+        model, optimizer = cfg.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        if impl == "fused":
+            buffers = [optimizer.state[p].get("momentum_buffer") for p in model.parameters()]
+            assert all(b is not None and not b.any() for b in buffers)  # zeros before any step
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+        before = [p.detach().clone() for p in model.parameters()]
+        _overflowing_first_step(optimizer, model, scaler)
+        assert scaler.get_scale() == 2.0**15  # skipped, and the scale backed off
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        for p in model.parameters():
+            buffer = optimizer.state[p].get("momentum_buffer")
+            assert buffer is None or not buffer.any()  # no garbage to multiply in next time
+        losses = []
+        for seed in range(4):
+            g = torch.Generator().manual_seed(seed)
+            x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            losses.append(loss.item())
+        results[impl] = (losses, [p.detach().clone() for p in model.parameters()])
+    assert results[implementation][0] == pytest.approx(results["plain"][0], rel=1e-5)
+    for a, b in zip(results[implementation][1], results["plain"][1]):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_priming_leaves_other_optimizers_and_dampened_sgd_alone() -> None:
+    model = small_net()
+    adam = torch.optim.Adam(model.parameters(), fused=True)
+    plain = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    dampened = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.1, fused=True)
+    no_momentum = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    for optimizer in (adam, plain, dampened, no_momentum):
+        assert optimizer_strategy.prime_fused_sgd(optimizer) is False
+        assert not optimizer.state
+    fused = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    assert optimizer_strategy.prime_fused_sgd(fused) is True
+    assert optimizer_strategy.prime_fused_sgd(fused) is False  # buffers that exist are kept
