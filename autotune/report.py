@@ -402,9 +402,11 @@ def _data_text(best: pd.Series, device: str) -> str:
     waited = f"; the step waited for data {fmt_pct(wait, 0)} of the time" if wait is not None else ""
     if str(best["data_bound"]).lower() == "true":
         workers = _num(best.get("param.dataloader.num_workers"))
-        if wait is not None and wait < 0.5 and workers:
+        from autotune.findings import CONTENTION_WAIT_SHARE
+
+        if wait is not None and wait < CONTENTION_WAIT_SHARE and workers:
             # the step seldom waited, yet ran slower than fed from memory: the workers' decoding
-            # took CPU time from the training process itself (findings.py words it the same way)
+            # took CPU time from the training process itself (the data-bound finding says the same)
             remedy = (f"the {workers:.0f} loader workers compete with the training process for the CPUs, so a "
                       "cheaper decode (DALI, smaller or pre-resized images) or fewer workers would help")
         else:

@@ -240,3 +240,25 @@ def test_cpu_search_on_jpegs_records_the_loader_and_reports_it(tmp_path):
         assert f"data-bound: the data pipeline delivers {fed} samples/s, the CPU could train" in report
     else:
         assert f"the data pipeline keeps the CPU busy (loader-fed {fed} samples/s" in report
+
+
+def test_a_data_bound_step_that_seldom_waited_is_told_to_try_fewer_workers():
+    """The H200 JPEG search's best: 32 workers on 32 cores, the step waited for 0.4% of its batches
+    yet delivered 3,211 of a possible 5,485 samples/s; more workers cannot help, fewer may."""
+    offered = {"dataloader.num_workers": [0, 1, 2, 4, 8, 16, 32]}
+    figures = {"data_bound": True, "loader_fed_samples_per_s": 3211.4, "compute_only_samples_per_s": 5484.7,
+               "loader_wait_share": 0.004}
+    [finding] = derive(None, None, {"dataloader": {"num_workers": 32}}, offered=offered, figures=figures)
+    assert finding.rule == "data-bound" and finding.suggest == {"dataloader.num_workers": 16}
+    assert "its 32 workers take CPU time from the training process: 16 workers would leave it more" in finding.text
+    [finding] = derive(None, None, {"dataloader": {"num_workers": 8}}, offered={"dataloader.num_workers": [0, 6, 8]},
+                       figures=figures)
+    assert finding.suggest == {"dataloader.num_workers": 6}  # nothing at half: the next fewer
+    # a step that waited is short of workers, not of CPU: more of them, as before
+    [finding] = derive(None, None, {"dataloader": {"num_workers": 8}}, offered=offered,
+                       figures={**figures, "loader_wait_share": 0.6})
+    assert finding.suggest == {"dataloader.num_workers": 16}
+    # one worker and still no wait: nothing fewer to try, a cheaper decode is what is left
+    [finding] = derive(None, None, {"dataloader": {"num_workers": 1}}, offered={"dataloader.num_workers": [0, 1]},
+                       figures=figures)
+    assert finding.suggest == {} and "DALI" in finding.text
