@@ -3,6 +3,7 @@ study went on, the reason was recorded and no trial was lost.
 
     python3 scripts/faults.py                    # CPU faults (and the CUDA ones where there is a GPU)
     python3 scripts/faults.py --only oom,crash   # a subset
+    python3 scripts/faults.py --jobs 3           # three searches at a time (a hung trial mostly waits)
 
 Prints one line per fault and, last, `faults survived: N/N, trials lost: 0`.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from concurrent.futures import ThreadPoolExecutor
 import subprocess
 import sys
 import tempfile
@@ -78,7 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", help="comma-separated faults: " + ",".join(FAULTS))
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="fault searches run at the same time (default 1; each is its own study and folder)")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error("--jobs must be at least 1")
     import torch
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
@@ -87,13 +93,17 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown faults {unknown}; choose from {', '.join(FAULTS)}")
     survived = lost_total = 0
-    with tempfile.TemporaryDirectory(prefix="autotune-faults-") as tmp:
-        for name in names:
-            started = time.time()
-            ok, lost, why = run_fault(name, device, Path(tmp))
+
+    def timed(name: str) -> tuple[str, bool, int, str, float]:
+        started = time.time()
+        ok, lost, why = run_fault(name, device, Path(tmp))
+        return name, ok, lost, why, time.time() - started
+
+    with tempfile.TemporaryDirectory(prefix="autotune-faults-") as tmp, ThreadPoolExecutor(args.jobs) as pool:
+        for name, ok, lost, why, took in pool.map(timed, names):  # in the given order
             survived += ok
             lost_total += lost
-            print(f"{'ok  ' if ok else 'FAIL'} {name:<14} {time.time() - started:5.0f}s  {why}", flush=True)
+            print(f"{'ok  ' if ok else 'FAIL'} {name:<14} {took:5.0f}s  {why}", flush=True)
     print(f"faults survived: {survived}/{len(names)}, trials lost: {lost_total}")
     return 0 if survived == len(names) and lost_total == 0 else 1
 

@@ -13,7 +13,7 @@ from conftest import ROOT
 @pytest.mark.slow
 def test_hung_and_raising_trials_are_survived_and_nothing_is_lost():
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "faults.py"), "--only", "hang,raise,nan",
-                           "--device", "cpu"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+                           "--device", "cpu", "--jobs", "3"], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "faults survived: 3/3, trials lost: 0"
 
