@@ -9,6 +9,7 @@ started here when PostgreSQL is installed; without either, those tests skip.
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import subprocess
@@ -50,6 +51,17 @@ def postgres_url():
         pg_server.stop(data_dir)
 
 
+@pytest.fixture()
+def db(postgres_url):
+    """One storage (one connection pool) for the test's own reads of the study, closed at the end:
+    loading the study by URL in a polling loop left a pool per call for the garbage collector."""
+    storage = optuna.storages.RDBStorage(postgres_url)
+    try:
+        yield storage
+    finally:
+        storage.engine.dispose()
+
+
 def _password(url: str) -> str:
     from sqlalchemy.engine import make_url
 
@@ -73,7 +85,7 @@ def _owner_pid(trial: optuna.trial.FrozenTrial) -> int | None:
 
 
 @pytest.mark.slow
-def test_two_processes_share_one_postgres_study_and_a_killed_ones_trial_is_rerun_once(postgres_url, tmp_path):
+def test_two_processes_share_one_postgres_study_and_a_killed_ones_trial_is_rerun_once(postgres_url, db, tmp_path):
     name = f"shared-{uuid.uuid4().hex[:8]}"
     total = 5
     common = ["--model", "fake_models:tiny_cnn", *SMALL, "--trials", str(total),
@@ -88,17 +100,19 @@ def test_two_processes_share_one_postgres_study_and_a_killed_ones_trial_is_rerun
         while time.time() < deadline and killed is None and a.poll() is None:
             time.sleep(0.3)
             try:
-                trials = optuna.load_study(study_name=name, storage=postgres_url).trials
+                trials = optuna.load_study(study_name=name, storage=db).trials
             except KeyError:  # not created yet
                 continue
-            # a trial that has chosen its parameters: one killed before that has nothing to re-run
-            # but a fresh sample (RetryStaleTrial queues its empty parameters)
-            running = [t for t in trials if _owner_pid(t) == a.pid and t.state == TrialState.RUNNING and t.params]
+            # a trial that has chosen its parameters (one killed before that has nothing to re-run but
+            # a fresh sample: RetryStaleTrial queues its empty parameters), and started under 2 s ago,
+            # so that it is still running when the kill lands (a trial takes 5 s or more here)
+            running = [t for t in trials if _owner_pid(t) == a.pid and t.state == TrialState.RUNNING and t.params
+                       and (datetime.datetime.now() - t.datetime_start).total_seconds() < 2.0]
             if running and any(t.state == TrialState.COMPLETE for t in trials):
                 a.send_signal(signal.SIGKILL)  # mid-trial: no chance to record anything
                 a.wait()
                 # the trial it was running when it died (not one that ended just before)
-                trials = optuna.load_study(study_name=name, storage=postgres_url).trials
+                trials = optuna.load_study(study_name=name, storage=db).trials
                 # (usually the one seen above; A may have finished it and started another meanwhile)
                 [killed] = [t for t in trials if _owner_pid(t) == a.pid and t.state == TrialState.RUNNING]
         assert killed is not None, "process A never had a trial running once the study had a finished one"
@@ -111,7 +125,7 @@ def test_two_processes_share_one_postgres_study_and_a_killed_ones_trial_is_rerun
         for log in logs.values():
             log.close()
 
-    study = optuna.load_study(study_name=name, storage=postgres_url)
+    study = optuna.load_study(study_name=name, storage=db)
     trials = study.trials
     by_number = {t.number: t for t in trials}
     assert not [t.number for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
