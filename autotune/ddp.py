@@ -41,24 +41,13 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 
 
-def _watch_parent(expected_parent: int) -> None:
-    """Exit when the study process dies (as the worker does): no rank outlives its search."""
-
-    def watch() -> None:
-        while True:
-            if os.getppid() != expected_parent:
-                os._exit(3)
-            time.sleep(0.5)
-
-    threading.Thread(target=watch, daemon=True).start()
-
-
 if __name__ == "__main__" and len(sys.argv) > 3:
-    _watch_parent(int(sys.argv[2]))
+    from autotune.orphan import watch_parent
+
+    watch_parent(int(sys.argv[2]))  # before the heavy imports below
 
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402

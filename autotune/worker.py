@@ -12,25 +12,13 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 
 
-def _watch_parent(expected_parent: int) -> None:
-    """Exit when the study process dies: a killed search must not leave a worker on the GPU.
-    Started before the heavy imports, since the study can die while the worker imports torch."""
-
-    def watch() -> None:
-        while True:
-            if os.getppid() != expected_parent:
-                os._exit(3)
-            time.sleep(0.5)
-
-    threading.Thread(target=watch, daemon=True).start()
-
-
 if __name__ == "__main__" and len(sys.argv) > 2:
-    _watch_parent(int(sys.argv[2]))
+    from autotune.orphan import watch_parent
+
+    watch_parent(int(sys.argv[2]))  # before the heavy imports below
 
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402

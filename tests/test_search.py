@@ -3,9 +3,11 @@ a real SQLite study, then the exported config trained through autotune.load."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -115,26 +117,28 @@ def test_resume_after_the_search_process_is_killed(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT)]))
     proc = subprocess.Popen([sys.executable, "-m", "autotune", *args], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    # kill it once two trials are finished and a third is running
+    # kill it once two trials are finished and a third is running. The states are read straight
+    # from the SQLite file, read-only: loading the study through Optuna while the search writes
+    # can fail with "database is locked" for long stretches on a busy machine, and a poll that
+    # kept failing missed the running trials until the search had finished (a CI failure)
     deadline = time.time() + 300
-    finished_before = []
-    while time.time() < deadline:
-        time.sleep(0.5)
-        if not (out / "study.db").exists():
-            continue
+    killed = None
+    while time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
         try:
-            trials = _study(out).trials
-        except Exception:  # the study is still being created
+            with contextlib.closing(sqlite3.connect(f"file:{out / 'study.db'}?mode=ro", uri=True, timeout=5)) as db:
+                states = dict(db.execute("SELECT number, state FROM trials"))
+        except sqlite3.Error:  # no file yet, the study is being created, or a write holds the lock
             continue
-        done = [t for t in trials if t.state.is_finished()]
-        running = [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
-        if len(done) >= 2 and running:
+        running = [n for n, state in states.items() if state == "RUNNING"]
+        if sum(state in ("COMPLETE", "PRUNED", "FAIL") for state in states.values()) >= 2 and running:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
-            finished_before = [(t.number, t.params, t.value) for t in done]
-            killed = running[0].number
+            killed = running[0]
             break
-    assert finished_before, "the search never reached two finished trials"
+    assert killed is not None, f"the search never had a trial running after two finished (exit code {proc.poll()})"
+    finished_before = [(t.number, t.params, t.value) for t in _study(out).trials if t.state.is_finished()]
+    assert len(finished_before) >= 2
     for _ in range(20):  # the orphaned worker notices its parent is gone and exits
         time.sleep(0.5)
         workers = subprocess.run(["pgrep", "-f", "autotune.worker"], capture_output=True, text=True).stdout.split()
