@@ -19,11 +19,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child Python: tests/ (fake_models) and the checkout first on
+    PYTHONPATH, and the caller's own PYTHONPATH kept (on the GPU machine it holds the carried wheels)."""
+    path = [str(TESTS), str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(path), **extra)
+
+
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
     """Run `python -m autotune ...` as a user would, with tests/ importable for fake_models."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-m", "autotune", *args], cwd=cwd or ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "autotune", *args], cwd=cwd or ROOT, env=subprocess_env(),
                           capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"autotune {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")

@@ -8,7 +8,6 @@ run outside a process group and wraps the model in DDP inside one.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -29,7 +28,7 @@ from autotune.runner import run_worker
 from autotune.space import SearchSpace
 from autotune.study import SearchConfig, build_space, check_ddp, seed_configurations
 from autotune.workloads import WorkloadSpec
-from conftest import TESTS, run_cli
+from conftest import run_cli
 from strategies.ddp import DDP
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -29,7 +29,7 @@ from autotune import gpus
 from autotune.distributed import OWNER, OWNER_ATTR, SharedStudy, SqliteSharedWarning, check_same_hardware, claim_setup
 from autotune.errors import ConfigError
 from autotune.storage import open_storage
-from conftest import ROOT, TESTS, run_cli
+from conftest import ROOT, run_cli, subprocess_env
 
 SMALL = ["--device", "cpu", "--input-shape", "3x32x32", "--num-classes", "10", "--min-measure-time", "0.1",
          "--no-accuracy-check", "--no-compile", "--no-profile", "--no-steer"]
@@ -71,7 +71,7 @@ def _password(url: str) -> str:
 
 
 def _env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT)]), AUTOTUNE_HEARTBEAT=HEARTBEAT)
+    return subprocess_env(AUTOTUNE_HEARTBEAT=HEARTBEAT)
 
 
 def _search(log, *args: str) -> subprocess.Popen:

@@ -20,7 +20,7 @@ import strategies
 from autotune.measure import MeasureSettings
 from autotune.runner import run_worker
 from autotune.space import SearchSpace
-from conftest import ROOT, TESTS, run_cli
+from conftest import run_cli, subprocess_env
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs for a 2-rank DDP step")]
@@ -107,11 +107,8 @@ def test_short_ddp_search_and_torchrun_user_code(tmp_path):
         print("rank", dist.get_rank(), "loss", float(loss))
         dist.destroy_process_group()
     """))
-    env = {"PYTHONPATH": f"{TESTS}:{ROOT}"}
-    import os
-
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)],
-                         env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
-    print(run.stdout[-2000:], run.stderr[-2000:])
-    assert run.returncode == 0
+                         env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    print(run.stdout[-2000:])
+    assert run.returncode == 0, run.stderr[-8000:]
     assert "rank 0 loss" in run.stdout and "rank 1 loss" in run.stdout

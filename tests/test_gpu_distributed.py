@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from autotune.distributed import GPU_ATTR
-from conftest import ROOT, TESTS, run_cli
+from conftest import run_cli, subprocess_env
 
 pytestmark = pytest.mark.gpu
 
@@ -35,7 +34,7 @@ def test_each_pinned_gpu_is_found_in_nvml_by_its_pci_bus_id():
     """A worker pinned to GPU k (CUDA_VISIBLE_DEVICES=k, so CUDA calls it 0) samples NVML device
     of the same PCI bus, whatever the order; with the GPUs listed in reverse too."""
     count = torch.cuda.device_count()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS)]))
+    env = subprocess_env()
     for visible in [str(k) for k in range(count)] + [",".join(str(k) for k in reversed(range(count)))]:
         out = subprocess.run([sys.executable, "-c", _MAPPING], env={**env, "CUDA_VISIBLE_DEVICES": visible},
                              capture_output=True, text=True, check=True).stdout

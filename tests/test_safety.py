@@ -5,7 +5,6 @@ imports from there, and a config file is data (JSON), never code."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -14,7 +13,7 @@ import pytest
 
 import autotune
 from autotune.runner import run_worker
-from conftest import ROOT, TESTS
+from conftest import subprocess_env
 
 SHADOWS = ("torch", "optuna", "rich", "json")
 
@@ -26,7 +25,7 @@ def _plant_shadows(folder) -> None:
 
 def test_the_cli_ignores_modules_planted_in_the_current_directory(tmp_path):
     _plant_shadows(tmp_path)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT)]))
+    env = subprocess_env()
     proc = subprocess.run([sys.executable, "-m", "autotune", "models"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import sqlite3
 import subprocess
@@ -18,7 +17,7 @@ import pytest
 import torch
 
 import autotune
-from conftest import ROOT, TESTS, run_cli
+from conftest import ROOT, run_cli, subprocess_env
 
 SMALL = ["--device", "cpu", "--input-shape", "3x32x32", "--num-classes", "10", "--min-measure-time", "0.3"]
 
@@ -114,7 +113,7 @@ def test_resume_after_the_search_process_is_killed(tmp_path):
     out = tmp_path / "out"
     args = ["search", "--model", "fake_models:slow_cnn", *SMALL, "--min-measure-time", "1.0",
             "--trials", "5", "--out", str(out)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT)]))
+    env = subprocess_env()
     proc = subprocess.Popen([sys.executable, "-m", "autotune", *args], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     # kill it once two trials are finished and a third is running. The states are read straight
@@ -250,7 +249,7 @@ def test_sigterm_stops_cleanly_writes_the_outputs_and_the_next_run_resumes(tmp_p
     out = tmp_path / "out"
     args = ["search", "--model", "fake_models:slow_cnn", *SMALL, "--min-measure-time", "1.0",
             "--trials", "4", "--out", str(out)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT)]))
+    env = subprocess_env()
     proc = subprocess.Popen([sys.executable, "-m", "autotune", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
