@@ -647,15 +647,28 @@ def _snippet(d: _Data) -> str:
     else:
         imports = "import torch, torchvision\nimport autotune\n"
         build = f"model = torchvision.models.{model}(num_classes={d.workload.get('num_classes', 1000)})"
+    if _is_ddp(d):
+        # --ddp N: the script runs once per GPU under torchrun, in a process group, each rank on its shard
+        n = int(pd.to_numeric(d.frame["ddp_world_size"], errors="coerce").max())
+        backend = "nccl" if d.device == "cuda" else "gloo"
+        imports = imports.replace("import torch", "import torch, torch.distributed as dist", 1)
+        group = f'dist.init_process_group("{backend}")  # launch: torchrun --nproc-per-node {n} train.py\n'
+        done = "padding, memory format, flags, device, DDP wrap"
+        feed = ("sampler = torch.utils.data.distributed.DistributedSampler(dataset)  # your dataset, a shard per rank\n"
+                "loader = torch.utils.data.DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler,  # per GPU\n")
+    else:
+        group, done = "", "padding, memory format, backend flags, device"
+        feed = "loader = torch.utils.data.DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True,  # your dataset\n"
     return (
         f"{imports}\n"
+        f"{group}"
         f"cfg = autotune.load({json.dumps(str(path))})\n"
         f"{build}\n"
         "optimizer = torch.optim.SGD(model.parameters(), lr=cfg.scaled_lr(0.1), momentum=0.9)\n"
-        "model, optimizer = cfg.prepare(model, optimizer)  # padding, memory format, backend flags, device\n"
+        f"model, optimizer = cfg.prepare(model, optimizer)  # {done}\n"
         "scaler = cfg.grad_scaler()                        # a GradScaler, disabled unless fp16 needs it\n"
         "loss_fn = torch.nn.CrossEntropyLoss()\n"
-        "loader = torch.utils.data.DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True,  # your dataset\n"
+        f"{feed}"
         "                                     **cfg.dataloader_kwargs(num_workers=4))  # workers, pinning: tuned with --data\n"
         "for x, y in cfg.loader(loader):               # to the device, in the tuned memory format and streams\n"
         "    optimizer.zero_grad(set_to_none=True)\n"

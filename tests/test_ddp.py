@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 import warnings
 
@@ -28,7 +30,7 @@ from autotune.runner import run_worker
 from autotune.space import SearchSpace
 from autotune.study import SearchConfig, build_space, check_ddp, seed_configurations
 from autotune.workloads import WorkloadSpec
-from conftest import run_cli
+from conftest import run_cli, subprocess_env
 from strategies.ddp import DDP
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -190,6 +192,23 @@ def test_ddp_search_reports_per_gpu_throughput_and_scaling_efficiency(ddp_search
     assert "samples/s per GPU | scaling efficiency" in report
     html = (out / "report.html").read_text()
     assert "scaling efficiency" in html
+
+
+def test_the_reports_ddp_snippet_trains_under_torchrun(ddp_search, tmp_path):
+    """The report's training loop for a --ddp config, run as it says: torchrun, one process group."""
+    out, _ = ddp_search
+    report = (out / "report.md").read_text()
+    snippet = report.split("```python\n", 1)[1].split("```", 1)[0]
+    assert 'dist.init_process_group("gloo")  # launch: torchrun --nproc-per-node 2 train.py' in snippet
+    assert "DistributedSampler(dataset)" in snippet and "shuffle=True" not in snippet
+    script = tmp_path / "train.py"
+    script.write_text("import torch\n"
+                      "dataset = torch.utils.data.TensorDataset(torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,)))\n"
+                      + snippet + 'print("rank", dist.get_rank(), "loss", float(loss))\n')
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)],
+                         env=subprocess_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-6000:]
+    assert "rank 0 loss" in run.stdout and "rank 1 loss" in run.stdout
 
 
 def test_ddp_study_is_not_resumed_without_ddp(ddp_search, tmp_path):
