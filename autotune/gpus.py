@@ -89,19 +89,22 @@ def cuda_device_names() -> list[str]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def resolve(requested: list[int] | str, names: list[str], visible: str | None) -> list[Gpu]:
+def resolve(requested: list[int] | str, names: list[str] | dict[int, str], visible: str | None) -> list[Gpu]:
     """The GPUs of ``--gpus``, each with the CUDA_VISIBLE_DEVICES value that pins a worker to it.
 
-    ``names``: the CUDA devices this process sees; ``visible``: this process's own
-    CUDA_VISIBLE_DEVICES (an index of ``--gpus`` counts within it, as CUDA counts).
+    ``names``: the CUDA devices this process sees (a list), or the name of each requested index;
+    ``visible``: this process's own CUDA_VISIBLE_DEVICES (an index of ``--gpus`` counts within it,
+    as CUDA counts).
     """
+    if isinstance(names, list):
+        names = dict(enumerate(names))
     if not names:
         raise ConfigError("--gpus: PyTorch sees no CUDA GPU here; drop --gpus, or use --device cpu without it")
-    indices = list(range(len(names))) if requested == "all" else list(requested)
-    missing = [i for i in indices if i >= len(names)]
+    indices = sorted(names) if requested == "all" else list(requested)
+    missing = [i for i in indices if i not in names]
     if missing:
         raise ConfigError(f"--gpus: no CUDA device {', '.join(map(str, missing))}; this machine shows "
-                          f"{len(names)} ({', '.join(f'{i}: {n}' for i, n in enumerate(names))})")
+                          f"{len(names)} ({', '.join(f'{i}: {n}' for i, n in sorted(names.items()))})")
     parents = [p.strip() for p in visible.split(",")] if visible else None
     gpus = [Gpu(index=i, name=names[i], pin=parents[i] if parents else str(i)) for i in indices]
     models = sorted({g.name for g in gpus})
@@ -134,15 +137,35 @@ class GpuPool:
     def __len__(self) -> int:
         return len(self.gpus)
 
-    @classmethod
-    def for_search(cls, requested: list[int] | str | None, device: str) -> "GpuPool | None":
-        """The pool for ``--gpus`` (None without it); refused on a CPU."""
-        if requested is None:
-            return None
-        if device != "cuda":
+    @staticmethod
+    def check_device(requested: list[int] | str | None, device: str) -> None:
+        """``--gpus`` is refused on a CPU, before any device time."""
+        if requested is not None and device != "cuda":
             raise ConfigError("--gpus runs one trial worker per CUDA GPU, but this search runs on the CPU; "
                               "drop --gpus, or search on a GPU machine with --device cuda")
-        return cls(resolve(requested, cuda_device_names(), os.environ.get("CUDA_VISIBLE_DEVICES")))
+
+    @classmethod
+    def for_search(cls, requested: list[int] | str | None, device: str,
+                   probed: list[str] | None = None) -> "GpuPool | None":
+        """The pool for ``--gpus`` (None without it); refused on a CPU or a mix of GPU models.
+
+        ``probed``: the CUDA devices the search's probe saw through :func:`probe_view`, the
+        requested GPUs in the order given. When it names them all, no process of its own lists
+        the machine's GPUs (a CUDA context: seconds of every search); else, to say which are
+        missing, one does."""
+        GpuPool.check_device(requested, device)
+        if requested is None:
+            return None
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        names: list[str] | dict[int, str]
+        if probed and requested == "all":
+            names = probed
+        elif probed and requested != "all" and len(probed) == len(requested):
+            names = dict(zip(requested, probed))
+        else:
+            names = cuda_device_names()
+        return cls(resolve(requested, names, visible))
+
 
     def activate(self) -> None:
         """Workers started outside a trial (the probe, the final accuracy checks) use the first GPU."""
@@ -166,6 +189,19 @@ class GpuPool:
                 self._free.put(pin)
 
         return on_a_free_gpu
+
+
+def probe_view(requested: list[int] | str | None, visible: str | None) -> str | None:
+    """The CUDA_VISIBLE_DEVICES under which the search's probe sees the requested GPUs, in the
+    order given: its CUDA device 0 is the GPU of the probe (the first one given) and its device
+    list names each requested GPU. None: the probe sees what the search sees (no --gpus, or
+    --gpus all, or an index beyond the user's own CUDA_VISIBLE_DEVICES, which resolve refuses)."""
+    if requested is None or requested == "all":
+        return visible if requested == "all" else None
+    parents = [p.strip() for p in visible.split(",")] if visible else None
+    if parents is not None and any(i >= len(parents) for i in requested):
+        return None
+    return ",".join(parents[i] if parents else str(i) for i in requested)
 
 
 def _pci_bus_id(props: Any) -> str:

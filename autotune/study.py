@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
 import re
 import statistics
 import time
@@ -19,7 +20,7 @@ from optuna.trial import TrialState
 import strategies
 from autotune.distributed import SharedStudy, check_same_hardware, sampler_seed, setup_done, wait_for_setup
 from autotune.errors import ConfigError, WorkloadError
-from autotune.gpus import GpuPool, parse_gpus, pinned
+from autotune.gpus import GpuPool, parse_gpus, pinned, probe_view
 from autotune.knob_effects import apply_fixed_knobs, fix_no_effect_knobs
 from autotune.measure import MeasureSettings
 from autotune.objective import Objective, TrialFailed, requeue
@@ -212,10 +213,12 @@ def _check_writable(out_dir: Path, min_free_bytes: int = 50 * 2**20) -> None:
                           "another --out (the study, logs and report need about 50 MiB)")
 
 
-def probe(config: SearchConfig, device: str) -> dict[str, Any]:
-    """Ask a worker what the device can do, and check the model builds."""
+def probe(config: SearchConfig, device: str, list_devices: bool = False) -> dict[str, Any]:
+    """Ask a worker what the device can do, and check the model builds; with list_devices, also
+    the names of the CUDA devices it sees ("cuda_devices"; only those when it sees none)."""
     result = run_worker({"mode": "probe", "device": device, "workload": config.workload.to_dict(),
-                         "check_compile": compile_wanted(config, device)}, timeout_s=600)
+                         "check_compile": compile_wanted(config, device), "list_devices": list_devices},
+                        timeout_s=600)
     if result["status"] != "ok":
         if "WorkloadError" in result.get("reason", "") or "ConfigError" in result.get("reason", ""):
             raise WorkloadError(result["reason"].split(": ", 1)[-1])
@@ -590,7 +593,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
     check_spec(config.workload)
     device = resolve_device(config.device)
     check_ddp(config, device)
-    gpu_pool = GpuPool.for_search(config.gpus, device)  # --gpus: refused on a CPU or a mix of GPU models
+    GpuPool.check_device(config.gpus, device)  # --gpus on a CPU: refused before any device time
     # before any device time: the folder (or, by default, reports/) must take the results
     _check_writable(Path(config.out_dir) if config.out_dir else Path("reports"))
     # a user's storage URL is checked (and its tables created) before any device time
@@ -601,8 +604,11 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
     if target.needs_nvml and device != "cuda":  # known before the probe: refuse at once
         raise ConfigError(nvml_refusal(device, None))
     started = time.time()
-    with pinned(gpu_pool.gpus[0].pin if gpu_pool else None):
-        info = probe(config, device)
+    # --gpus: the probe sees the requested GPUs (its device 0 the first) and names them, which
+    # makes the pool; a mix of GPU models or a missing one is refused here
+    with pinned(probe_view(config.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))):
+        info = probe(config, device, list_devices=config.gpus is not None)
+    gpu_pool = GpuPool.for_search(config.gpus, device, probed=info.get("cuda_devices"))
     if target.needs_nvml and (refusal := nvml_refusal(device, info.get("nvml"))):
         raise ConfigError(refusal)
     space = build_space(config, device, info)

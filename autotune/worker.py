@@ -108,7 +108,14 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     from strategies.precision import supported_modes
 
     device = request["device"]
+    if request.get("list_devices"):
+        # --gpus: the requested GPUs, in the order given (autotune.gpus.probe_view)
+        names = [torch.cuda.get_device_properties(i).name for i in range(torch.cuda.device_count())]
+        if not names:  # none of them exists: the search says which there are
+            return {"cuda_devices": names}
     result: dict[str, Any] = {"provenance": provenance(), "cuda_available": torch.cuda.is_available()}
+    if request.get("list_devices"):
+        result["cuda_devices"] = names
     if device == "cuda":
         result["precisions"] = supported_modes("cuda")
         from autotune.nvml import _probe as nvml_probe

@@ -22,6 +22,7 @@ import warnings
 
 import optuna
 import pytest
+import torch
 from optuna.trial import TrialState
 
 import pg_server
@@ -266,6 +267,35 @@ def test_gpus_are_parsed_and_checked():
         gpus.resolve("all", [h200, "NVIDIA A100", h200], None)
     with pytest.raises(ConfigError, match="no CUDA GPU"):
         gpus.resolve("all", [], None)
+
+
+def test_the_probe_sees_the_requested_gpus_and_names_them(monkeypatch):
+    """The probe runs with the requested GPUs visible, first given first; the pool is made from the
+    names it saw, and only a missing GPU costs a listing of the machine's own."""
+    assert gpus.probe_view(None, "3") is None
+    assert gpus.probe_view([1, 0], None) == "1,0"
+    assert gpus.probe_view([1], "4,6") == "6"  # indices count within the user's CUDA_VISIBLE_DEVICES
+    assert gpus.probe_view([0, 2], "4,6") is None  # resolve says GPU 2 is missing
+    assert gpus.probe_view("all", "4,6") == "4,6" and gpus.probe_view("all", None) is None
+    listed = []
+    monkeypatch.setattr(gpus, "cuda_device_names", lambda: listed.append(1) or ["H200", "H200", "A100"])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    pool = gpus.GpuPool.for_search([1, 0], "cuda", probed=["H200", "H200"])
+    assert [(g.index, g.pin) for g in pool.gpus] == [(1, "1"), (0, "0")] and not listed
+    assert [g.pin for g in gpus.GpuPool.for_search("all", "cuda", probed=["H200", "H200"]).gpus] == ["0", "1"]
+    assert not listed
+    with pytest.raises(ConfigError, match=r"mixes GPU models .*--gpus 2 --study-name MODEL-a100; --gpus 0 --study-name MODEL-h200"):
+        gpus.GpuPool.for_search([0, 2], "cuda", probed=["H200", "A100"])
+    assert not listed
+    # CUDA_VISIBLE_DEVICES=0,5 shows the probe GPU 0 only: the machine's list says what there is
+    with pytest.raises(ConfigError, match=r"no CUDA device 5; this machine shows 3 \(0: H200, 1: H200, 2: A100\)"):
+        gpus.GpuPool.for_search([0, 5], "cuda", probed=["H200"])
+    assert listed == [1]
+    # CUDA_VISIBLE_DEVICES=5 on that machine: the probe sees no GPU, says so and probes nothing
+    if not torch.cuda.is_available():
+        from autotune.worker import probe
+
+        assert probe({"device": "cuda", "list_devices": True, "workload": {"model": "resnet18"}}) == {"cuda_devices": []}
 
 
 def test_gpus_on_a_cpu_are_refused_with_what_to_do():
