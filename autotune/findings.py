@@ -29,6 +29,10 @@ DATA_WAIT_SHARE = 0.05
 DATA_BOUND_CLEAR_RATIO = 0.75
 """... when the loss is this large even without waits (the loader's workers taking the CPU the
 step needs). A smaller loss without waits is within the noise of two separate windows."""
+DDP_EFFICIENCY = 0.90
+"""A DDP step whose per-GPU rate is below this share of the same step alone on one GPU spends
+enough on its gradient all-reduces to try DDP's own settings (on two H200s, ResNet-18 at batch
+128 ran at 70% with PyTorch's defaults and 89% with 100 MB buckets, bucket views and static_graph)."""
 CONTENTION_WAIT_SHARE = DATA_WAIT_SHARE
 """A data-bound step with workers that waited for its batches less than this share of the time
 was slowed by the workers' CPU use, not by their pace: the remedy is fewer of them."""
@@ -128,6 +132,28 @@ def derive(profile: Mapping[str, Any] | None, energy: Mapping[str, Any] | None, 
             out.append(Finding("data-bound", f"data-bound: the DataLoader slows the step{rates}{waited}, "
                                              f"even with {workers} workers: a faster decode (DALI, smaller or "
                                              "pre-resized images) would help"))
+    efficiency = f.get("scaling_efficiency")
+    if efficiency is not None and (f.get("ddp_world_size") or 1) > 1 and efficiency < DDP_EFFICIENCY:
+        # the all-reduces are not hidden behind the backward pass: DDP's own settings cut their cost
+        suggest = {}
+        buckets = sorted(offered.get("ddp.bucket_cap_mb", []))
+        if buckets and knob("ddp", "bucket_cap_mb", 25) < buckets[-1]:
+            suggest["ddp.bucket_cap_mb"] = buckets[-1]  # fewer, larger all-reduces
+        if not knob("ddp", "gradient_as_bucket_view", False) and True in offered.get("ddp.gradient_as_bucket_view", []):
+            suggest["ddp.gradient_as_bucket_view"] = True  # no gradient copy into the buckets
+        if (not knob("ddp", "static_graph", False) and compile_mode == "off"
+                and True in offered.get("ddp.static_graph", [])):
+            suggest["ddp.static_graph"] = True  # no per-step search for unused parameters
+        words = {"ddp.bucket_cap_mb": f"{suggest.get('ddp.bucket_cap_mb')} MB buckets",
+                 "ddp.gradient_as_bucket_view": "gradient_as_bucket_view", "ddp.static_graph": "static_graph"}
+        per, single = f.get("per_gpu_samples_per_s"), f.get("single_gpu_samples_per_s")
+        rates = f" ({per:,.0f} vs {single:,.0f} samples/s)" if per and single else ""
+        out.append(Finding("ddp-scaling", f"each GPU trains at {_pct(efficiency)} of its speed alone under DDP"
+                                          f"{rates}: the gradient all-reduces are not hidden behind the backward "
+                                          "pass" + (f"; {', '.join(words[k] for k in suggest)} would cut DDP's "
+                                                    "overhead" if suggest else
+                                                    "; a larger batch per GPU would hide more of them"),
+                           suggest))
     p = profile or {}
     if p.get("steps"):
         layout = p.get("layout_share") or 0.0

@@ -36,6 +36,9 @@ def offered(space: SearchSpace) -> dict[str, list[Any]]:
         "cuda_graphs.enabled": list(space.cuda_graphs),
         "compile.mode": list(space.compile_modes),
         "dataloader.num_workers": list(space.dataloader_workers),
+        **({"ddp.bucket_cap_mb": list(space.ddp_bucket_caps_mb),
+            "ddp.gradient_as_bucket_view": list(space.ddp_gradient_as_bucket_view),
+            "ddp.static_graph": list(space.ddp_static_graph)} if space.ddp_world_size > 1 else {}),
     }
 
 

@@ -173,7 +173,11 @@ def test_ddp_search_reports_per_gpu_throughput_and_scaling_efficiency(ddp_search
     assert "DDP: 2 processes per trial" in said
     assert "per process, scaling efficiency" in said and "one GPU alone:" in said
     trials = pd.read_csv(out / "trials.csv")
-    assert len(trials) == 2 and (trials["state"] == "COMPLETE").all()
+    queued = trials[trials["state"] == "WAITING"]
+    trials = trials[trials["state"] == "COMPLETE"]
+    assert len(trials) == 2 and len(trials) + len(queued) == len(pd.read_csv(out / "trials.csv"))
+    # a trial that scaled below 90% queued DDP's own settings (the ddp-scaling finding)
+    assert (trials["scaling_efficiency"] < 0.9).any() == queued["steered_by"].astype(str).str.contains("ddp-scaling").any()
     for _, row in trials.iterrows():
         assert row["ddp_world_size"] == 2
         assert row["samples_per_s"] == pytest.approx(2 * row["per_gpu_samples_per_s"])
@@ -182,7 +186,7 @@ def test_ddp_search_reports_per_gpu_throughput_and_scaling_efficiency(ddp_search
         assert "DDP x2, bucket" in row["config"]
     # the study's objective is the total throughput
     study = optuna.load_study(study_name=None, storage=f"sqlite:///{out / 'study.db'}")
-    for t in study.trials:
+    for t in study.get_trials(states=[optuna.trial.TrialState.COMPLETE]):
         assert t.value == pytest.approx(t.user_attrs["figures"]["samples_per_s"])
         assert t.user_attrs["figures"]["batch_size"] == 8 and t.user_attrs["figures"]["global_batch_size"] == 16
     assert study.trials[0].user_attrs["knobs"]["ddp"] == {"world_size": 2, "bucket_cap_mb": 25,
@@ -215,6 +219,7 @@ def test_ddp_study_is_not_resumed_without_ddp(ddp_search, tmp_path):
     out, _ = ddp_search
     (name,) = optuna.get_all_study_names(f"sqlite:///{out / 'study.db'}")
     assert name.endswith("-cpu-ddp2")  # by default a --ddp study has a name (and folder) of its own
+    before = len(optuna.load_study(study_name=name, storage=f"sqlite:///{out / 'study.db'}").trials)
     proc = run_cli("search", "--model", "fake_models:tiny_cnn", "--device", "cpu", "--input-shape", "3x32x32",
                    "--num-classes", "10", "--batch-size", "8", "--trials", "3", "--no-accuracy-check",
                    "--storage", f"sqlite:///{out / 'study.db'}", "--study-name", name, "--out", str(tmp_path / "other"),
@@ -223,7 +228,7 @@ def test_ddp_study_is_not_resumed_without_ddp(ddp_search, tmp_path):
     said = " ".join(proc.stderr.split())  # rich wraps long lines
     assert "holds 2-process DDP measurements and this search measures single-process" in said
     assert "Resume it with --ddp 2" in said
-    assert len(optuna.load_study(study_name=name, storage=f"sqlite:///{out / 'study.db'}").trials) == 2
+    assert len(optuna.load_study(study_name=name, storage=f"sqlite:///{out / 'study.db'}").trials) == before
 
 
 def test_exported_ddp_config_needs_a_process_group(ddp_search):

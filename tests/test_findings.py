@@ -109,3 +109,31 @@ def test_a_compile_that_compiled_nothing_is_said():
     assert [f.rule for f in found] == ["compile-inert"] and "ran eagerly" in found[0].text
     assert derive(None, None, knobs, figures={"compiled_graphs": 3}) == []
     assert derive(None, None, {"compile": {"mode": "off"}}, figures={"compiled_graphs": 0}) == []
+
+
+DDP_OFFERED = {**OFFERED, "ddp.bucket_cap_mb": [10, 25, 50, 100], "ddp.gradient_as_bucket_view": [False, True],
+               "ddp.static_graph": [False, True]}
+
+
+def ddp_figures(efficiency):
+    return {"ddp_world_size": 2, "scaling_efficiency": efficiency, "per_gpu_samples_per_s": 8_853 * efficiency / 0.703,
+            "single_gpu_samples_per_s": 12_591}
+
+
+def test_a_ddp_step_that_scales_badly_suggests_ddps_own_settings():
+    ddp = {"world_size": 2, "bucket_cap_mb": 25, "gradient_as_bucket_view": False, "static_graph": False}
+    found = derive(None, None, knobs(ddp=ddp), offered=DDP_OFFERED, figures=ddp_figures(0.703))
+    assert rules(found) == ["ddp-scaling"]
+    assert found[0].suggest == {"ddp.bucket_cap_mb": 100, "ddp.gradient_as_bucket_view": True, "ddp.static_graph": True}
+    assert "70% of its speed alone" in found[0].text and "(8,853 vs 12,591 samples/s)" in found[0].text
+    # compiled: static_graph is not offered with torch.compile (pytorch/pytorch#93672)
+    compiled = derive(None, None, knobs(ddp=ddp, compile={"mode": "default"}), offered=DDP_OFFERED,
+                      figures=ddp_figures(0.6))
+    assert "ddp.static_graph" not in compiled[0].suggest
+    # everything on already: said, with what is left to try, nothing to queue
+    tuned = {"world_size": 2, "bucket_cap_mb": 100, "gradient_as_bucket_view": True, "static_graph": True}
+    found = derive(None, None, knobs(ddp=tuned), offered=DDP_OFFERED, figures=ddp_figures(0.8))
+    assert found[0].suggest == {} and "larger batch per GPU" in found[0].text
+    # at or above the threshold, or without DDP: nothing
+    assert derive(None, None, knobs(ddp=ddp), offered=DDP_OFFERED, figures=ddp_figures(0.9)) == []
+    assert derive(None, None, knobs(), offered=OFFERED, figures={"scaling_efficiency": 0.5}) == []
