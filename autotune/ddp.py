@@ -49,6 +49,7 @@ if __name__ == "__main__" and len(sys.argv) > 3:
 
     watch_parent(int(sys.argv[2]))  # before the heavy imports below
 
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import gc  # noqa: E402
@@ -62,7 +63,7 @@ import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Callable  # noqa: E402
+from typing import Any, Callable, Iterator  # noqa: E402
 
 import torch  # noqa: E402,F401  (a rank is ready once torch is imported, as a worker is)
 
@@ -255,9 +256,10 @@ def plan(single_step_ms: list[float], settings) -> tuple[int, int]:
 
 
 def measure_fixed(step: Callable[[], Any], device: str, settings, *, setup_steps: int, warmup_steps: int,
-                  timed_steps: int):
+                  timed_steps: int, timed_window: Callable[[], Any] | None = None):
     """Time a fixed number of steps (every rank the same): setup steps (compile) apart, then
-    warm-up, then the timed steps; steady and noisy are judged as ``measure`` judges them."""
+    warm-up, then the timed steps; steady and noisy are judged as ``measure`` judges them.
+    ``timed_window()`` (NVML sampling) is entered around the timed steps only."""
     import torch
 
     from autotune.measure import Measurement, _quantile, _Timer
@@ -274,9 +276,10 @@ def measure_fixed(step: Callable[[], Any], device: str, settings, *, setup_steps
     start = time.perf_counter()
     warm = timer.run(step, warmup_steps)
     warmup_s = time.perf_counter() - start
-    start = time.perf_counter()
-    times = timer.run(step, timed_steps)
-    measure_s = time.perf_counter() - start
+    with timed_window() if timed_window is not None else contextlib.nullcontext():
+        start = time.perf_counter()
+        times = timer.run(step, timed_steps)
+        measure_s = time.perf_counter() - start
     med = statistics.median(times)
     warm_med = statistics.median(warm[len(warm) // 2:])
     spread = (_quantile(times, 0.9) - _quantile(times, 0.1)) / med
@@ -374,11 +377,27 @@ def run_rank(request: dict[str, Any]) -> dict[str, Any]:
         t2 = time.perf_counter()
         run = _Run(cfg, spec, input_on_device=input_on_device, seed=seed, rank=rank)
         build_s += time.perf_counter() - t2
-        m = measure_fixed(run.one_step, device, settings, setup_steps=run.step.num_setup_steps,
-                          warmup_steps=warmup_steps, timed_steps=timed_steps)
+        monitor, windows = _nvml_monitor(cuda, local, request), []
+
+        @contextlib.contextmanager
+        def nvml_window() -> Iterator[None]:
+            monitor.begin_window()
+            try:
+                yield
+            finally:
+                windows.append(monitor.end_window())
+
+        try:
+            m = measure_fixed(run.one_step, device, settings, setup_steps=run.step.num_setup_steps,
+                              warmup_steps=warmup_steps, timed_steps=timed_steps,
+                              timed_window=nvml_window if monitor is not None else None)
+        finally:
+            if monitor is not None:
+                monitor.close()
         loss = run.loss()
         mine = {"measurement": m.to_dict(), "memory": memory_figures(device), "final_loss": loss,
-                "build_s": build_s, "single_window_s": single_window_s}
+                "build_s": build_s, "single_window_s": single_window_s,
+                "energy": windows[0].to_dict() if windows and windows[0] is not None else None}
         if cfg.recipe.compile_mode is not None:
             from autotune.worker import _compiled_graphs
 
@@ -390,7 +409,68 @@ def run_rank(request: dict[str, Any]) -> dict[str, Any]:
     if rank != 0:
         return {"status": "ok"}
     figures = _combine(ranks, singles, cfg.batch_size, world)
-    return {"status": "ok", "figures": figures, "knobs": strategies.knobs_to_dict(cfg.knobs)}
+    result = {"status": "ok", "figures": figures, "knobs": strategies.knobs_to_dict(cfg.knobs)}
+    energy = combine_energy([r.get("energy") for r in ranks],
+                            samples=figures["num_timed_steps_total"] * cfg.batch_size * world)
+    if energy is not None:
+        result["energy"] = energy
+    return result
+
+
+def _nvml_monitor(cuda: bool, local: int, request: dict[str, Any]):
+    """An NVML monitor of this rank's GPU (CUDA device ``local``), or None (CPU, or not asked)."""
+    if not cuda or not request.get("nvml", True):
+        return None
+    from autotune.gpus import nvml_index
+    from autotune.nvml import NvmlMonitor
+
+    return NvmlMonitor(device_index=nvml_index(local), interval_s=0.05)
+
+
+def combine_energy(windows: list[dict[str, Any] | None], *, samples: int) -> dict[str, Any] | None:
+    """The DDP group's NVML figures from each rank's window over the same timed steps: energy summed
+    over the GPUs, so joules per sample is the group's (all GPUs' energy / all GPUs' samples); power,
+    clocks and utilization are per GPU (means; ``per_gpu_avg_power_w`` lists each); peaks, the
+    temperature and each throttle reason's share are the worst GPU's. None unless every rank
+    measured a window (NVML missing on one GPU would understate the group's energy)."""
+    if not windows or any(w is None for w in windows):
+        return None
+
+    def values(key: str) -> list[Any]:
+        return [w[key] for w in windows if w.get(key) is not None]
+
+    def mean(key: str) -> float | None:
+        got = values(key)
+        return statistics.fmean(got) if got else None
+
+    def worst(key: str, pick=max) -> Any:
+        got = values(key)
+        return pick(got) if got else None
+
+    energies = [w.get("energy_j") for w in windows]
+    energy_j = sum(energies) if all(e is not None for e in energies) else None
+    reasons = sorted({k for w in windows for k in (w.get("throttle") or {})})
+    return {
+        "duration_s": worst("duration_s"),
+        "energy_j": energy_j,
+        "energy_source": windows[0].get("energy_source"),
+        "avg_power_w": mean("avg_power_w"),
+        "peak_power_w": worst("peak_power_w"),
+        "avg_sm_clock_mhz": mean("avg_sm_clock_mhz"),
+        "min_sm_clock_mhz": worst("min_sm_clock_mhz", min),
+        "avg_mem_clock_mhz": mean("avg_mem_clock_mhz"),
+        "max_temperature_c": worst("max_temperature_c"),
+        "avg_gpu_util_pct": mean("avg_gpu_util_pct"),
+        "avg_mem_util_pct": mean("avg_mem_util_pct"),
+        "peak_memory_used_bytes": worst("peak_memory_used_bytes"),
+        "num_samples": sum(w.get("num_samples") or 0 for w in windows),
+        "throttle": {k: max((w.get("throttle") or {}).get(k, 0.0) for w in windows) for k in reasons},
+        "throttled": any(w.get("throttled") for w in windows),
+        "unsupported": {k: v for w in windows for k, v in (w.get("unsupported") or {}).items()},
+        "joules_per_sample": energy_j / samples if energy_j is not None and samples > 0 else None,
+        "num_gpus": len(windows),
+        "per_gpu_avg_power_w": [w.get("avg_power_w") for w in windows],
+    }
 
 
 def _combine(ranks: list[dict[str, Any]], singles: list[dict[str, Any]], batch: int, world: int) -> dict[str, Any]:

@@ -116,9 +116,6 @@ class SearchConfig:
                 raise ConfigError("--ddp N runs each trial on GPUs 0..N-1 together, --gpus runs separate trials on "
                                   "separate GPUs: give one of them (choose the GPUs of a --ddp search with "
                                   "CUDA_VISIBLE_DEVICES)")
-            if self.objective == "energy":
-                raise ConfigError("--objective energy is not measured under --ddp (no NVML window is taken across "
-                                  "the ranks); use --objective throughput or memory")
             if self.data is not None:
                 raise ConfigError("--data is not measured under --ddp yet (each rank would need its own "
                                   "DistributedSampler shard); drop --data, the accuracy check then uses "

@@ -122,8 +122,7 @@ def test_bad_ddp_options_are_refused(monkeypatch):
         SearchConfig(workload=SPEC, device="cpu", ddp=1)
     with pytest.raises(ConfigError, match="--gpus"):
         SearchConfig(workload=SPEC, device="cuda", ddp=2, gpus="0,1")
-    with pytest.raises(ConfigError, match="energy"):
-        SearchConfig(workload=SPEC, device="cuda", ddp=2, objective="energy")
+    SearchConfig(workload=SPEC, device="cuda", ddp=2, objective="energy")  # every rank samples NVML
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ConfigError, match="sees 1 CUDA GPU here; give --ddp 1 or less"):
         check_ddp(SearchConfig(workload=SPEC, device="cuda", ddp=2), "cuda")
@@ -131,6 +130,28 @@ def test_bad_ddp_options_are_refused(monkeypatch):
     monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
     with pytest.raises(ConfigError, match="NCCL"):
         check_ddp(SearchConfig(workload=SPEC, device="cuda", ddp=2), "cuda")
+
+
+def test_the_groups_energy_is_every_gpus_energy_over_every_gpus_samples():
+    from autotune.ddp import combine_energy
+
+    def window(energy_j, power, clock, temp, cap):
+        return {"duration_s": 2.0, "energy_j": energy_j, "energy_source": "energy counter", "avg_power_w": power,
+                "peak_power_w": power + 20, "avg_sm_clock_mhz": clock, "min_sm_clock_mhz": clock - 100,
+                "avg_mem_clock_mhz": 3200.0, "max_temperature_c": temp, "avg_gpu_util_pct": 99.0,
+                "avg_mem_util_pct": 60.0, "peak_memory_used_bytes": 10 * 2**30, "num_samples": 40,
+                "throttle": {"power_cap": cap}, "throttled": cap >= 0.05, "unsupported": {}}
+
+    e = combine_energy([window(1300.0, 650.0, 1800.0, 60.0, 0.0), window(1380.0, 690.0, 1700.0, 66.0, 0.8)],
+                       samples=2 * 20 * 512)
+    assert e["energy_j"] == 2680.0 and e["joules_per_sample"] == pytest.approx(2680.0 / 20480)
+    assert e["avg_power_w"] == 670.0 and e["per_gpu_avg_power_w"] == [650.0, 690.0] and e["peak_power_w"] == 710.0
+    assert e["avg_sm_clock_mhz"] == 1750.0 and e["min_sm_clock_mhz"] == 1600.0 and e["max_temperature_c"] == 66.0
+    assert e["throttle"] == {"power_cap": 0.8} and e["throttled"] and e["num_gpus"] == 2
+    # one GPU without a window (no NVML there): no group figure rather than half of it
+    assert combine_energy([window(1300.0, 650.0, 1800.0, 60.0, 0.0), None], samples=100) is None
+    no_counter = window(None, 650.0, 1800.0, 60.0, 0.0)
+    assert combine_energy([no_counter, no_counter], samples=100)["joules_per_sample"] is None
 
 
 # real rank processes ----------------------------------------------------------------------------

@@ -51,6 +51,12 @@ def trial(**params) -> dict:
           f"trial {result['wall_s']:.0f} s")
     assert f["ddp_world_size"] == 2 and f["samples_per_s"] == pytest.approx(2 * f["per_gpu_samples_per_s"])
     assert 0 < f["scaling_efficiency"] <= 1.5
+    # NVML on both GPUs over the timed DDP steps: the group's energy per sample
+    e = result["energy"]
+    print(f"  NVML: {e['joules_per_sample']:.4f} J/sample, {e['per_gpu_avg_power_w']} W per GPU, "
+          f"SM clock {e['avg_sm_clock_mhz']:,.0f} MHz, throttle {e['throttle']}")
+    assert e["num_gpus"] == 2 and e["joules_per_sample"] > 0
+    assert all(100 < w < 1500 for w in e["per_gpu_avg_power_w"])  # both GPUs busy (an H200 idles near 80 W)
     return f
 
 
