@@ -63,7 +63,7 @@ import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Callable, Iterator  # noqa: E402
+from typing import Any, Callable  # noqa: E402
 
 import torch  # noqa: E402,F401  (a rank is ready once torch is imported, as a worker is)
 
@@ -378,19 +378,12 @@ def run_rank(request: dict[str, Any]) -> dict[str, Any]:
         run = _Run(cfg, spec, input_on_device=input_on_device, seed=seed, rank=rank)
         build_s += time.perf_counter() - t2
         monitor, windows = _nvml_monitor(cuda, local, request), []
-
-        @contextlib.contextmanager
-        def nvml_window() -> Iterator[None]:
-            monitor.begin_window()
-            try:
-                yield
-            finally:
-                windows.append(monitor.end_window())
+        nvml_window = (lambda: monitor.window_into(windows)) if monitor is not None else None
 
         try:
             m = measure_fixed(run.one_step, device, settings, setup_steps=run.step.num_setup_steps,
                               warmup_steps=warmup_steps, timed_steps=timed_steps,
-                              timed_window=nvml_window if monitor is not None else None)
+                              timed_window=nvml_window)
         finally:
             if monitor is not None:
                 monitor.close()

@@ -14,12 +14,13 @@ NVML index, which equals the CUDA index only when every GPU is visible and
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
 import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from autotune.errors import ConfigError
 
@@ -267,6 +268,16 @@ class NvmlMonitor:
                                         name=f"nvml-monitor-{self.device_index}")
         self._state = state
         state.thread.start()
+
+    @contextlib.contextmanager
+    def window_into(self, windows: list[NvmlWindow | None]) -> Iterator[None]:
+        """One window around the block, appended to ``windows`` (``None`` where NVML is
+        unavailable): the ``timed_window`` that ``measure`` enters around its timed steps."""
+        self.begin_window()
+        try:
+            yield
+        finally:
+            windows.append(self.end_window())
 
     def end_window(self) -> NvmlWindow | None:
         """Stop sampling and summarise the window; ``None`` where NVML is unavailable."""

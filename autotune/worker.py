@@ -336,23 +336,16 @@ def run_trial(request: dict[str, Any]) -> dict[str, Any]:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     monitor, windows = _nvml_monitor(device, request), []
-
-    @contextlib.contextmanager
-    def nvml_window() -> Iterator[None]:
-        monitor.begin_window()
-        try:
-            yield
-        finally:
-            windows.append(monitor.end_window())
+    nvml_window = (lambda: monitor.window_into(windows)) if monitor is not None else None
 
     loader_figures: dict[str, Any] = {}
     try:
         if feed is None:
             m = measure(one_step, device, settings, setup_steps=step.num_setup_steps,
-                        timed_window=nvml_window if monitor is not None else None)
+                        timed_window=nvml_window)
         else:
             m, one_step, loader_figures = feed.measure(one_step, step, last_loss, settings,
-                                                       nvml_window if monitor is not None else None)
+                                                       nvml_window)
     finally:
         if monitor is not None:
             monitor.close()

@@ -163,6 +163,22 @@ def test_energy_is_the_counter_delta(install):
     assert w.joules_per_sample(125) == 2.0
 
 
+def test_window_into_appends_one_window_per_block_even_when_the_block_fails(install):
+    install(FakeNvml(power=[500_000], energy=[1_000_000, 1_100_000, 1_100_000, 1_300_000]))
+    monitor, windows = NvmlMonitor(0, interval_s=INTERVAL), []
+    with monitor.window_into(windows):
+        time.sleep(0.02)
+    with pytest.raises(RuntimeError, match="step failed"), monitor.window_into(windows):
+        raise RuntimeError("step failed")
+    monitor.close()
+    assert [w.energy_j for w in windows] == [100.0, 200.0] and not monitor_threads()
+    install(None)  # no NVML: the window is None, the block still runs
+    unavailable = []
+    with pytest.warns(nvml.NvmlUnavailableWarning), NvmlMonitor(0).window_into(unavailable):
+        pass
+    assert unavailable == [None]
+
+
 def test_power_integral_where_the_counter_is_not_supported(install):
     # 300 W for the first 0.08 s, then 700 W.
     fake = install(FakeNvml(energy=[FakeNotSupported()],
