@@ -1,0 +1,175 @@
+"""How much faster does ``--gpus`` finish the same search than one GPU?
+
+    python3 scripts/gpus_speedup.py --gpus 0,1 --trials 28 [--arms one,all] [--out reports/gpus-speedup]
+        [--no-warmup] -- --model resnet18 --input-shape 3x64x64 --num-classes 10 --no-compile --no-accuracy-check
+
+Runs ``autotune search`` twice, as a user runs it (a subprocess each), with the same options, the
+same ``--trials`` and the same seed: arm ``one`` on the first GPU of ``--gpus`` (``--gpus 0``),
+arm ``all`` on all of them (``--gpus 0,1``). Each arm's wall time is the whole command's: start-up,
+the probe, the trials and the export, as the user waits for it. The search's own fixed cost (about
+30 s on an H200: imports, the probe, the report) is paid once per arm, so the speed-up of the
+whole command grows with the number of trials towards that of the trial phase (the first trial's
+start to the last one's end, read from the study), which the summary prints too.
+
+Before the first timed arm, an untimed two-trial search warms the machine up (disk caches of the
+torch libraries, the driver): on a freshly started machine the first search's trials were 30%
+slower than later ones', which would flatter the second arm (``--no-warmup`` skips it).
+
+An arm already finished under --out (ARM/wall.json and a study with --trials finished trials) is
+reused, not run again, so the arms can run in separate calls of a time-limited GPU machine
+(``--arms one``, then ``--arms all``) and be summarized together. Writes gpus-speedup.json and
+gpus-speedup.md into --out and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+ARMS = ("one", "all")
+COUNTED = ("COMPLETE", "FAIL", "PRUNED")
+"""Trial states that --trials counts (finished, whatever their outcome)."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    search_args: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, search_args = argv[:cut], argv[cut + 1:]
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gpus", default="0,1", help="the GPUs of arm 'all' (arm 'one' takes the first); default 0,1")
+    p.add_argument("--trials", type=int, default=28, help="trials of each arm's search (default 28)")
+    p.add_argument("--arms", default="one,all", help="which arms to run now: one, all or one,all (default)")
+    p.add_argument("--out", type=Path, default=Path("reports/gpus-speedup"), help="output folder")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warm-up search")
+    args = p.parse_args(argv)
+    args.search_args = search_args
+    gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
+    if len(gpus) < 2:
+        p.error(f"--gpus {args.gpus!r}: give two GPUs or more, e.g. 0,1 (arm 'one' runs on the first)")
+    args.gpu_list = gpus
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if not arms or any(a not in ARMS for a in arms):
+        p.error(f"--arms {args.arms!r}: choose from one, all")
+    args.arm_list = arms
+    for flag in ("--gpus", "--trials", "--out", "--seed", "--budget", "--ddp"):
+        if flag in search_args:
+            p.error(f"{flag} after -- is set by the script (each arm gets its own), drop it")
+    if args.trials < 2:
+        p.error("--trials must be at least 2")
+    return args
+
+
+def arm_command(args: argparse.Namespace, arm: str, out_dir: Path) -> list[str]:
+    gpus = args.gpu_list[0] if arm == "one" else ",".join(args.gpu_list)
+    return [sys.executable, "-m", "autotune", "search", *args.search_args, "--trials", str(args.trials),
+            "--seed", str(args.seed), "--gpus", gpus, "--out", str(out_dir)]
+
+
+def _env() -> dict[str, str]:
+    path = [str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+
+
+def warm_up(args: argparse.Namespace) -> None:
+    """An untimed two-trial search on the first GPU, its outputs thrown away."""
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [sys.executable, "-m", "autotune", "search", *args.search_args, "--trials", "2",
+                   "--seed", str(args.seed), "--gpus", args.gpu_list[0], "--out", str(Path(tmp) / "warmup")]
+        started = time.perf_counter()
+        subprocess.run(command, cwd=ROOT, env=_env(), check=True, stdout=subprocess.DEVNULL)
+        print(f"warm-up search: {time.perf_counter() - started:.1f} s (not counted)", flush=True)
+
+
+def run_arm(args: argparse.Namespace, arm: str) -> None:
+    out_dir = args.out / arm
+    if out_dir.exists():
+        shutil.rmtree(out_dir)  # an unfinished run: start the arm afresh, so its wall is one command's
+    command = arm_command(args, arm, out_dir)
+    print("$", " ".join(command[1:]), flush=True)
+    started = time.perf_counter()
+    subprocess.run(command, cwd=ROOT, env=_env(), check=True)
+    wall = time.perf_counter() - started
+    (out_dir / "wall.json").write_text(json.dumps({"wall_s": wall, "command": ["autotune", *command[3:]]}, indent=1))
+
+
+def read_arm(out_dir: Path) -> dict[str, Any]:
+    """An arm's figures: the command's wall, the trial phase and the trials from its study."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    wall = json.loads((out_dir / "wall.json").read_text())
+    study = optuna.load_study(study_name=None, storage=f"sqlite:///{out_dir / 'study.db'}")
+    done = [t for t in study.trials if t.state.name in COUNTED and t.datetime_start and t.datetime_complete]
+    if not done:
+        raise SystemExit(f"{out_dir}: no finished trial in its study")
+    first = min(t.datetime_start for t in done)
+    last = max(t.datetime_complete for t in done)
+    walls = [(t.datetime_complete - t.datetime_start).total_seconds() for t in done]
+    gpus = sorted({str(t.system_attrs.get("autotune:gpu")) for t in done})
+    return {"wall_s": wall["wall_s"], "command": wall["command"], "trials": len(done),
+            "trial_phase_s": (last - first).total_seconds(), "median_trial_s": statistics.median(walls),
+            "fixed_s": wall["wall_s"] - (last - first).total_seconds(), "gpus": gpus}
+
+
+def summarize(one: dict[str, Any], all_: dict[str, Any]) -> dict[str, Any]:
+    if one["trials"] != all_["trials"]:
+        raise SystemExit(f"the arms finished {one['trials']} and {all_['trials']} trials: not the same search; "
+                         "run both with the same --trials")
+    return {"one": one, "all": all_, "speedup": one["wall_s"] / all_["wall_s"],
+            "trial_phase_speedup": one["trial_phase_s"] / all_["trial_phase_s"]}
+
+
+def table(summary: dict[str, Any]) -> str:
+    rows = ["| arm | GPUs | trials | command wall | trial phase | fixed cost | median trial |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    for arm in ARMS:
+        a = summary[arm]
+        rows.append(f"| {arm} | {', '.join(a['gpus'])} | {a['trials']} | {a['wall_s']:.1f} s | "
+                    f"{a['trial_phase_s']:.1f} s | {a['fixed_s']:.1f} s | {a['median_trial_s']:.1f} s |")
+    rows += ["", f"Speed-up of the whole command: **{summary['speedup']:.2f}x**; of the trial phase: "
+                 f"{summary['trial_phase_speedup']:.2f}x.", "",
+             "Commands:", "", *[f"- {arm}: `{' '.join(summary[arm]['command'])}`" for arm in ARMS]]
+    return "\n".join(rows) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    todo = [arm for arm in args.arm_list if not _finished(args.out / arm, args.trials)]
+    if todo and args.warmup:
+        warm_up(args)
+    for arm in todo:
+        run_arm(args, arm)
+    if not all(_finished(args.out / arm, args.trials) for arm in ARMS):
+        print(f"arms finished so far under {args.out}: "
+              f"{[arm for arm in ARMS if _finished(args.out / arm, args.trials)]}; run the others to compare")
+        return 0
+    summary = summarize(read_arm(args.out / "one"), read_arm(args.out / "all"))
+    (args.out / "gpus-speedup.json").write_text(json.dumps(summary, indent=1))
+    text = table(summary)
+    (args.out / "gpus-speedup.md").write_text("# --gpus versus one GPU, same search\n\n" + text)
+    print(text)
+    return 0
+
+
+def _finished(out_dir: Path, trials: int) -> bool:
+    if not (out_dir / "wall.json").exists() or not (out_dir / "study.db").exists():
+        return False
+    return read_arm(out_dir)["trials"] >= trials
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""scripts/gpus_speedup.py: the same search on one GPU and on several, summarized from each arm's
+wall time and study (here the two H200 runs committed under reports/gpus-speedup-h200-12trials)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+
+import pytest
+
+from conftest import ROOT
+
+spec = importlib.util.spec_from_file_location("gpus_speedup", ROOT / "scripts" / "gpus_speedup.py")
+gpus_speedup = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gpus_speedup)
+
+RUNS = ROOT / "reports" / "gpus-speedup-h200-12trials"
+
+
+def test_the_committed_h200_runs_summarize_to_their_figures(tmp_path):
+    out = tmp_path / "runs"
+    shutil.copytree(RUNS, out)
+    assert gpus_speedup.main(["--trials", "12", "--out", str(out)]) == 0  # both arms finished: nothing runs
+    summary = json.loads((out / "gpus-speedup.json").read_text())
+    one, both = summary["one"], summary["all"]
+    assert one["trials"] == both["trials"] == 12 and one["gpus"] == ["0"] and both["gpus"] == ["0", "1"]
+    assert summary["speedup"] == pytest.approx(213.9 / 127.3)
+    # the trial phase is read from the studies: the first trial's start to the last one's end
+    assert one["trial_phase_s"] == pytest.approx(183.1, abs=0.1) and both["trial_phase_s"] == pytest.approx(94.7, abs=0.1)
+    assert summary["trial_phase_speedup"] == pytest.approx(1.93, abs=0.01)
+    assert one["fixed_s"] == pytest.approx(213.9 - one["trial_phase_s"])
+    assert "**1.68x**" in (out / "gpus-speedup.md").read_text()
+
+
+def test_arms_of_different_searches_are_not_compared(tmp_path):
+    out = tmp_path / "runs"
+    shutil.copytree(RUNS, out)
+    one = gpus_speedup.read_arm(out / "one")
+    with pytest.raises(SystemExit, match="finished 12 and 11 trials"):
+        gpus_speedup.summarize(one, {**one, "trials": 11})
+    # an arm short of --trials is not finished: the script would run it, not compare it
+    assert not gpus_speedup._finished(out / "all", 16)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--gpus", "0"], "two GPUs or more"),
+    (["--arms", "two"], "choose from one, all"),
+    (["--", "--model", "resnet18", "--trials", "3"], "--trials after -- is set by the script"),
+])
+def test_bad_options_say_what_to_do(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        gpus_speedup.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_each_arm_runs_the_same_search_on_its_gpus(tmp_path):
+    args = gpus_speedup.parse_args(["--gpus", "2,3", "--trials", "20", "--out", str(tmp_path), "--",
+                                    "--model", "resnet18", "--no-compile"])
+    one = gpus_speedup.arm_command(args, "one", tmp_path / "one")
+    both = gpus_speedup.arm_command(args, "all", tmp_path / "all")
+    assert one[3:one.index("--gpus")] == both[3:both.index("--gpus")]  # same options, trials and seed
+    assert one[one.index("--gpus") + 1] == "2" and both[both.index("--gpus") + 1] == "2,3"
+    assert "--trials" in one and one[one.index("--trials") + 1] == "20"
