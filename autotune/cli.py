@@ -255,10 +255,10 @@ def cmd_search(args: argparse.Namespace) -> int:
     finally:
         if view.task is not None:
             view.progress.stop()
-    return 0 if _print_summary(result.out_dir, result.elapsed_s) else 1
+    return 0 if _print_summary(result.out_dir, result.elapsed_s, result.phases) else 1
 
 
-def _print_summary(out_dir: Path, elapsed_s: float | None = None) -> bool:
+def _print_summary(out_dir: Path, elapsed_s: float | None = None, phases: dict[str, float] | None = None) -> bool:
     """Print the baseline, the best and the search's cost; False when nothing was measured."""
     path = out_dir / "config.json"
     if not path.exists():
@@ -297,7 +297,8 @@ def _print_summary(out_dir: Path, elapsed_s: float | None = None) -> bool:
     console.print(f"search cost over {s['num_trials']} trials ({s['num_measured']} measured): worker start "
                   f"{s['worker_start_s']:.0f}s, build {s['build_s']:.0f}s, warm-up {s['warmup_s']:.0f}s, "
                   f"measuring {s['measure_s']:.0f}s, trials in all {s['trial_wall_s']:.0f}s"
-                  + (f"; this run {elapsed_s:.0f}s" if elapsed_s is not None else ""))
+                  + (f"; this run {elapsed_s:.0f}s" if elapsed_s is not None else "")
+                  + (f" ({', '.join(f'{k} {v:.1f}s' for k, v in phases.items())})" if phases else ""))
     acc = data.get("accuracy")
     if acc:
         console.print(f"accuracy: {acc.get('verdict')}: {acc.get('reason')}")

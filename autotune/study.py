@@ -519,6 +519,8 @@ class SearchResult:
     elapsed_s: float
     new_trials: int
     files: dict[str, Path] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds of this run outside its trials: "probe", "final accuracy checks", "export"."""
 
 
 class _Lock:
@@ -601,10 +603,12 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
     if target.needs_nvml and device != "cuda":  # known before the probe: refuse at once
         raise ConfigError(nvml_refusal(device, None))
     started = time.time()
+    phases: dict[str, float] = {}
     # --gpus: the probe sees the requested GPUs (its device 0 the first) and names them, which
     # makes the pool; a mix of GPU models or a missing one is refused here
     with pinned(probe_view(config.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))):
         info = probe(config, device, list_devices=config.gpus is not None)
+    phases["probe"] = time.time() - started
     gpu_pool = GpuPool.for_search(config.gpus, device, probed=info.get("cuda_devices"))
     if target.needs_nvml and (refusal := nvml_refusal(device, info.get("nvml"))):
         raise ConfigError(refusal)
@@ -723,13 +727,17 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         if gate is not None and interrupted is None:
             # the recommendation must have passing accuracy evidence: check the fastest trials
             # that have none, fastest first, until one passes
+            t = time.time()
             gate.ensure_recommendation(study)
+            phases["final accuracy checks"] = time.time() - t
+        t = time.time()
         files = _write_outputs(study, out_dir, config, space, info)
+        phases["export"] = time.time() - t
         emit("end", None)
         if interrupted is not None:
             raise interrupted
         return SearchResult(study=study, out_dir=out_dir, space=space, probe=info,
-                            elapsed_s=time.time() - started, new_trials=new_trials, files=files)
+                            elapsed_s=time.time() - started, new_trials=new_trials, files=files, phases=phases)
     finally:
         GpuPool.deactivate()
         lock.release()

@@ -32,7 +32,7 @@ def tiny_search(tmp_path_factory: pytest.TempPathFactory) -> Path:
     test uses it too: a search costs most of these tests' time)."""
     if "out" not in _searches:
         out = tmp_path_factory.mktemp("tiny-search") / "out"
-        run_cli(*SEARCH, "--out", str(out))
+        _searches["said"] = " ".join(run_cli(*SEARCH, "--out", str(out)).stderr.split())  # rich wraps lines
         _searches["out"] = out
     return _searches["out"]
 
@@ -79,6 +79,14 @@ def copy_with(study: optuna.Study, extra) -> optuna.Study:
             distributions=t.distributions, user_attrs={**t.user_attrs, **extra(t)}, system_attrs=t.system_attrs))
     assert [t.number for t in copy.trials] == [t.number for t in study.trials]
     return copy
+
+
+def test_the_search_says_what_its_run_cost_outside_the_trials(report):
+    said = _searches["said"]
+    match = re.search(r"trials in all (\d+)s; this run (\d+)s \(probe ([\d.]+)s, export ([\d.]+)s\)", said)
+    assert match, said[-600:]
+    trials, run, probe, export = map(float, match.groups())
+    assert 0 < probe < run and 0 < export < run and probe + export < run
 
 
 def test_files(report):
