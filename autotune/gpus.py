@@ -166,7 +166,6 @@ class GpuPool:
             names = cuda_device_names()
         return cls(resolve(requested, names, visible))
 
-
     def activate(self) -> None:
         """Workers started outside a trial (the probe, the final accuracy checks) use the first GPU."""
         global _default_pin
