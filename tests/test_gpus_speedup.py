@@ -62,3 +62,30 @@ def test_each_arm_runs_the_same_search_on_its_gpus(tmp_path):
     assert one[3:one.index("--gpus")] == both[3:both.index("--gpus")]  # same options, trials and seed
     assert one[one.index("--gpus") + 1] == "2" and both[both.index("--gpus") + 1] == "2,3"
     assert "--trials" in one and one[one.index("--trials") + 1] == "20"
+
+
+def test_a_fresh_run_warms_up_then_runs_each_arm_once(tmp_path, monkeypatch):
+    """The subprocess side, with `autotune search` faked by copying a committed H200 study into
+    the arm's --out: the warm-up runs first and untimed, each arm once, and a rerun reuses both."""
+    ran = []
+
+    def fake_run(command, **kwargs):
+        out = command[command.index("--out") + 1]
+        gpus = command[command.index("--gpus") + 1]
+        ran.append((gpus, command[command.index("--trials") + 1], out))
+        if "warmup" not in out:
+            (tmp_path / "runs" / ("one" if gpus == "0" else "all")).mkdir(parents=True, exist_ok=True)
+            shutil.copy(RUNS / ("one" if gpus == "0" else "all") / "study.db", out + "/study.db")
+        return None
+
+    monkeypatch.setattr(gpus_speedup.subprocess, "run", fake_run)
+    out = tmp_path / "runs"
+    assert gpus_speedup.main(["--trials", "12", "--out", str(out), "--", "--model", "resnet18"]) == 0
+    assert [(g, t) for g, t, _ in ran] == [("0", "2"), ("0", "12"), ("0,1", "12")]  # warm-up, one, all
+    assert "warmup" in ran[0][2] and ran[1][2] == str(out / "one") and ran[2][2] == str(out / "all")
+    wall = json.loads((out / "one" / "wall.json").read_text())
+    assert wall["command"][:2] == ["autotune", "search"] and "--gpus" in wall["command"]
+    assert json.loads((out / "gpus-speedup.json").read_text())["one"]["trials"] == 12
+    ran.clear()
+    assert gpus_speedup.main(["--trials", "12", "--out", str(out)]) == 0
+    assert ran == []  # both arms finished: summarized again, nothing run
