@@ -127,11 +127,12 @@ def test_resume_after_the_search_process_is_killed(tmp_path):
         try:
             with contextlib.closing(sqlite3.connect(f"file:{out / 'study.db'}?mode=ro", uri=True, timeout=5)) as db:
                 states = dict(db.execute("SELECT number, state FROM trials"))
-                # running trials that have chosen their parameters: one killed before that is
-                # re-run with a fresh sample, not "the same parameters" (checked below)
+                # running trials that have chosen all their parameters (the objective records the
+                # knobs once every one is sampled): one killed while sampling is re-run with the
+                # parameters it had plus fresh samples, not "the same parameters" (checked below)
                 running = [n for (n,) in db.execute(
                     "SELECT number FROM trials t WHERE state = 'RUNNING' AND EXISTS "
-                    "(SELECT 1 FROM trial_params p WHERE p.trial_id = t.trial_id)")]
+                    "(SELECT 1 FROM trial_user_attributes a WHERE a.trial_id = t.trial_id AND a.key = 'knobs')")]
         except sqlite3.Error:  # no file yet, the study is being created, or a write holds the lock
             continue
         if sum(state in ("COMPLETE", "PRUNED", "FAIL") for state in states.values()) >= 2 and running:
