@@ -327,6 +327,7 @@ def run_rank(request: dict[str, Any]) -> dict[str, Any]:
     import strategies
     from autotune.config import TunedConfig, load
     from autotune.measure import MeasureSettings, measure, memory_figures
+    from autotune.worker import _nvml_monitor
     from autotune.space import SearchSpace
     from autotune.workloads import WorkloadSpec
 
@@ -377,7 +378,7 @@ def run_rank(request: dict[str, Any]) -> dict[str, Any]:
         t2 = time.perf_counter()
         run = _Run(cfg, spec, input_on_device=input_on_device, seed=seed, rank=rank)
         build_s += time.perf_counter() - t2
-        monitor, windows = _nvml_monitor(cuda, local, request), []
+        monitor, windows = _nvml_monitor(device, request, cuda_index=local), []
         nvml_window = (lambda: monitor.window_into(windows)) if monitor is not None else None
 
         try:
@@ -408,16 +409,6 @@ def run_rank(request: dict[str, Any]) -> dict[str, Any]:
     if energy is not None:
         result["energy"] = energy
     return result
-
-
-def _nvml_monitor(cuda: bool, local: int, request: dict[str, Any]):
-    """An NVML monitor of this rank's GPU (CUDA device ``local``), or None (CPU, or not asked)."""
-    if not cuda or not request.get("nvml", True):
-        return None
-    from autotune.gpus import nvml_index
-    from autotune.nvml import NvmlMonitor
-
-    return NvmlMonitor(device_index=nvml_index(local), interval_s=0.05)
 
 
 def combine_energy(windows: list[dict[str, Any] | None], *, samples: int) -> dict[str, Any] | None:

@@ -160,7 +160,7 @@ class GpuPool:
         names: list[str] | dict[int, str]
         if probed and requested == "all":
             names = probed
-        elif probed and requested != "all" and len(probed) == len(requested):
+        elif probed and len(probed) == len(requested):  # requested is a list here
             names = dict(zip(requested, probed))
         else:
             names = cuda_device_names()

@@ -108,14 +108,13 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     from strategies.precision import supported_modes
 
     device = request["device"]
+    result: dict[str, Any] = {}
     if request.get("list_devices"):
         # --gpus: the requested GPUs, in the order given (autotune.gpus.probe_view)
-        names = [torch.cuda.get_device_properties(i).name for i in range(torch.cuda.device_count())]
-        if not names:  # none of them exists: the search says which there are
-            return {"cuda_devices": names}
-    result: dict[str, Any] = {"provenance": provenance(), "cuda_available": torch.cuda.is_available()}
-    if request.get("list_devices"):
-        result["cuda_devices"] = names
+        result["cuda_devices"] = [torch.cuda.get_device_properties(i).name for i in range(torch.cuda.device_count())]
+        if not result["cuda_devices"]:  # none of them exists: the search says which there are
+            return result
+    result.update(provenance=provenance(), cuda_available=torch.cuda.is_available())
     if device == "cuda":
         result["precisions"] = supported_modes("cuda")
         from autotune.nvml import _probe as nvml_probe
@@ -390,21 +389,16 @@ def _profile(one_step, request: dict[str, Any], batch_size: int, step_time_ms: f
     return analyze(trace, step_time_ms=step_time_ms)
 
 
-def _nvml_monitor(device: str, request: dict[str, Any]):
-    """An NVML monitor of this process's GPU, or None (CPU, or asked not to sample)."""
+def _nvml_monitor(device: str, request: dict[str, Any], cuda_index: int = 0):
+    """An NVML monitor of this process's CUDA device ``cuda_index`` (a DDP rank's: its local rank),
+    or None (CPU, or asked not to sample). NVML ignores CUDA_VISIBLE_DEVICES, so the device is
+    found by its PCI bus id (autotune.gpus.nvml_index)."""
     if device != "cuda" or not request.get("nvml", True):
         return None
+    from autotune.gpus import nvml_index
     from autotune.nvml import NvmlMonitor
 
-    return NvmlMonitor(device_index=_nvml_index(), interval_s=0.05)
-
-
-def _nvml_index() -> int:
-    """The NVML index of CUDA device 0 of this process: NVML ignores CUDA_VISIBLE_DEVICES, so the
-    device is found by its PCI bus id (autotune.gpus.nvml_index)."""
-    from autotune.gpus import nvml_index
-
-    return nvml_index(0)
+    return NvmlMonitor(device_index=nvml_index(cuda_index), interval_s=0.05)
 
 
 def _gzip_in_place(path: str) -> None:
