@@ -72,9 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def arm_command(args: argparse.Namespace, arm: str, out_dir: Path) -> list[str]:
+def arm_command(args: argparse.Namespace, arm: str, out_dir: Path, trials: int | None = None) -> list[str]:
     gpus = args.gpu_list[0] if arm == "one" else ",".join(args.gpu_list)
-    return [sys.executable, "-m", "autotune", "search", *args.search_args, "--trials", str(args.trials),
+    return [sys.executable, "-m", "autotune", "search", *args.search_args, "--trials", str(trials or args.trials),
             "--seed", str(args.seed), "--gpus", gpus, "--out", str(out_dir)]
 
 
@@ -86,8 +86,7 @@ def _env() -> dict[str, str]:
 def warm_up(args: argparse.Namespace) -> None:
     """An untimed two-trial search on the first GPU, its outputs thrown away."""
     with tempfile.TemporaryDirectory() as tmp:
-        command = [sys.executable, "-m", "autotune", "search", *args.search_args, "--trials", "2",
-                   "--seed", str(args.seed), "--gpus", args.gpu_list[0], "--out", str(Path(tmp) / "warmup")]
+        command = arm_command(args, "one", Path(tmp) / "warmup", trials=2)
         started = time.perf_counter()
         subprocess.run(command, cwd=ROOT, env=_env(), check=True, stdout=subprocess.DEVNULL)
         print(f"warm-up search: {time.perf_counter() - started:.1f} s (not counted)", flush=True)
@@ -148,16 +147,17 @@ def table(summary: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    todo = [arm for arm in args.arm_list if not _finished(args.out / arm, args.trials)]
+    todo = [arm for arm in args.arm_list if finished_arm(args.out / arm, args.trials) is None]
     if todo and args.warmup:
         warm_up(args)
     for arm in todo:
         run_arm(args, arm)
-    if not all(_finished(args.out / arm, args.trials) for arm in ARMS):
-        print(f"arms finished so far under {args.out}: "
-              f"{[arm for arm in ARMS if _finished(args.out / arm, args.trials)]}; run the others to compare")
+    arms = {arm: finished_arm(args.out / arm, args.trials) for arm in ARMS}
+    if any(a is None for a in arms.values()):
+        print(f"arms finished so far under {args.out}: {[arm for arm, a in arms.items() if a is not None]}; "
+              "run the others to compare")
         return 0
-    summary = summarize(read_arm(args.out / "one"), read_arm(args.out / "all"))
+    summary = summarize(arms["one"], arms["all"])
     (args.out / "gpus-speedup.json").write_text(json.dumps(summary, indent=1))
     text = table(summary)
     (args.out / "gpus-speedup.md").write_text("# --gpus versus one GPU, same search\n\n" + text)
@@ -165,10 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _finished(out_dir: Path, trials: int) -> bool:
+def finished_arm(out_dir: Path, trials: int) -> dict[str, Any] | None:
+    """The arm's figures (``read_arm``) once it has finished ``trials`` trials, else None."""
     if not (out_dir / "wall.json").exists() or not (out_dir / "study.db").exists():
-        return False
-    return read_arm(out_dir)["trials"] >= trials
+        return None
+    arm = read_arm(out_dir)
+    return arm if arm["trials"] >= trials else None
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def test_arms_of_different_searches_are_not_compared(tmp_path):
     with pytest.raises(SystemExit, match="finished 12 and 11 trials"):
         gpus_speedup.summarize(one, {**one, "trials": 11})
     # an arm short of --trials is not finished: the script would run it, not compare it
-    assert not gpus_speedup._finished(out / "all", 16)
+    assert gpus_speedup.finished_arm(out / "all", 16) is None
 
 
 @pytest.mark.parametrize("argv,message", [
