@@ -139,6 +139,10 @@ def sampler_seed(seed: int, num_trials: int, shared: bool) -> int:
     return (seed + num_trials + zlib.crc32(OWNER.encode())) % 2**31
 
 
+WAIT_POLL_S = 0.5
+"""How often a search waiting for the study's last running trials looks at the storage again."""
+
+
 class SharedStudy:
     """The study as one of possibly several processes sees it: whose trials are running, how many
     are taken, and the guard every trial passes before it is measured."""
@@ -163,11 +167,14 @@ class SharedStudy:
         (this process's other GPUs included), which are waited for; False as soon as there is room
         for another trial. A process that died mid-trial stops counting once its heartbeat is
         stale, and the next trial started here re-runs its trial: no process stops while a dead
-        one's trial is still RUNNING. ``deadline`` (time.time()) ends the wait: --budget."""
+        one's trial is still RUNNING. ``deadline`` (time.time()) ends the wait: --budget.
+
+        The wait polls every WAIT_POLL_S, not every heartbeat interval: a running trial may finish
+        at any moment, and with --gpus the search ends only when this wait does (a 10 s sleep
+        here once kept a finished two-GPU search waiting 9 s for nothing)."""
         from autotune.study import counted_trials
 
         assert self.trials is not None
-        interval = max(1, self.storage.heartbeat_interval or 1)
         while True:
             counted = len(counted_trials(self.study))
             if counted >= self.trials:
@@ -176,7 +183,7 @@ class SharedStudy:
                 return False
             if deadline is not None and time.time() >= deadline:
                 return True
-            time.sleep(interval)
+            time.sleep(WAIT_POLL_S)
 
     def guard(self, objective: Callable[[optuna.Trial], float]) -> Callable[[optuna.Trial], float]:
         """``objective`` behind the checks each trial passes first: it records its process, warns

@@ -239,6 +239,34 @@ def test_sqlite_shared_by_another_process_warns_once_with_the_postgresql_command
         SharedStudy(study, storage, "postgresql://u:p@h/db", trials=None).warn_if_sqlite_shared()
 
 
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")
+def test_the_wait_for_the_last_running_trial_ends_soon_after_it_finishes(tmp_path, monkeypatch):
+    # --gpus: the GPU thread that finished first waits in the stop rule for the other GPU's trial,
+    # and the search ends only when that wait does; with the default 10 s heartbeat the wait used
+    # to sleep a whole interval (a two-GPU search on the H200s waited 9 s after its last trial)
+    monkeypatch.setenv("AUTOTUNE_HEARTBEAT", "10,60")
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    storage = open_storage(url)
+    study = optuna.create_study(storage=storage, study_name="s", direction="maximize")
+    done = study.ask()
+    done.set_user_attr("status", "ok")
+    study.tell(done, 1.0)
+    running = study.ask()  # the other GPU's trial, alive
+    storage.record_heartbeat(running._trial_id)
+    shared = SharedStudy(study, storage, url, trials=2)
+    finisher = threading.Timer(1.0, lambda: (running.set_user_attr("status", "ok"), study.tell(running, 2.0)))
+    started = time.perf_counter()
+    finisher.start()
+    try:
+        assert shared.has_its_trials() is True
+    finally:
+        finisher.join()
+    waited = time.perf_counter() - started
+    assert 1.0 <= waited < 2.5, f"waited {waited:.1f} s for a trial that finished after 1 s"
+    # room for another trial: no wait at all
+    assert SharedStudy(study, storage, url, trials=3).has_its_trials() is False
+
+
 def test_a_process_on_other_hardware_is_refused():
     study = types.SimpleNamespace(study_name="resnet50", user_attrs={
         "device": "cuda", "provenance": {"gpu": "NVIDIA H200"}})
