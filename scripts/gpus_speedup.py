@@ -116,9 +116,12 @@ def read_arm(out_dir: Path) -> dict[str, Any]:
         raise SystemExit(f"{out_dir}: no finished trial in its study")
     first = min(t.datetime_start for t in done)
     last = max(t.datetime_complete for t in done)
-    walls = [(t.datetime_complete - t.datetime_start).total_seconds() for t in done]
+    # a repeat of a configuration already measured is not measured again (its result is copied):
+    # it counts towards --trials but costs next to nothing, so the arms' measured work is compared too
+    measured = [t for t in done if "duplicate_of" not in t.user_attrs] or done
+    walls = [(t.datetime_complete - t.datetime_start).total_seconds() for t in measured]
     gpus = sorted({str(t.system_attrs.get("autotune:gpu")) for t in done})
-    return {"wall_s": wall["wall_s"], "command": wall["command"], "trials": len(done),
+    return {"wall_s": wall["wall_s"], "command": wall["command"], "trials": len(done), "measured": len(measured),
             "trial_phase_s": (last - first).total_seconds(), "median_trial_s": statistics.median(walls),
             "fixed_s": wall["wall_s"] - (last - first).total_seconds(), "gpus": gpus}
 
@@ -127,19 +130,35 @@ def summarize(one: dict[str, Any], all_: dict[str, Any]) -> dict[str, Any]:
     if one["trials"] != all_["trials"]:
         raise SystemExit(f"the arms finished {one['trials']} and {all_['trials']} trials: not the same search; "
                          "run both with the same --trials")
-    return {"one": one, "all": all_, "speedup": one["wall_s"] / all_["wall_s"],
-            "trial_phase_speedup": one["trial_phase_s"] / all_["trial_phase_s"]}
+    summary = {"one": one, "all": all_, "speedup": one["wall_s"] / all_["wall_s"],
+               "trial_phase_speedup": one["trial_phase_s"] / all_["trial_phase_s"]}
+    if one["measured"] != all_["measured"]:
+        # the same --trials, but one arm repeated configurations it had measured: what the whole
+        # command would have taken had it measured as many as the other, each extra trial at its
+        # median pace spread over its GPUs
+        fewer, more = (all_, one) if all_["measured"] < one["measured"] else (one, all_)
+        extra = (more["measured"] - fewer["measured"]) * fewer["median_trial_s"] / len(fewer["gpus"])
+        walls = {arm: summary[arm]["wall_s"] + (extra if summary[arm] is fewer else 0.0) for arm in ARMS}
+        summary["same_measured_speedup"] = walls["one"] / walls["all"]
+    return summary
 
 
 def table(summary: dict[str, Any]) -> str:
-    rows = ["| arm | GPUs | trials | command wall | trial phase | fixed cost | median trial |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
+    rows = ["| arm | GPUs | trials | measured | command wall | trial phase | fixed cost | median measured trial |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for arm in ARMS:
         a = summary[arm]
-        rows.append(f"| {arm} | {', '.join(a['gpus'])} | {a['trials']} | {a['wall_s']:.1f} s | "
-                    f"{a['trial_phase_s']:.1f} s | {a['fixed_s']:.1f} s | {a['median_trial_s']:.1f} s |")
+        rows.append(f"| {arm} | {', '.join(a['gpus'])} | {a['trials']} | {a.get('measured', a['trials'])} | "
+                    f"{a['wall_s']:.1f} s | {a['trial_phase_s']:.1f} s | {a['fixed_s']:.1f} s | "
+                    f"{a['median_trial_s']:.1f} s |")
     rows += ["", f"Speed-up of the whole command: **{summary['speedup']:.2f}x**; of the trial phase: "
-                 f"{summary['trial_phase_speedup']:.2f}x.", "",
+                 f"{summary['trial_phase_speedup']:.2f}x."]
+    if "same_measured_speedup" in summary:
+        rows += ["", "The arms measured different numbers of configurations: the others were repeats of "
+                     "configurations already measured, whose results are copied. Had the arm with fewer measured "
+                     "as many, at its median pace: about "
+                     f"**{summary['same_measured_speedup']:.2f}x** (estimated, not measured)."]
+    rows += ["",
              "Commands:", "", *[f"- {arm}: `{' '.join(summary[arm]['command'])}`" for arm in ARMS]]
     return "\n".join(rows) + "\n"
 

@@ -33,6 +33,26 @@ def test_the_committed_h200_runs_summarize_to_their_figures(tmp_path):
     assert "**1.68x**" in (out / "gpus-speedup.md").read_text()
 
 
+def test_arms_that_measured_different_numbers_of_configurations_are_also_compared_at_equal_work(tmp_path):
+    # the 28-trial H200 pair: the two-GPU arm repeated trial 20's configuration twice (copied, not
+    # measured), so it measured 26 configurations against the one-GPU arm's 28
+    runs = ROOT / "reports" / "gpus-speedup-h200-28trials"
+    out = tmp_path / "runs"
+    shutil.copytree(runs / "one", out / "one")
+    shutil.copytree(runs / "first-all", out / "all")
+    assert gpus_speedup.main(["--trials", "28", "--out", str(out)]) == 0
+    summary = json.loads((out / "gpus-speedup.json").read_text())
+    one, both = summary["one"], summary["all"]
+    assert (one["trials"], one["measured"], both["trials"], both["measured"]) == (28, 28, 28, 26)
+    assert summary["speedup"] == pytest.approx(1.81, abs=0.005)
+    # two more trials at the two-GPU arm's median measured pace, spread over its two GPUs
+    assert summary["same_measured_speedup"] == pytest.approx(
+        one["wall_s"] / (both["wall_s"] + 2 * both["median_trial_s"] / 2))
+    assert summary["same_measured_speedup"] == pytest.approx(1.71, abs=0.005)
+    text = (out / "gpus-speedup.md").read_text()
+    assert "| all | 0, 1 | 28 | 26 |" in text and "**1.71x** (estimated, not measured)" in text
+
+
 def test_arms_of_different_searches_are_not_compared(tmp_path):
     out = tmp_path / "runs"
     shutil.copytree(RUNS, out)
