@@ -121,9 +121,32 @@ def read_arm(out_dir: Path) -> dict[str, Any]:
     measured = [t for t in done if "duplicate_of" not in t.user_attrs] or done
     walls = [(t.datetime_complete - t.datetime_start).total_seconds() for t in measured]
     gpus = sorted({str(t.system_attrs.get("autotune:gpu")) for t in done})
+    # the end of the trial phase when only some GPUs still had a trial running: the first GPU to
+    # run out of trials waits for the last one's
+    ends = [max(t.datetime_complete for t in done if str(t.system_attrs.get("autotune:gpu")) == g) for g in gpus]
     return {"wall_s": wall["wall_s"], "command": wall["command"], "trials": len(done), "measured": len(measured),
             "trial_phase_s": (last - first).total_seconds(), "median_trial_s": statistics.median(walls),
-            "fixed_s": wall["wall_s"] - (last - first).total_seconds(), "gpus": gpus}
+            "fixed_s": wall["wall_s"] - (last - first).total_seconds(), "gpus": gpus,
+            "tail_s": (max(ends) - min(ends)).total_seconds(),
+            "timing_by_config": {json.dumps(t.params, sort_keys=True): t.user_attrs["timing"]
+                                 for t in measured if isinstance(t.user_attrs.get("timing"), dict)}}
+
+
+PHASES = ("worker_start_s", "build_s", "compile_s", "warmup_s", "measure_s", "wall_s")
+
+
+def phase_differences(one: dict[str, Any], all_: dict[str, Any]) -> dict[str, Any]:
+    """How much longer each phase of a trial took in arm all than the same configuration's in arm
+    one (median over the configurations both measured): where running trials side by side costs."""
+    common = sorted(set(one["timing_by_config"]) & set(all_["timing_by_config"]))
+    diffs = {}
+    for phase in PHASES:
+        pairs = [(one["timing_by_config"][c].get(phase), all_["timing_by_config"][c].get(phase)) for c in common]
+        pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+        if pairs:
+            diffs[phase] = {"one_s": statistics.median(a for a, _ in pairs),
+                            "extra_s": statistics.median(b - a for a, b in pairs)}
+    return {"configurations": len(common), "phases": diffs}
 
 
 def summarize(one: dict[str, Any], all_: dict[str, Any]) -> dict[str, Any]:
@@ -131,7 +154,8 @@ def summarize(one: dict[str, Any], all_: dict[str, Any]) -> dict[str, Any]:
         raise SystemExit(f"the arms finished {one['trials']} and {all_['trials']} trials: not the same search; "
                          "run both with the same --trials")
     summary = {"one": one, "all": all_, "speedup": one["wall_s"] / all_["wall_s"],
-               "trial_phase_speedup": one["trial_phase_s"] / all_["trial_phase_s"]}
+               "trial_phase_speedup": one["trial_phase_s"] / all_["trial_phase_s"],
+               "side_by_side": phase_differences(one, all_)}
     if one["measured"] != all_["measured"]:
         # the same --trials, but one arm repeated configurations it had measured: what the whole
         # command would have taken had it measured as many as the other, each extra trial at its
@@ -158,6 +182,15 @@ def table(summary: dict[str, Any]) -> str:
                      "configurations already measured, whose results are copied. Had the arm with fewer measured "
                      "as many, at its median pace: about "
                      f"**{summary['same_measured_speedup']:.2f}x** (estimated, not measured)."]
+    rows += ["", f"At the end of arm all's trial phase, {summary['all']['tail_s']:.1f} s passed with some GPU out "
+                 "of trials, waiting for the last one's."]
+    side = summary.get("side_by_side") or {}
+    if side.get("phases"):
+        rows += ["", f"Per trial, the {side['configurations']} configurations both arms measured, median: "
+                     "how long each phase took alone (arm one) and how much longer side by side (arm all):", "",
+                 "| phase | alone | side by side |", "| --- | --- | --- |",
+                 *[f"| {phase.removesuffix('_s').replace('_', ' ')} | {d['one_s']:.2f} s | {d['extra_s']:+.2f} s |"
+                   for phase, d in side["phases"].items()]]
     rows += ["",
              "Commands:", "", *[f"- {arm}: `{' '.join(summary[arm]['command'])}`" for arm in ARMS]]
     return "\n".join(rows) + "\n"
@@ -177,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
               "run the others to compare")
         return 0
     summary = summarize(arms["one"], arms["all"])
-    (args.out / "gpus-speedup.json").write_text(json.dumps(summary, indent=1))
+    saved = {key: ({k: v for k, v in value.items() if k != "timing_by_config"} if key in ARMS else value)
+             for key, value in summary.items()}
+    (args.out / "gpus-speedup.json").write_text(json.dumps(saved, indent=1))
     text = table(summary)
     (args.out / "gpus-speedup.md").write_text("# --gpus versus one GPU, same search\n\n" + text)
     print(text)

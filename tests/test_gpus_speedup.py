@@ -53,6 +53,28 @@ def test_arms_that_measured_different_numbers_of_configurations_are_also_compare
     assert "| all | 0, 1 | 28 | 26 |" in text and "**1.71x** (estimated, not measured)" in text
 
 
+def test_the_rerun_two_gpu_arm_shows_where_side_by_side_trials_lose_time(tmp_path):
+    # the same one-GPU arm against the two-GPU arm re-run after the stop rule's wait was fixed:
+    # both measured 28 configurations; the phases of the configurations both measured say where
+    # two trials side by side are slower than one alone
+    out = tmp_path / "runs"
+    shutil.copytree(ROOT / "reports" / "gpus-speedup-h200-28trials", out)
+    assert gpus_speedup.main(["--trials", "28", "--out", str(out)]) == 0
+    summary = json.loads((out / "gpus-speedup.json").read_text())
+    assert (summary["one"]["measured"], summary["all"]["measured"]) == (28, 28)
+    assert "same_measured_speedup" not in summary
+    assert summary["speedup"] == pytest.approx(469.2 / 268.4, abs=0.005)
+    assert summary["all"]["tail_s"] == pytest.approx(17.4, abs=0.1) and summary["one"]["tail_s"] == 0
+    side = summary["side_by_side"]
+    assert side["configurations"] == 15
+    phases = side["phases"]
+    assert phases["worker_start_s"]["extra_s"] == pytest.approx(0.70, abs=0.01)
+    assert phases["build_s"]["extra_s"] == pytest.approx(0.39, abs=0.01)
+    assert abs(phases["measure_s"]["extra_s"]) < 0.01  # the measurement itself is not disturbed
+    assert "timing_by_config" not in summary["one"]  # kept out of the JSON
+    assert "| worker start | 3.37 s | +0.70 s |" in (out / "gpus-speedup.md").read_text()
+
+
 def test_arms_of_different_searches_are_not_compared(tmp_path):
     out = tmp_path / "runs"
     shutil.copytree(RUNS, out)
