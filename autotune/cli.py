@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -217,7 +218,25 @@ def _command_line(args: argparse.Namespace) -> str:
     return "autotune " + shlex.join(argv)
 
 
+def _prestart_probe(args: argparse.Namespace) -> None:
+    """Start the search's probe worker now, under the GPUs it will see: its imports (torch: 4 s
+    on an H200 machine) then run while this process imports torch for its own checks. A search
+    refused by those checks kills it on exit (autotune.runner.discard_spares)."""
+    from autotune.gpus import parse_gpus, pinned, probe_view
+    from autotune.runner import start_spare
+
+    if os.environ.get("AUTOTUNE_PRESTART") == "0":
+        return
+    try:
+        requested = parse_gpus(args.gpus)
+    except Exception:  # refused, with its message, by the search's own checks
+        return
+    with pinned(probe_view(requested, os.environ.get("CUDA_VISIBLE_DEVICES"))):
+        start_spare()
+
+
 def cmd_search(args: argparse.Namespace) -> int:
+    _prestart_probe(args)
     from autotune.errors import ConfigError
     from autotune.measure import MeasureSettings
     from autotune.study import SearchConfig, parse_duration, run_search

@@ -39,7 +39,7 @@ class Objective:
                  seed: int, trial_timeout_s: float, log_dir: Path | None = None,
                  deadline: float | None = None, accuracy=None, profile: bool = True,
                  misaligned: list[str] | None = None, steer: bool = True, goal=None,
-                 data: str | None = None) -> None:
+                 data: str | None = None, prestart_workers: bool = False) -> None:
         from autotune.goal import goal as goal_named
 
         self.space = space
@@ -63,6 +63,8 @@ class Objective:
         self.goal = goal or goal_named(None)
         """What a trial's value is (autotune.goal.Goal); throughput when not given."""
         self.data = data
+        self.prestart_workers = prestart_workers
+        """Start the next trial's worker while this one runs (autotune.runner: spare workers)."""
         """--data: the timed steps are fed by a DataLoader over it (the dataloader knob); None:
         ready-made batches."""
 
@@ -100,7 +102,7 @@ class Objective:
         if cut_by_budget:
             timeout = max(1.0, self.deadline - time.time())
         try:
-            result = run_worker(request, timeout_s=timeout, log_path=log_path)
+            result = run_worker(request, timeout_s=timeout, log_path=log_path, spare=self.prestart_workers)
         except KeyboardInterrupt:
             # the search was stopped (Ctrl-C, SIGTERM): this configuration is not at fault and
             # the next run measures it again

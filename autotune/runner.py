@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -43,13 +45,130 @@ def worker_command(*args: str) -> list[str]:
     return [sys.executable, "-c", _BOOT, *args]
 
 
+class _Worker:
+    """A worker process, started before its request: it imports torch and autotune, then waits
+    for the request on stdin. A spare (``run_worker(..., spare=True)``) is started while the
+    previous trial runs, so its 3-4 s of imports are off the next trial's path."""
+
+    def __init__(self, env: dict[str, str], log_dir: Path | None = None) -> None:
+        self.env = env
+        self.tmp = tempfile.TemporaryDirectory(prefix="autotune-")
+        self.result_path = Path(self.tmp.name) / "result.json"
+        # a spare logs next to the trial logs, so that handing it over renames its log in place
+        # (the log stays readable while the trial runs)
+        self.log_path = (log_dir / f".spare-{os.getpid()}-{id(self):x}.log" if log_dir is not None and log_dir.is_dir()
+                         else Path(self.tmp.name) / "worker.log")
+        self.log = open(self.log_path, "w")
+        self.spawned = time.time()
+        self.proc = subprocess.Popen(worker_command(str(self.result_path), str(os.getpid())),
+                                     stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=env, text=True)
+
+    def run(self, request: dict[str, Any], timeout_s: float | None, log_path: Path | None) -> dict[str, Any]:
+        started = time.time()  # a spare's imports before this are not the request's time
+        if log_path is not None:
+            try:
+                os.replace(self.log_path, log_path)
+                self.log_path = log_path
+            except OSError:  # another file system: copied when the worker is done
+                pass
+        try:
+            self.proc.stdin.write(json.dumps(request))
+            self.proc.stdin.close()
+        except BrokenPipeError:  # it died before its request (killed, out of memory): said below
+            pass
+        try:
+            self.proc.wait(timeout=timeout_s)
+            status = None
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            status = "timeout"
+        except BaseException:  # Ctrl-C in the study: do not leave the worker on the GPU
+            self.discard()
+            raise
+        finished = time.time()
+        self.log.close()
+        text = self.log_path.read_text(errors="replace")[-50_000:]
+        if log_path is not None and self.log_path != log_path:
+            log_path.write_text(text)
+        if status == "timeout":
+            result = {"status": "timeout", "reason": f"no result after {timeout_s:.0f} s; the worker was killed"}
+        elif self.result_path.exists():
+            result = json.loads(self.result_path.read_text())
+        else:
+            result = {"status": "crashed",
+                      "reason": f"worker {_exit_description(self.proc.returncode)} and no result: {salient_error(text)}"}
+        self.tmp.cleanup()
+        result["wall_s"] = finished - started
+        if "ready_at" in result:
+            # what the request waited for the worker's imports: all of them for a worker started
+            # with it, the rest of them (or none) for a spare
+            result["worker_start_s"] = max(0.0, result["ready_at"] - started)
+        result["log_tail"] = text[-2000:]
+        return result
+
+    def discard(self) -> None:
+        """Kill it (a spare never used, or a run interrupted) and remove its files."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.log.close()
+        if self.log_path.name.startswith(".spare-"):
+            self.log_path.unlink(missing_ok=True)
+        self.tmp.cleanup()
+
+
+_spares: dict[tuple[tuple[str, str], ...], _Worker] = {}
+_spares_lock = threading.Lock()
+
+
+_KEY_VARIABLES = ("CUDA_VISIBLE_DEVICES", "PYTHONPATH")
+
+
+def _env_key(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """Which spare may serve a request: one started for the same GPUs and import path. The rest of
+    the environment is the search process's own, which autotune never changes; importing torch
+    there adds its defaults (TORCHINDUCTOR_CACHE_DIR), which the worker's own imports set alike."""
+    return tuple((name, env.get(name, "")) for name in _KEY_VARIABLES)
+
+
+def discard_spares() -> None:
+    """Kill the spare workers no trial took (the search is over)."""
+    with _spares_lock:
+        spares = list(_spares.values())
+        _spares.clear()
+    for worker in spares:
+        worker.discard()
+
+
+atexit.register(discard_spares)
+
+
+def start_spare() -> None:
+    """Start a worker for a request to come under this environment (the search's probe: started
+    before the search process imports torch itself, the two imports run at once)."""
+    env = _worker_env()
+    key = _env_key(env)
+    with _spares_lock:
+        if key not in _spares:
+            _spares[key] = _Worker(env)
+
+
 def run_worker(request: dict[str, Any], *, timeout_s: float | None = None,
-               log_path: Path | None = None) -> dict[str, Any]:
+               log_path: Path | None = None, spare: bool = False) -> dict[str, Any]:
     """Run ``python -m autotune.worker`` on ``request``; always returns a result dict.
 
     status is "ok", "oom", "error" (an exception in the trial), "crashed" (the process died
     without a result: segfault, kill, sticky CUDA error) or "timeout" (the watchdog killed it).
-    ``worker_start_s`` is the time from spawn until the worker had imported everything.
+    ``worker_start_s`` is how long the request waited for the worker to have imported everything;
+    ``wall_s`` runs from the request to the result.
+
+    Every request gets a fresh process (one trial's state or crash never reaches the next), but
+    not necessarily a freshly started one: a spare started under the same environment (the same
+    GPU) is taken if there is one, and ``spare=True`` starts the next one now, to import while
+    this request runs (the search's trials on a GPU: their measurement is on the GPU, which the
+    spare's imports on another CPU core leave alone).
     A trial of a ``--ddp N`` search runs in N rank processes instead (``autotune.ddp.run_ranks``).
     """
     from autotune.ddp import request_world_size, run_ranks
@@ -57,47 +176,23 @@ def run_worker(request: dict[str, Any], *, timeout_s: float | None = None,
     world_size = request_world_size(request)
     if world_size > 1:
         return run_ranks(request, world_size=world_size, timeout_s=timeout_s, log_path=log_path)
-    with tempfile.TemporaryDirectory(prefix="autotune-") as tmp:
-        result_path = Path(tmp) / "result.json"
-        log = open(log_path, "w") if log_path else tempfile.TemporaryFile("w+", dir=tmp)
-        spawned = time.time()
-        proc = subprocess.Popen(worker_command(str(result_path), str(os.getpid())),
-                                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-                                env=_worker_env(), text=True)
-        try:
-            proc.stdin.write(json.dumps(request))
-            proc.stdin.close()
-            proc.wait(timeout=timeout_s)
-            status = None
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            status = "timeout"
-        except BaseException:  # Ctrl-C in the study: do not leave the worker on the GPU
-            proc.kill()
-            proc.wait()
-            raise
-        finished = time.time()
-        if log_path:
-            log.close()
-            text = log_path.read_text(errors="replace")[-50_000:]
-        else:
-            log.seek(0)
-            text = log.read()[-50_000:]
-            log.close()
-        tail = text[-2000:]
-        if status == "timeout":
-            result = {"status": "timeout", "reason": f"no result after {timeout_s:.0f} s; the worker was killed"}
-        elif result_path.exists():
-            result = json.loads(result_path.read_text())
-        else:
-            result = {"status": "crashed",
-                      "reason": f"worker {_exit_description(proc.returncode)} and no result: {salient_error(text)}"}
-    result["wall_s"] = finished - spawned
-    if "ready_at" in result:
-        result["worker_start_s"] = result["ready_at"] - spawned
-    result["log_tail"] = tail
-    return result
+    env = _worker_env()
+    key = _env_key(env)
+    with _spares_lock:
+        worker = _spares.pop(key, None)
+    if worker is not None and worker.proc.poll() is not None:  # a spare that died waiting
+        worker.discard()
+        worker = None
+    if worker is None:
+        worker = _Worker(env)
+    if spare:
+        ahead = _Worker(env, log_dir=log_path.parent if log_path is not None else None)
+        with _spares_lock:
+            replaced = _spares.pop(key, None)
+            _spares[key] = ahead
+        if replaced is not None:
+            replaced.discard()
+    return worker.run(request, timeout_s, log_path)
 
 
 # what a dying worker prints before its last words (a C++ stack trace after an abort, say), most

@@ -24,7 +24,7 @@ from autotune.gpus import GpuPool, parse_gpus, pinned, probe_view
 from autotune.knob_effects import apply_fixed_knobs, fix_no_effect_knobs
 from autotune.measure import MeasureSettings
 from autotune.objective import Objective, TrialFailed, requeue
-from autotune.runner import run_worker
+from autotune.runner import discard_spares, run_worker
 from autotune.space import SearchSpace
 from autotune.storage import mask_url, open_storage  # noqa: F401  (mask_url: used by export and cli)
 from autotune.workloads import WorkloadSpec, check_spec
@@ -96,6 +96,10 @@ class SearchConfig:
     gpus: list[int] | str | None = None
     """CUDA GPUs to search on in parallel, one trial worker on each ("0,1", [0, 1] or "all");
     None: the first visible GPU. All must be the same model (autotune.gpus)."""
+    prestart_workers: bool | None = None
+    """Start each trial's worker while the previous trial runs (autotune.runner: spare workers),
+    taking its imports off the trials' path; None: on a GPU without --ddp (on a CPU the spare's
+    imports would compete with the trial measured on the same cores)."""
     ddp: int | None = None
     """--ddp N: measure every trial as an N-process DistributedDataParallel step, one GPU per
     process (autotune.ddp), and search DDP's bucket size, bucket views and static graph; None:
@@ -238,6 +242,21 @@ def _compile_modes(config: SearchConfig, device: str, info: dict[str, Any]) -> l
                       f"({check.get('reason')}); the search goes on without it", stacklevel=3)
         return ["off"]
     return compile_strategy.candidates(device)
+
+
+def _prestart_workers(config: SearchConfig, device: str) -> bool:
+    """Whether each trial's worker starts while the previous trial runs: config.prestart_workers,
+    else $AUTOTUNE_PRESTART (1 or 0; 0 also starts the CLI's probe worker only when the probe
+    runs), else on a GPU without --ddp."""
+    if config.prestart_workers is not None:
+        return config.prestart_workers
+    text = os.environ.get("AUTOTUNE_PRESTART")
+    if text:
+        if text not in ("0", "1"):
+            raise ConfigError(f"AUTOTUNE_PRESTART={text!r}: write 1 (start each worker before its request: a "
+                              "trial's during the trial before) or 0 (start each with its request), or leave it unset")
+        return text == "1"
+    return device == "cuda" and not config.ddp
 
 
 def check_ddp(config: SearchConfig, device: str) -> None:
@@ -592,6 +611,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
     check_spec(config.workload)
     device = resolve_device(config.device)
     check_ddp(config, device)
+    prestart = _prestart_workers(config, device)
     GpuPool.check_device(config.gpus, device)  # --gpus on a CPU: refused before any device time
     # before any device time: the folder (or, by default, reports/) must take the results
     _check_writable(Path(config.out_dir) if config.out_dir else Path("reports"))
@@ -683,7 +703,8 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
                               trial_timeout_s=config.trial_timeout_s, log_dir=out_dir / "logs",
                               deadline=None if config.budget_s is None else started + config.budget_s,
                               profile=config.profile, steer=config.steer, goal=target,
-                              misaligned=(info.get("misaligned") or {}).get("8"))
+                              misaligned=(info.get("misaligned") or {}).get("8"),
+                              prestart_workers=prestart)
         emit("start", {"space": space, "probe": info, "out_dir": out_dir, "study": study,
                        "recovered": recovered, "done": len(counted_trials(study)), "config": config})
         walls: list[tuple[float, bool]] = []  # (wall seconds, compiled) of each measured trial
@@ -724,6 +745,8 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
                                catch=(TrialFailed,), gc_after_trial=False, show_progress_bar=False)
             except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: what was measured is still exported
                 interrupted = exc
+            finally:
+                discard_spares()  # no more trials: the worker started for the next one is not needed
         if gate is not None and interrupted is None:
             # the recommendation must have passing accuracy evidence: check the fastest trials
             # that have none, fastest first, until one passes
@@ -739,6 +762,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         return SearchResult(study=study, out_dir=out_dir, space=space, probe=info,
                             elapsed_s=time.time() - started, new_trials=new_trials, files=files, phases=phases)
     finally:
+        discard_spares()
         GpuPool.deactivate()
         lock.release()
 

@@ -430,6 +430,7 @@ def main(argv: list[str]) -> int:
                       "traceback": traceback.format_exc()[-4000:]}
     result["ready_at"] = READY_AT
     result["done_at"] = time.time()
+    result["pid"] = os.getpid()
     tmp = result_path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(result, f, default=str)

@@ -30,3 +30,92 @@ def test_without_an_error_line_the_end_of_the_log_is_kept():
 def test_signals_are_named():
     assert _exit_description(-6) == "was killed by signal 6 (SIGABRT)"
     assert _exit_description(11) == "exited with code 11"
+
+
+# --- spare workers: a trial's worker started while the previous trial runs ----------------------
+
+import os  # noqa: E402
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+
+from autotune import runner  # noqa: E402
+from autotune.gpus import pinned  # noqa: E402
+
+PROBE = {"mode": "probe", "device": "cpu",
+         "workload": {"model": "fake_models:tiny_cnn", "num_classes": 4, "input_shape": [3, 16, 16]}}
+
+
+@pytest.fixture
+def no_spares_left():
+    yield
+    runner.discard_spares()
+    assert not runner._spares
+
+
+def _wait_ready(worker: runner._Worker, timeout_s: float = 60) -> None:
+    """Until the spare has imported everything and waits for its request: asleep in its read of
+    stdin (the kernel names the wait pipe_read, anon_pipe_read...) or, where /proc does not say,
+    asleep with its CPU time unchanged for a second."""
+    deadline = time.time() + timeout_s
+    last = None
+    while time.time() < deadline:
+        with open(f"/proc/{worker.proc.pid}/wchan") as f:
+            if "pipe" in f.read():
+                return
+        with open(f"/proc/{worker.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        state, cpu = fields[0], int(fields[11]) + int(fields[12])
+        if state == "S" and cpu == last:
+            return
+        last = cpu
+        time.sleep(1.0)
+    raise AssertionError("the spare worker never got ready")
+
+
+def test_a_spare_worker_imports_during_the_request_before_it_and_serves_the_next(tmp_path, no_spares_left):
+    first = runner.run_worker(PROBE, timeout_s=120, log_path=tmp_path / "trial-0000.log", spare=True)
+    assert first["status"] == "ok", first
+    assert first["worker_start_s"] > 0.3  # a worker started with its request waits for its imports
+    (spare,) = runner._spares.values()
+    assert spare.proc.pid != first["pid"]
+    assert spare.log_path.parent == tmp_path and spare.log_path.name.startswith(".spare-")
+    _wait_ready(spare)
+    second = runner.run_worker(PROBE, timeout_s=120, log_path=tmp_path / "trial-0001.log")
+    assert second["status"] == "ok", second
+    # a fresh process, already imported: the request hardly waited for it
+    assert second["pid"] == spare.proc.pid != first["pid"]
+    assert second["worker_start_s"] < 0.3 and second["wall_s"] < first["wall_s"]
+    assert not runner._spares  # taken, and no new spare asked for
+    # its log was renamed to the trial's and nothing else is left in the folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trial-0000.log", "trial-0001.log"]
+
+
+def test_a_spare_serves_only_its_own_gpu_and_a_dead_one_is_replaced(tmp_path, no_spares_left):
+    with pinned("0"):
+        runner.run_worker(PROBE, timeout_s=120, spare=True)
+    (key, spare), = runner._spares.items()
+    assert dict(key)["CUDA_VISIBLE_DEVICES"] == "0"
+    # what importing torch adds to this process's environment (its own defaults) does not matter
+    assert runner._env_key(dict(runner._worker_env(), TORCHINDUCTOR_CACHE_DIR="/tmp/x")) != key  # another pin
+    with pinned("0"):
+        assert runner._env_key(dict(runner._worker_env(), TORCHINDUCTOR_CACHE_DIR="/tmp/x")) == key
+    with pinned("1"):  # another GPU's thread starts its own worker
+        other = runner.run_worker(PROBE, timeout_s=120)
+    assert other["status"] == "ok" and other["pid"] != spare.proc.pid
+    assert runner._spares == {key: spare}
+    spare.proc.kill()  # a spare that dies while waiting (killed, out of memory) is not used
+    spare.proc.wait()
+    with pinned("0"):
+        again = runner.run_worker(PROBE, timeout_s=120)
+    assert again["status"] == "ok" and again["pid"] != spare.proc.pid
+    assert not runner._spares
+
+
+def test_spares_nobody_takes_are_killed_and_their_files_removed(tmp_path):
+    runner.run_worker(PROBE, timeout_s=120, log_path=tmp_path / "trial-0000.log", spare=True)
+    (spare,) = runner._spares.values()
+    tmp = spare.tmp.name
+    runner.discard_spares()
+    assert spare.proc.poll() is not None and not runner._spares
+    assert not os.path.exists(tmp) and sorted(p.name for p in tmp_path.iterdir()) == ["trial-0000.log"]
