@@ -6,6 +6,7 @@ import atexit
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -50,14 +51,18 @@ class _Worker:
     for the request on stdin. A spare (``run_worker(..., spare=True)``) is started while the
     previous trial runs, so its 3-4 s of imports are off the next trial's path."""
 
-    def __init__(self, env: dict[str, str], log_dir: Path | None = None) -> None:
+    def __init__(self, env: dict[str, str], *, log_path: Path | None = None, log_dir: Path | None = None) -> None:
         self.env = env
         self.tmp = tempfile.TemporaryDirectory(prefix="autotune-")
         self.result_path = Path(self.tmp.name) / "result.json"
-        # a spare logs next to the trial logs, so that handing it over renames its log in place
-        # (the log stays readable while the trial runs)
-        self.log_path = (log_dir / f".spare-{os.getpid()}-{id(self):x}.log" if log_dir is not None and log_dir.is_dir()
-                         else Path(self.tmp.name) / "worker.log")
+        # a worker started with its request logs to the request's log; a spare next to the trial
+        # logs, so that handing it over renames its log in place (readable while the trial runs)
+        if log_path is not None:
+            self.log_path = log_path
+        elif log_dir is not None and log_dir.is_dir():
+            self.log_path = log_dir / f".spare-{os.getpid()}-{id(self):x}.log"
+        else:
+            self.log_path = Path(self.tmp.name) / "worker.log"
         self.log = open(self.log_path, "w")
         self.spawned = time.time()
         self.proc = subprocess.Popen(worker_command(str(self.result_path), str(os.getpid())),
@@ -66,7 +71,7 @@ class _Worker:
 
     def run(self, request: dict[str, Any], timeout_s: float | None, log_path: Path | None) -> dict[str, Any]:
         started = time.time()  # a spare's imports before this are not the request's time
-        if log_path is not None:
+        if log_path is not None and log_path != self.log_path:
             try:
                 os.replace(self.log_path, log_path)
                 self.log_path = log_path
@@ -91,7 +96,9 @@ class _Worker:
         self.log.close()
         text = self.log_path.read_text(errors="replace")[-50_000:]
         if log_path is not None and self.log_path != log_path:
-            log_path.write_text(text)
+            shutil.copyfile(self.log_path, log_path)
+            if self.log_path.name.startswith(".spare-"):
+                self.log_path.unlink(missing_ok=True)
         if status == "timeout":
             result = {"status": "timeout", "reason": f"no result after {timeout_s:.0f} s; the worker was killed"}
         elif self.result_path.exists():
@@ -184,7 +191,7 @@ def run_worker(request: dict[str, Any], *, timeout_s: float | None = None,
         worker.discard()
         worker = None
     if worker is None:
-        worker = _Worker(env)
+        worker = _Worker(env, log_path=log_path)
     if spare:
         ahead = _Worker(env, log_dir=log_path.parent if log_path is not None else None)
         with _spares_lock:

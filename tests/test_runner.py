@@ -119,3 +119,24 @@ def test_spares_nobody_takes_are_killed_and_their_files_removed(tmp_path):
     runner.discard_spares()
     assert spare.proc.poll() is not None and not runner._spares
     assert not os.path.exists(tmp) and sorted(p.name for p in tmp_path.iterdir()) == ["trial-0000.log"]
+
+
+def test_a_trial_log_is_readable_while_it_runs_and_complete_when_a_spare_cannot_be_renamed(tmp_path, monkeypatch,
+                                                                                          no_spares_left):
+    fresh = runner._Worker(runner._worker_env(), log_path=tmp_path / "trial-0000.log")
+    assert fresh.log_path == tmp_path / "trial-0000.log"  # written where the trial's log is, from the start
+    fresh.discard()
+    assert (tmp_path / "trial-0000.log").exists()  # a trial's log is kept, even when its run is cut
+    runner.run_worker(PROBE, timeout_s=120, log_path=tmp_path / "trial-0001.log", spare=True)
+    (spare,) = runner._spares.values()
+    with open(spare.log_path, "a") as f:  # what the spare printed while it imported
+        f.write("spare: imported\n")
+
+    def cross_device(src, dst):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(runner.os, "replace", cross_device)  # the trial logs on another file system
+    result = runner.run_worker(PROBE, timeout_s=120, log_path=tmp_path / "trial-0002.log")
+    assert result["status"] == "ok" and result["pid"] == spare.proc.pid
+    assert "spare: imported" in (tmp_path / "trial-0002.log").read_text()  # copied when it was done
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trial-0000.log", "trial-0001.log", "trial-0002.log"]
