@@ -222,14 +222,15 @@ def _prestart_probe(args: argparse.Namespace) -> None:
     """Start the search's probe worker now, under the GPUs it will see: its imports (torch: 4 s
     on an H200 machine) then run while this process imports torch for its own checks. A search
     refused by those checks kills it on exit (autotune.runner.discard_spares)."""
+    from autotune.errors import ConfigError
     from autotune.gpus import parse_gpus, pinned, probe_view
-    from autotune.runner import start_spare
+    from autotune.runner import prestart_setting, start_spare
 
-    if os.environ.get("AUTOTUNE_PRESTART") == "0":
-        return
     try:
+        if prestart_setting() is False:
+            return
         requested = parse_gpus(args.gpus)
-    except Exception:  # refused, with its message, by the search's own checks
+    except ConfigError:  # refused, with its message, by the search's own checks
         return
     with pinned(probe_view(requested, os.environ.get("CUDA_VISIBLE_DEVICES"))):
         start_spare()

@@ -63,10 +63,10 @@ class Objective:
         self.goal = goal or goal_named(None)
         """What a trial's value is (autotune.goal.Goal); throughput when not given."""
         self.data = data
-        self.prestart_workers = prestart_workers
-        """Start the next trial's worker while this one runs (autotune.runner: spare workers)."""
         """--data: the timed steps are fed by a DataLoader over it (the dataloader knob); None:
         ready-made batches."""
+        self.prestart_workers = prestart_workers
+        """Start the next trial's worker while this one runs (autotune.runner: spare workers)."""
 
     def __call__(self, trial: optuna.Trial) -> float:
         knobs = strategies.sample(trial, self.space)

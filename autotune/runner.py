@@ -52,7 +52,6 @@ class _Worker:
     previous trial runs, so its 3-4 s of imports are off the next trial's path."""
 
     def __init__(self, env: dict[str, str], *, log_path: Path | None = None, log_dir: Path | None = None) -> None:
-        self.env = env
         self.tmp = tempfile.TemporaryDirectory(prefix="autotune-")
         self.result_path = Path(self.tmp.name) / "result.json"
         # a worker started with its request logs to the request's log; a spare next to the trial
@@ -64,7 +63,6 @@ class _Worker:
         else:
             self.log_path = Path(self.tmp.name) / "worker.log"
         self.log = open(self.log_path, "w")
-        self.spawned = time.time()
         self.proc = subprocess.Popen(worker_command(str(self.result_path), str(os.getpid())),
                                      stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=env, text=True)
@@ -152,14 +150,30 @@ def discard_spares() -> None:
 atexit.register(discard_spares)
 
 
-def start_spare() -> None:
-    """Start a worker for a request to come under this environment (the search's probe: started
-    before the search process imports torch itself, the two imports run at once)."""
-    env = _worker_env()
+def prestart_setting() -> bool | None:
+    """$AUTOTUNE_PRESTART: True (1: every worker is started before its request, a trial's during
+    the trial before), False (0: each with its request, the probe's too), None (unset: the probe's
+    ahead, and trials' on a GPU)."""
+    text = os.environ.get("AUTOTUNE_PRESTART")
+    if not text:
+        return None
+    if text not in ("0", "1"):
+        from autotune.errors import ConfigError
+
+        raise ConfigError(f"AUTOTUNE_PRESTART={text!r}: write 1 (start each worker before its request: a "
+                          "trial's during the trial before) or 0 (start each with its request), or leave it unset")
+    return text == "1"
+
+
+def start_spare(env: dict[str, str] | None = None, log_dir: Path | None = None) -> None:
+    """Start a worker for a request to come under ``env`` (by default this process's worker
+    environment), unless one waits already: the search's probe, started before the search
+    process imports torch itself (the two imports run at once), or the next trial's."""
+    env = env or _worker_env()
     key = _env_key(env)
     with _spares_lock:
         if key not in _spares:
-            _spares[key] = _Worker(env)
+            _spares[key] = _Worker(env, log_dir=log_dir)
 
 
 def run_worker(request: dict[str, Any], *, timeout_s: float | None = None,
@@ -193,12 +207,7 @@ def run_worker(request: dict[str, Any], *, timeout_s: float | None = None,
     if worker is None:
         worker = _Worker(env, log_path=log_path)
     if spare:
-        ahead = _Worker(env, log_dir=log_path.parent if log_path is not None else None)
-        with _spares_lock:
-            replaced = _spares.pop(key, None)
-            _spares[key] = ahead
-        if replaced is not None:
-            replaced.discard()
+        start_spare(env, log_dir=log_path.parent if log_path is not None else None)
     return worker.run(request, timeout_s, log_path)
 
 

@@ -24,7 +24,7 @@ from autotune.gpus import GpuPool, parse_gpus, pinned, probe_view
 from autotune.knob_effects import apply_fixed_knobs, fix_no_effect_knobs
 from autotune.measure import MeasureSettings
 from autotune.objective import Objective, TrialFailed, requeue
-from autotune.runner import discard_spares, run_worker
+from autotune.runner import discard_spares, prestart_setting, run_worker
 from autotune.space import SearchSpace
 from autotune.storage import mask_url, open_storage  # noqa: F401  (mask_url: used by export and cli)
 from autotune.workloads import WorkloadSpec, check_spec
@@ -246,17 +246,11 @@ def _compile_modes(config: SearchConfig, device: str, info: dict[str, Any]) -> l
 
 def _prestart_workers(config: SearchConfig, device: str) -> bool:
     """Whether each trial's worker starts while the previous trial runs: config.prestart_workers,
-    else $AUTOTUNE_PRESTART (1 or 0; 0 also starts the CLI's probe worker only when the probe
-    runs), else on a GPU without --ddp."""
+    else $AUTOTUNE_PRESTART (autotune.runner.prestart_setting), else on a GPU without --ddp."""
     if config.prestart_workers is not None:
         return config.prestart_workers
-    text = os.environ.get("AUTOTUNE_PRESTART")
-    if text:
-        if text not in ("0", "1"):
-            raise ConfigError(f"AUTOTUNE_PRESTART={text!r}: write 1 (start each worker before its request: a "
-                              "trial's during the trial before) or 0 (start each with its request), or leave it unset")
-        return text == "1"
-    return device == "cuda" and not config.ddp
+    setting = prestart_setting()
+    return setting if setting is not None else device == "cuda" and not config.ddp
 
 
 def check_ddp(config: SearchConfig, device: str) -> None:

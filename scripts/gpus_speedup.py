@@ -172,7 +172,7 @@ def table(summary: dict[str, Any]) -> str:
             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for arm in ARMS:
         a = summary[arm]
-        rows.append(f"| {arm} | {', '.join(a['gpus'])} | {a['trials']} | {a.get('measured', a['trials'])} | "
+        rows.append(f"| {arm} | {', '.join(a['gpus'])} | {a['trials']} | {a['measured']} | "
                     f"{a['wall_s']:.1f} s | {a['trial_phase_s']:.1f} s | {a['fixed_s']:.1f} s | "
                     f"{a['median_trial_s']:.1f} s |")
     rows += ["", f"Speed-up of the whole command: **{summary['speedup']:.2f}x**; of the trial phase: "
@@ -184,8 +184,8 @@ def table(summary: dict[str, Any]) -> str:
                      f"**{summary['same_measured_speedup']:.2f}x** (estimated, not measured)."]
     rows += ["", f"At the end of arm all's trial phase, {summary['all']['tail_s']:.1f} s passed with some GPU out "
                  "of trials, waiting for the last one's."]
-    side = summary.get("side_by_side") or {}
-    if side.get("phases"):
+    side = summary["side_by_side"]
+    if side["phases"]:
         rows += ["", f"Per trial, the {side['configurations']} configurations both arms measured, median: "
                      "how long each phase took alone (arm one) and how much longer side by side (arm all):", "",
                  "| phase | alone | side by side |", "| --- | --- | --- |",

@@ -211,12 +211,17 @@ def test_of_processes_setting_up_one_study_at_once_exactly_one_does(postgres_url
         assert sorted(results) == [False] * 5 + [True], url
 
 
+def _sqlite_study(tmp_path):
+    """(URL, storage, study "s") of a new SQLite study, under the AUTOTUNE_HEARTBEAT set."""
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    storage = open_storage(url)
+    return url, storage, optuna.create_study(storage=storage, study_name="s", direction="maximize")
+
+
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")
 def test_sqlite_shared_by_another_process_warns_once_with_the_postgresql_command(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOTUNE_HEARTBEAT", "1,30")
-    url = f"sqlite:///{tmp_path / 'study.db'}"
-    storage = open_storage(url)
-    study = optuna.create_study(storage=storage, study_name="s", direction="maximize")
+    url, storage, study = _sqlite_study(tmp_path)
     ours = study.ask()
     storage.set_trial_system_attr(ours._trial_id, OWNER_ATTR, OWNER)
     storage.record_heartbeat(ours._trial_id)
@@ -245,9 +250,7 @@ def test_the_wait_for_the_last_running_trial_ends_soon_after_it_finishes(tmp_pat
     # and the search ends only when that wait does; with the default 10 s heartbeat the wait used
     # to sleep a whole interval (a two-GPU search on the H200s waited 9 s after its last trial)
     monkeypatch.setenv("AUTOTUNE_HEARTBEAT", "10,60")
-    url = f"sqlite:///{tmp_path / 'study.db'}"
-    storage = open_storage(url)
-    study = optuna.create_study(storage=storage, study_name="s", direction="maximize")
+    url, storage, study = _sqlite_study(tmp_path)
     done = study.ask()
     done.set_user_attr("status", "ok")
     study.tell(done, 1.0)
