@@ -26,9 +26,32 @@ _BOOT = ("import os, sys; cwd = os.getcwd(); "
          "import runpy; runpy.run_module('autotune.worker', run_name='__main__', alter_sys=True)")
 
 
-def _worker_env() -> dict[str, str]:
+# what a worker does before its request, after importing torch and autotune (autotune.worker)
+PRELOAD_IMPORTS = "AUTOTUNE_WORKER_IMPORTS"
+PRELOAD_CUDA = "AUTOTUNE_WORKER_CUDA"
+
+
+def preload(request: dict[str, Any] | None) -> dict[str, str]:
+    """The environment that has a worker ready for ``request`` before the request arrives: the
+    model's module imported (torchvision's models import torch._dynamo: 1-3 s) and, for a GPU,
+    its CUDA context made (about a second). A spare does this while the trial before it runs; a
+    worker started with its request does the same work, only earlier than its build."""
+    if not request or "workload" not in request:  # `autotune verify`: the config names the model
+        return {}
+    model = request["workload"]["model"]
+    env = {PRELOAD_IMPORTS: model.split(":", 1)[0] if ":" in model else "torchvision"}
+    device = request.get("device") or (request.get("space") or {}).get("device")
+    if device in ("cuda", "auto"):  # "auto" (the CLI's probe, started first): where torch sees a GPU
+        env[PRELOAD_CUDA] = "1"
+    return env
+
+
+def _worker_env(request: dict[str, Any] | None = None) -> dict[str, str]:
     # the worker must import what the study process imports (autotune, the user's model module)
     env = dict(os.environ)
+    for name in (PRELOAD_IMPORTS, PRELOAD_CUDA):
+        env.pop(name, None)
+    env.update(preload(request))
     cwd = os.getcwd()
     paths = [p for p in sys.path if p and p != cwd] + [cwd]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
@@ -128,13 +151,15 @@ _spares: dict[tuple[tuple[str, str], ...], _Worker] = {}
 _spares_lock = threading.Lock()
 
 
-_KEY_VARIABLES = ("CUDA_VISIBLE_DEVICES", "PYTHONPATH")
+_KEY_VARIABLES = ("CUDA_VISIBLE_DEVICES", "PYTHONPATH", PRELOAD_IMPORTS)
 
 
 def _env_key(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
-    """Which spare may serve a request: one started for the same GPUs and import path. The rest of
-    the environment is the search process's own, which autotune never changes; importing torch
-    there adds its defaults (TORCHINDUCTOR_CACHE_DIR), which the worker's own imports set alike."""
+    """Which spare may serve a request: one started for the same GPUs, import path and model. The
+    rest of the environment is the search process's own, which autotune never changes; importing
+    torch there adds its defaults (TORCHINDUCTOR_CACHE_DIR), which the worker's own imports set
+    alike. A CUDA context made ahead does not matter: the probe's spare is started before
+    ``--device auto`` is resolved, and where torch sees no GPU none is made."""
     return tuple((name, env.get(name, "")) for name in _KEY_VARIABLES)
 
 
@@ -197,7 +222,7 @@ def run_worker(request: dict[str, Any], *, timeout_s: float | None = None,
     world_size = request_world_size(request)
     if world_size > 1:
         return run_ranks(request, world_size=world_size, timeout_s=timeout_s, log_path=log_path)
-    env = _worker_env()
+    env = _worker_env(request)
     key = _env_key(env)
     with _spares_lock:
         worker = _spares.pop(key, None)

@@ -22,6 +22,7 @@ if __name__ == "__main__" and len(sys.argv) > 2:
 
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
+import importlib  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
@@ -37,6 +38,30 @@ from autotune.profile import analyze, record  # noqa: E402
 from autotune.space import SearchSpace  # noqa: E402
 from autotune.workloads import WorkloadSpec, build  # noqa: E402
 
+
+def _preload() -> list[str]:
+    """What autotune.runner.preload asked for, done before the request: the model's module
+    imported, the CUDA context made. Each is done again by the trial if it fails here, and says
+    what went wrong then."""
+    done = []
+    for name in filter(None, os.environ.get("AUTOTUNE_WORKER_IMPORTS", "").split(",")):
+        try:
+            importlib.import_module(name)
+            done.append(name)
+        except Exception:
+            pass
+    if os.environ.get("AUTOTUNE_WORKER_CUDA") == "1":
+        try:
+            if torch.cuda.is_available():
+                torch.empty(1, device="cuda")  # the first allocation makes the context
+                torch.cuda.empty_cache()  # and nothing of it stays reserved
+                done.append("cuda")
+        except Exception:
+            pass
+    return done
+
+
+PRELOADED = _preload()
 READY_AT = time.time()
 
 NUM_HOST_BATCHES = 3  # distinct batches, cycled, so consecutive steps never reuse one buffer
@@ -429,6 +454,7 @@ def main(argv: list[str]) -> int:
             result = {"status": "error", "reason": f"{type(exc).__name__}: {exc}"[:2000],
                       "traceback": traceback.format_exc()[-4000:]}
     result["ready_at"] = READY_AT
+    result["preloaded"] = PRELOADED
     result["done_at"] = time.time()
     result["pid"] = os.getpid()
     tmp = result_path + ".tmp"

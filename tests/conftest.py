@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -48,3 +49,23 @@ def restore_backend_flags():
 @pytest.fixture
 def cli():
     return run_cli
+
+
+def wait_ready(worker, timeout_s: float = 60) -> None:
+    """Until the spare has imported everything and waits for its request: asleep in its read of
+    stdin (the kernel names the wait pipe_read, anon_pipe_read...) or, where /proc does not say,
+    asleep with its CPU time unchanged for a second."""
+    deadline = time.time() + timeout_s
+    last = None
+    while time.time() < deadline:
+        with open(f"/proc/{worker.proc.pid}/wchan") as f:
+            if "pipe" in f.read():
+                return
+        with open(f"/proc/{worker.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        state, cpu = fields[0], int(fields[11]) + int(fields[12])
+        if state == "S" and cpu == last:
+            return
+        last = cpu
+        time.sleep(1.0)
+    raise AssertionError("the spare worker never got ready")

@@ -13,9 +13,10 @@ import strategies
 from autotune.config import TunedConfig
 from autotune.measure import MeasureSettings
 from autotune.recipe import BACKEND_FLAGS, backend_flags
+from autotune import runner
 from autotune.runner import run_worker
 from autotune.space import SearchSpace
-from conftest import run_cli
+from conftest import run_cli, wait_ready
 from strategies.channel_alignment import align_channels
 from strategies.streams import device_batches
 
@@ -96,6 +97,31 @@ def test_trial_measures_on_cuda_with_memory_outside_the_allocator():
     assert f["samples_per_s"] > 0 and f["num_steps"] >= 10
     assert f["outside_allocator_bytes"] > 0  # the CUDA context is real memory the GPU needs
     assert f["peak_memory_bytes"] >= f["peak_reserved_bytes"] >= f["peak_allocated_bytes"] > 0
+
+
+def test_a_spare_for_a_gpu_trial_has_its_model_imported_and_cuda_context_made_before_the_request():
+    knobs = strategies.knobs_to_dict(_cfg(**{"precision.mode": "bf16", "memory_format.format": "channels_last"}).knobs)
+    settings = MeasureSettings(min_warmup_steps=3, max_warmup_s=10, min_steps=10, min_time_s=0.5)
+    request = {"mode": "trial", "space": SPACE.to_dict(), "knobs": knobs, "seed": 0,
+               "workload": {"model": "resnet18", "input_shape": [3, 64, 64], "num_classes": 10},
+               "measure": settings.to_dict(), "profile": False}
+    try:
+        first = run_worker(request, timeout_s=300, spare=True)
+        (spare,) = runner._spares.values()
+        wait_ready(spare)
+        second = run_worker(request, timeout_s=300)
+    finally:
+        runner.discard_spares()
+    assert first["status"] == second["status"] == "ok", (first, second)
+    assert second["pid"] == spare.proc.pid
+    assert first["preloaded"] == second["preloaded"] == ["torchvision", "cuda"]
+    # the spare did all of it while the first trial ran: the second waited for nothing
+    assert first["worker_start_s"] > 1.0 and second["worker_start_s"] < 0.5, (first["worker_start_s"],
+                                                                             second["worker_start_s"])
+    # the context made ahead holds no allocator memory: both measure the same peak
+    a, b = first["figures"], second["figures"]
+    assert b["peak_allocated_bytes"] == pytest.approx(a["peak_allocated_bytes"], rel=0.05)
+    assert b["outside_allocator_bytes"] > 0
 
 
 def test_a_real_out_of_memory_is_reported_as_does_not_fit():

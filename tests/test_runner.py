@@ -35,12 +35,12 @@ def test_signals_are_named():
 # --- spare workers: a trial's worker started while the previous trial runs ----------------------
 
 import os  # noqa: E402
-import time  # noqa: E402
 
 import pytest  # noqa: E402
 
 from autotune import runner  # noqa: E402
 from autotune.gpus import pinned  # noqa: E402
+from conftest import wait_ready  # noqa: E402
 
 PROBE = {"mode": "probe", "device": "cpu",
          "workload": {"model": "fake_models:tiny_cnn", "num_classes": 4, "input_shape": [3, 16, 16]}}
@@ -53,24 +53,6 @@ def no_spares_left():
     assert not runner._spares
 
 
-def _wait_ready(worker: runner._Worker, timeout_s: float = 60) -> None:
-    """Until the spare has imported everything and waits for its request: asleep in its read of
-    stdin (the kernel names the wait pipe_read, anon_pipe_read...) or, where /proc does not say,
-    asleep with its CPU time unchanged for a second."""
-    deadline = time.time() + timeout_s
-    last = None
-    while time.time() < deadline:
-        with open(f"/proc/{worker.proc.pid}/wchan") as f:
-            if "pipe" in f.read():
-                return
-        with open(f"/proc/{worker.proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        state, cpu = fields[0], int(fields[11]) + int(fields[12])
-        if state == "S" and cpu == last:
-            return
-        last = cpu
-        time.sleep(1.0)
-    raise AssertionError("the spare worker never got ready")
 
 
 def test_a_spare_worker_imports_during_the_request_before_it_and_serves_the_next(tmp_path, no_spares_left):
@@ -80,7 +62,7 @@ def test_a_spare_worker_imports_during_the_request_before_it_and_serves_the_next
     (spare,) = runner._spares.values()
     assert spare.proc.pid != first["pid"]
     assert spare.log_path.parent == tmp_path and spare.log_path.name.startswith(".spare-")
-    _wait_ready(spare)
+    wait_ready(spare)
     second = runner.run_worker(PROBE, timeout_s=120, log_path=tmp_path / "trial-0001.log")
     assert second["status"] == "ok", second
     # a fresh process, already imported: the request hardly waited for it
@@ -97,9 +79,9 @@ def test_a_spare_serves_only_its_own_gpu_and_a_dead_one_is_replaced(tmp_path, no
     (key, spare), = runner._spares.items()
     assert dict(key)["CUDA_VISIBLE_DEVICES"] == "0"
     # what importing torch adds to this process's environment (its own defaults) does not matter
-    assert runner._env_key(dict(runner._worker_env(), TORCHINDUCTOR_CACHE_DIR="/tmp/x")) != key  # another pin
+    assert runner._env_key(dict(runner._worker_env(PROBE), TORCHINDUCTOR_CACHE_DIR="/tmp/x")) != key  # another pin
     with pinned("0"):
-        assert runner._env_key(dict(runner._worker_env(), TORCHINDUCTOR_CACHE_DIR="/tmp/x")) == key
+        assert runner._env_key(dict(runner._worker_env(PROBE), TORCHINDUCTOR_CACHE_DIR="/tmp/x")) == key
     with pinned("1"):  # another GPU's thread starts its own worker
         other = runner.run_worker(PROBE, timeout_s=120)
     assert other["status"] == "ok" and other["pid"] != spare.proc.pid
@@ -140,3 +122,35 @@ def test_a_trial_log_is_readable_while_it_runs_and_complete_when_a_spare_cannot_
     assert result["status"] == "ok" and result["pid"] == spare.proc.pid
     assert "spare: imported" in (tmp_path / "trial-0002.log").read_text()  # copied when it was done
     assert sorted(p.name for p in tmp_path.iterdir()) == ["trial-0000.log", "trial-0001.log", "trial-0002.log"]
+
+
+def test_a_worker_is_made_ready_for_its_model_and_device_before_the_request():
+    trial = {"mode": "trial", "space": {"device": "cuda"}, "workload": {"model": "resnet18"}}
+    assert runner.preload(trial) == {runner.PRELOAD_IMPORTS: "torchvision", runner.PRELOAD_CUDA: "1"}
+    custom = {"mode": "probe", "device": "cpu", "workload": {"model": "my_pkg.models:build"}}
+    assert runner.preload(custom) == {runner.PRELOAD_IMPORTS: "my_pkg.models"}  # no CUDA context on a CPU
+    # the CLI's probe, started before --device auto is resolved: a context where torch sees a GPU
+    assert runner.PRELOAD_CUDA in runner.preload({"device": "auto", "workload": {"model": "resnet18"}})
+    assert runner.preload({"mode": "trial", "config_path": "config.json"}) == {}  # `autotune verify`
+    # the search process's own environment never leaks one request's preparation into another's
+    os.environ[runner.PRELOAD_CUDA] = "1"
+    try:
+        assert runner.PRELOAD_CUDA not in runner._worker_env(custom)
+    finally:
+        del os.environ[runner.PRELOAD_CUDA]
+    # the model is part of which spare may serve a request
+    assert runner._env_key(runner._worker_env(custom)) != runner._env_key(runner._worker_env(PROBE))
+
+
+def test_a_spare_imports_the_model_module_ahead_and_a_failing_one_is_reported_by_the_request(tmp_path,
+                                                                                            no_spares_left):
+    runner.run_worker(PROBE, timeout_s=120, spare=True)
+    (spare,) = runner._spares.values()
+    wait_ready(spare)
+    result = runner.run_worker(PROBE, timeout_s=120)
+    assert result["status"] == "ok" and result["pid"] == spare.proc.pid
+    assert result["preloaded"] == ["fake_models"]  # on a CPU: no CUDA context
+    broken = dict(PROBE, workload=dict(PROBE["workload"], model="fake_models_missing:tiny_cnn"))
+    result = runner.run_worker(broken, timeout_s=120)
+    assert result["status"] == "error" and result["preloaded"] == []
+    assert "cannot import module 'fake_models_missing'" in result["reason"]
