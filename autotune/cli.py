@@ -67,6 +67,9 @@ def _add_search(sub: argparse._SubParsersAction) -> None:
                         "(NCCL; gloo on a CPU): total and per-GPU throughput, scaling efficiency versus one GPU, "
                         "and DDP's bucket size, gradient_as_bucket_view and static_graph are searched; the "
                         "exported config wraps your model in DDP (launch your training with torchrun)")
+    p.add_argument("--replay", metavar="DIR",
+                   help="measure the configurations of an earlier search first (its output folder), in its "
+                        "order, before sampling new ones: the same trials on another GPU, or with --gpus")
     p.add_argument("--seed", type=int, default=0, help="sampler and data seed")
     p.add_argument("--trial-timeout", type=float, default=600.0, help="seconds before a hung trial is killed")
     p.add_argument("--min-measure-time", type=float, help="seconds of timed steps per trial (default 2)")
@@ -253,7 +256,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         precisions=[m.strip() for m in args.precisions.split(",")] if args.precisions else None,
         input_on_device=args.input_on_device, compile=args.compile, profile=args.profile, steer=args.steer,
         objective=args.objective,
-        seed=args.seed, gpus=args.gpus, ddp=args.ddp,
+        seed=args.seed, gpus=args.gpus, ddp=args.ddp, replay=args.replay,
         trial_timeout_s=args.trial_timeout, command=_command_line(args),
         accuracy_check=not args.no_accuracy_check, max_accuracy_drop=args.max_accuracy_drop,
         max_loss_drift=args.max_loss_drift, accuracy_steps=args.accuracy_steps, data=args.data,

@@ -104,6 +104,10 @@ class SearchConfig:
     """--ddp N: measure every trial as an N-process DistributedDataParallel step, one GPU per
     process (autotune.ddp), and search DDP's bucket size, bucket views and static graph; None:
     single-process trials."""
+    replay: Path | None = None
+    """An earlier search's output folder: its configurations are measured first, in its order
+    (after this search's FP32 baseline and known-good ones), before the sampler proposes any: the
+    same trials on another GPU, or with more GPUs (see replay_configurations)."""
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cuda", "cpu"):
@@ -124,6 +128,11 @@ class SearchConfig:
                 raise ConfigError("--data is not measured under --ddp yet (each rank would need its own "
                                   "DistributedSampler shard); drop --data, the accuracy check then uses "
                                   "synthetic data")
+        if self.replay is not None:
+            self.replay = Path(self.replay)
+            if not (self.replay / "study.db").is_file():
+                raise ConfigError(f"--replay {self.replay}: no study.db there; give the output folder of an "
+                                  "earlier `autotune search` (the one holding its config.json and study.db)")
         if self.trials is not None and self.trials < 1:
             raise ConfigError(f"--trials must be at least 1, got {self.trials}")
         if self.budget_s is not None and self.budget_s < MIN_BUDGET_S:
@@ -363,6 +372,51 @@ def _offered(space: SearchSpace, step: dict[str, Any]) -> bool:
     offers = {"optimizer.implementation": space.optimizer_implementations, "compile.mode": space.compile_modes,
               "cuda_graphs.enabled": space.cuda_graphs}
     return all(value in offers[key] for key, value in step.items() if key in offers)
+
+
+def replay_configurations(folder: Path, space: SearchSpace) -> tuple[list[tuple[int, dict[str, Any]]], int]:
+    """The configurations the search in ``folder`` measured, in its trial order, as this space's
+    complete parameters: (trial number, params) pairs, and how many were left out because this
+    space does not offer one of their values (a batch size another GPU's memory allowed, say).
+    Repeats stay in: the search measured them once and copied the rest, and so will this one."""
+    from autotune.steering import complete_params
+
+    url = f"sqlite:///{folder / 'study.db'}"
+    names = optuna.get_all_study_names(storage=url)
+    if len(names) != 1:
+        raise ConfigError(f"--replay {folder}: its study.db holds {len(names)} studies ({', '.join(names) or 'none'}); "
+                          "give the folder of a search that ran one")
+    earlier = optuna.load_study(study_name=names[0], storage=url)
+    kept, left_out = [], 0
+    for trial in sorted(earlier.get_trials(deepcopy=False, states=FINISHED), key=lambda t: t.number):
+        if not trial.params:
+            continue
+        params = complete_params(trial.params, space)
+        if any(params.get(name) != value for name, value in trial.params.items()):
+            left_out += 1
+        else:
+            kept.append((trial.number, params))
+    if not kept:
+        raise ConfigError(f"--replay {folder}: none of its {left_out} configurations is in this search's space; "
+                          "run this search with the options of that one (batch sizes, precisions, --ddp)")
+    return kept, left_out
+
+
+def _enqueue_replay(study: optuna.Study, folder: Path, space: SearchSpace, seeds: list[dict[str, Any]]) -> None:
+    """Queue the configurations of the search in ``folder`` behind this one's seeds (which that
+    search measured first too: they are not queued twice)."""
+    from autotune.steering import complete_params
+
+    replayed, left_out = replay_configurations(folder, space)
+    seeded = [complete_params(params, space) for params in seeds]
+    for number, params in replayed:
+        if params in seeded:
+            seeded.remove(params)  # its first one is this search's seed; a repeat of it is replayed
+            continue
+        study.enqueue_trial(params, user_attrs={"role": "replayed", "replay_of": number})
+    if left_out:
+        warnings.warn(f"--replay {folder}: {left_out} of its configurations are not in this search's space "
+                      "and are not replayed", stacklevel=2)
 
 
 def seed_configurations(space: SearchSpace) -> list[tuple[str, dict[str, Any]]]:
@@ -678,8 +732,11 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
             study.set_user_attr("workload", config.workload.to_dict())
             study.set_user_attr("device", device)
             study.set_user_attr("provenance", info["provenance"])
-            for role, params in seed_configurations(space):
+            seeds = seed_configurations(space)
+            for role, params in seeds:
                 study.enqueue_trial(params, user_attrs={"role": role})
+            if config.replay is not None:
+                _enqueue_replay(study, config.replay, space, [params for _, params in seeds])
             setup_done(study)
         recovered = recover_dead_trials(study) if own_storage else []
         shared = SharedStudy(study, storage, config.storage or f"sqlite:///{out_dir / 'study.db'}", config.trials)

@@ -15,6 +15,12 @@ Before the first timed arm, an untimed two-trial search warms the machine up (di
 torch libraries, the driver): on a freshly started machine the first search's trials were 30%
 slower than later ones', which would flatter the second arm (``--no-warmup`` skips it).
 
+Each arm's search chooses its own configurations: on several GPUs the sampler proposes while
+other trials run and the findings steer from trials finished in another order, so the two searches
+take different paths, and a path of slower configurations costs more whatever the GPUs. With
+``--replay``, arm ``all`` measures arm one's configurations in arm one's order (``autotune search
+--replay``): the same trials, so the two arms differ in the GPUs alone.
+
 An arm already finished under --out (ARM/wall.json and a study with --trials finished trials) is
 reused, not run again, so the arms can run in separate calls of a time-limited GPU machine
 (``--arms one``, then ``--arms all``) and be summarized together. Writes gpus-speedup.json and
@@ -54,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("reports/gpus-speedup"), help="output folder")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warm-up search")
+    p.add_argument("--replay", action="store_true",
+                   help="arm all measures arm one's configurations, in its order (run arm one first)")
     args = p.parse_args(argv)
     args.search_args = search_args
     gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
@@ -64,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not arms or any(a not in ARMS for a in arms):
         p.error(f"--arms {args.arms!r}: choose from one, all")
     args.arm_list = arms
-    for flag in ("--gpus", "--trials", "--out", "--seed", "--budget", "--ddp"):
+    for flag in ("--gpus", "--trials", "--out", "--seed", "--budget", "--ddp", "--replay"):
         if flag in search_args:
             p.error(f"{flag} after -- is set by the script (each arm gets its own), drop it")
     if args.trials < 2:
@@ -74,8 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def arm_command(args: argparse.Namespace, arm: str, out_dir: Path, trials: int | None = None) -> list[str]:
     gpus = args.gpu_list[0] if arm == "one" else ",".join(args.gpu_list)
+    replay = ["--replay", str(args.out / "one")] if arm == "all" and args.replay else []
     return [sys.executable, "-m", "autotune", "search", *args.search_args, "--trials", str(trials or args.trials),
-            "--seed", str(args.seed), "--gpus", gpus, "--out", str(out_dir)]
+            "--seed", str(args.seed), "--gpus", gpus, *replay, "--out", str(out_dir)]
 
 
 def _env() -> dict[str, str]:
@@ -200,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     todo = [arm for arm in args.arm_list if finished_arm(args.out / arm, args.trials) is None]
+    if args.replay and "all" in todo and "one" not in todo and finished_arm(args.out / "one", args.trials) is None:
+        raise SystemExit(f"--replay: arm all measures arm one's configurations, and {args.out / 'one'} holds no "
+                         "finished arm one; run --arms one first (or --arms one,all)")
     if todo and args.warmup:
         warm_up(args)
     for arm in todo:

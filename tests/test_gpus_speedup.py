@@ -131,3 +131,17 @@ def test_a_fresh_run_warms_up_then_runs_each_arm_once(tmp_path, monkeypatch):
     ran.clear()
     assert gpus_speedup.main(["--trials", "12", "--out", str(out)]) == 0
     assert ran == []  # both arms finished: summarized again, nothing run
+
+
+def test_with_replay_arm_all_measures_arm_ones_configurations(tmp_path, capsys):
+    args = gpus_speedup.parse_args(["--replay", "--trials", "20", "--out", str(tmp_path), "--", "--model", "resnet18"])
+    one = gpus_speedup.arm_command(args, "one", tmp_path / "one")
+    both = gpus_speedup.arm_command(args, "all", tmp_path / "all")
+    assert "--replay" not in one and both[both.index("--replay") + 1] == str(tmp_path / "one")
+    # arm all alone needs a finished arm one to replay
+    with pytest.raises(SystemExit, match="run --arms one first"):
+        gpus_speedup.main(["--replay", "--arms", "all", "--trials", "20", "--out", str(tmp_path), "--no-warmup",
+                           "--", "--model", "resnet18"])
+    with pytest.raises(SystemExit):
+        gpus_speedup.parse_args(["--", "--model", "resnet18", "--replay", "x"])
+    assert "--replay after -- is set by the script" in capsys.readouterr().err

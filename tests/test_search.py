@@ -17,6 +17,8 @@ import pytest
 import torch
 
 import autotune
+import strategies
+from autotune.errors import ConfigError
 from conftest import ROOT, run_cli, subprocess_env
 
 SMALL = ["--device", "cpu", "--input-shape", "3x32x32", "--num-classes", "10", "--min-measure-time", "0.3"]
@@ -323,3 +325,43 @@ def test_an_unwritable_output_folder_is_refused_before_any_trial(tmp_path):
                    "--out", str(blocker / "out"), check=False, timeout=120)
     assert proc.returncode == 2 and "cannot write to the output folder" in proc.stderr
     assert "choose another with --out" in " ".join(proc.stderr.split())
+
+
+@pytest.mark.slow
+def test_replay_measures_an_earlier_searchs_configurations_in_its_order(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    common = ["search", "--model", "fake_models:tiny_cnn", *SMALL, "--min-measure-time", "0.2", "--trials", "5",
+              "--no-accuracy-check"]
+    run_cli(*common, "--seed", "0", "--out", str(first))
+    # another seed: on its own, this search would sample other configurations after its seeds
+    proc = run_cli(*common, "--seed", "7", "--replay", str(first), "--out", str(second))
+    assert proc.returncode == 0
+    earlier, replayed = _study(first).trials, _study(second).trials
+    assert [t.params for t in replayed] == [t.params for t in earlier]
+    roles = [t.user_attrs.get("role", "search") for t in replayed]
+    assert roles[0] == "baseline" and roles[-1] == "replayed" and "search" not in roles
+    assert [t.user_attrs["replay_of"] for t in replayed if t.user_attrs.get("role") == "replayed"] == \
+        [t.number for t in earlier if t.user_attrs.get("role", "search") not in ("baseline", "known-good")]
+    bad = run_cli(*common, "--replay", str(tmp_path), "--out", str(tmp_path / "third"), check=False)
+    assert bad.returncode != 0 and f"--replay {tmp_path}: no study.db there" in " ".join(bad.stderr.split())
+
+
+def test_replay_leaves_out_configurations_this_space_does_not_offer(tmp_path):
+    from autotune.space import SearchSpace
+    from autotune.study import replay_configurations
+    from autotune.steering import complete_params
+
+    wide = SearchSpace(device="cpu", precisions=["fp32", "bf16"], batch_sizes=[8, 16, 32], base_batch_size=8)
+    narrow = SearchSpace(device="cpu", precisions=["fp32", "bf16"], batch_sizes=[8, 16], base_batch_size=8)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}", study_name="earlier")
+    for batch in (16, 32, 8, 16):
+        params = complete_params({"batch_size.batch_size": batch, "precision.mode": "bf16"}, wide)
+        study.enqueue_trial(params)
+        study.optimize(lambda trial: float(len(strategies.sample(trial, wide))), n_trials=1)
+    kept, left_out = replay_configurations(tmp_path, narrow)
+    assert [number for number, _ in kept] == [0, 2, 3] and left_out == 1  # batch 32 is not offered
+    assert [params["batch_size.batch_size"] for _, params in kept] == [16, 8, 16]
+    with pytest.raises(ConfigError, match="none of its 4 configurations"):
+        replay_configurations(tmp_path, SearchSpace(device="cpu", precisions=["fp32"], batch_sizes=[4],
+                                                    base_batch_size=4))
