@@ -145,3 +145,39 @@ def test_with_replay_arm_all_measures_arm_ones_configurations(tmp_path, capsys):
     with pytest.raises(SystemExit):
         gpus_speedup.parse_args(["--", "--model", "resnet18", "--replay", "x"])
     assert "--replay after -- is set by the script" in capsys.readouterr().err
+
+
+RUNS_44 = ROOT / "reports" / "gpus-speedup-h200-44trials"
+
+
+def test_the_44_trial_h200_pair_measured_the_same_trials_and_says_so(tmp_path):
+    # arm all replayed arm one's configurations: both measured the same 41 and copied the same 3
+    out = tmp_path / "runs"
+    shutil.copytree(RUNS_44, out, ignore=shutil.ignore_patterns("natural"))
+    assert gpus_speedup.main(["--trials", "44", "--out", str(out)]) == 0
+    summary = json.loads((out / "gpus-speedup.json").read_text())
+    one, both = summary["one"], summary["all"]
+    assert (one["trials"], one["measured"], both["trials"], both["measured"]) == (44, 41, 44, 41)
+    assert "--replay" in both["command"] and "same_measured_speedup" not in summary
+    assert summary["speedup"] == pytest.approx(397.8 / 208.6, abs=0.005)
+    assert summary["speedup"] >= 1.8  # issue 8's bar
+    assert summary["trial_phase_speedup"] == pytest.approx(2.00, abs=0.005)
+    assert summary["side_by_side"]["configurations"] == 41
+    assert abs(summary["side_by_side"]["phases"]["wall_s"]["extra_s"]) < 0.05
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    params = [[t.params for t in sorted(optuna.load_study(study_name=None, storage=f"sqlite:///{out / arm / 'study.db'}")
+                                        .trials, key=lambda t: t.number)] for arm in ("one", "all")]
+    assert params[0] == params[1]
+    assert "**1.91x**" in (out / "gpus-speedup.md").read_text()
+
+
+def test_without_replay_the_two_gpu_search_took_another_path(tmp_path):
+    out = tmp_path / "runs"
+    shutil.copytree(RUNS_44 / "natural", out)
+    assert gpus_speedup.main(["--trials", "44", "--out", str(out)]) == 0
+    summary = json.loads((out / "gpus-speedup.json").read_text())
+    assert summary["speedup"] == pytest.approx(335.9 / 217.2, abs=0.005)
+    assert summary["side_by_side"]["configurations"] == 19  # the rest differ between the two searches
+    assert summary["side_by_side"]["phases"]["wall_s"]["extra_s"] == pytest.approx(0.06, abs=0.01)
