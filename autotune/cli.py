@@ -227,7 +227,7 @@ def _prestart_probe(args: argparse.Namespace) -> None:
     refused by those checks kills it on exit (autotune.runner.discard_spares)."""
     from autotune.errors import ConfigError
     from autotune.gpus import parse_gpus, pinned, probe_view
-    from autotune.runner import _worker_env, prestart_setting, start_spare
+    from autotune.runner import prestart_setting, start_spare
 
     try:
         if prestart_setting() is False:
@@ -236,7 +236,7 @@ def _prestart_probe(args: argparse.Namespace) -> None:
     except ConfigError:  # refused, with its message, by the search's own checks
         return
     with pinned(probe_view(requested, os.environ.get("CUDA_VISIBLE_DEVICES"))):
-        start_spare(_worker_env({"workload": {"model": args.model}, "device": args.device}))
+        start_spare({"workload": {"model": args.model}, "device": args.device})
 
 
 def cmd_search(args: argparse.Namespace) -> int:

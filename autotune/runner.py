@@ -190,11 +190,12 @@ def prestart_setting() -> bool | None:
     return text == "1"
 
 
-def start_spare(env: dict[str, str] | None = None, log_dir: Path | None = None) -> None:
-    """Start a worker for a request to come under ``env`` (by default this process's worker
-    environment), unless one waits already: the search's probe, started before the search
-    process imports torch itself (the two imports run at once), or the next trial's."""
-    env = env or _worker_env()
+def start_spare(request: dict[str, Any], log_dir: Path | None = None) -> None:
+    """Start a worker for a request like ``request`` to come (the same model and device; its
+    environment is this thread's worker environment), unless one waits already: the search's
+    probe, started before the search process imports torch itself (the two imports run at once),
+    or the next trial's."""
+    env = _worker_env(request)
     key = _env_key(env)
     with _spares_lock:
         if key not in _spares:
@@ -232,7 +233,7 @@ def run_worker(request: dict[str, Any], *, timeout_s: float | None = None,
     if worker is None:
         worker = _Worker(env, log_path=log_path)
     if spare:
-        start_spare(env, log_dir=log_path.parent if log_path is not None else None)
+        start_spare(request, log_dir=log_path.parent if log_path is not None else None)
     return worker.run(request, timeout_s, log_path)
 
 

@@ -35,6 +35,7 @@ import strategies  # noqa: E402
 from autotune.config import TunedConfig, load  # noqa: E402
 from autotune.measure import MeasureSettings, measure, memory_figures  # noqa: E402
 from autotune.profile import analyze, record  # noqa: E402
+from autotune.runner import PRELOAD_CUDA, PRELOAD_IMPORTS  # noqa: E402
 from autotune.space import SearchSpace  # noqa: E402
 from autotune.workloads import WorkloadSpec, build  # noqa: E402
 
@@ -44,13 +45,14 @@ def _preload() -> list[str]:
     imported, the CUDA context made. Each is done again by the trial if it fails here, and says
     what went wrong then."""
     done = []
-    for name in filter(None, os.environ.get("AUTOTUNE_WORKER_IMPORTS", "").split(",")):
+    module = os.environ.get(PRELOAD_IMPORTS)
+    if module:
         try:
-            importlib.import_module(name)
-            done.append(name)
+            importlib.import_module(module)
+            done.append(module)
         except Exception:
             pass
-    if os.environ.get("AUTOTUNE_WORKER_CUDA") == "1":
+    if os.environ.get(PRELOAD_CUDA) == "1":
         try:
             if torch.cuda.is_available():
                 torch.empty(1, device="cuda")  # the first allocation makes the context
