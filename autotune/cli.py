@@ -55,7 +55,11 @@ def _add_search(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--objective", default="throughput", choices=["throughput", "energy", "memory"],
                    help="what to optimize: throughput (samples/s, the default), energy (joules per sample; "
                         "needs NVML on an NVIDIA GPU) or memory (peak memory)")
-    p.add_argument("--out", type=Path, help="output folder (default reports/<model>-<gpu>/)")
+    p.add_argument("--out", type=Path, help="output folder (default runs/<model>-<gpu>/; a folder holding a study "
+                                            "resumes it)")
+    p.add_argument("--resume", action="store_true",
+                   help="add trials to a study written on another machine (a copied or committed folder); "
+                        "without it such a study is refused, since its figures are not this machine's")
     p.add_argument("--storage", help="Optuna storage URL (default: sqlite study.db in the output folder); "
                                      "processes and machines given the same postgresql://USER@HOST/DB and "
                                      "--study-name search one study together")
@@ -105,10 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("folder", type=Path, nargs="?", help="the search's output folder (holds study.db)")
     p.add_argument("--storage", help="an Optuna storage URL instead of FOLDER/study.db")
     p.add_argument("--study-name", help="the study in that storage (default: the folder's, or the only one)")
-    p.add_argument("--out", type=Path, help="where to write (default: FOLDER, else reports/<study-name>)")
+    p.add_argument("--out", type=Path, help="where to write (default: FOLDER, else runs/<study-name>)")
     p = sub.add_parser("compare", help="compare output folders from different GPUs, torch versions or models")
     p.add_argument("folders", type=Path, nargs="+", help="two or more output folders of `autotune search`")
-    p.add_argument("--out", type=Path, default=Path("reports/compare"), help="where compare.html/.md go")
+    p.add_argument("--out", type=Path, default=Path("runs/compare"), help="where compare.html/.md go (default runs/compare)")
     p.add_argument("--allow-different-models", action="store_true",
                    help="compare runs of different models (refused by default)")
     p = sub.add_parser("show", help="print an exported configuration")
@@ -169,6 +173,7 @@ class _ProgressView:
             if payload["recovered"]:
                 console.print(f"  trials {payload['recovered']} were cut off by a killed search: re-queued")
             self.study = payload["study"]
+            self.out_dir = payload["out_dir"]
             total = self.config.trials if self.config.trials else self.config.budget_s
             self.progress.start()
             self.task = self.progress.add_task("starting", total=total, status="",
@@ -188,11 +193,15 @@ class _ProgressView:
             self.walls.append(attrs["timing"]["wall_s"])
         outcome = (f"{fig['samples_per_s']:,.0f} samples/s, {fig['step_time_ms']:.1f} ms/step, "
                    f"{fig['peak_memory_bytes'] / 2**30:.2f} GiB") if fig else attrs.get("reason", trial.state.name)
+        if attrs.get("unstable"):
+            outcome += ", loss not finite (unstable: never recommended)"
         if fig.get("ddp_world_size"):
             unit, units = ("GPU", "GPUs") if self.study.user_attrs.get("device") == "cuda" else ("process", "processes")
             outcome += (f" over {fig['ddp_world_size']} {units} ({fig['per_gpu_samples_per_s']:,.0f} per {unit}, "
                         f"scaling efficiency {fig['scaling_efficiency']:.0%})")
         dup = f" (same as #{attrs['duplicate_of']})" if "duplicate_of" in attrs else ""
+        if attrs.get("status") in ("crashed", "error", "timeout") and "duplicate_of" not in attrs:
+            dup += f" (log: {self.out_dir / 'logs' / f'trial-{trial.number:04d}.log'})"
         role = f"[{attrs['role']}] " if "role" in attrs else ""
         self.progress.console.print(f"  #{trial.number:<3} {role}{describe_trial(attrs.get('knobs', {}))}: {outcome}{dup}")
         done = len(counted_trials(self.study))
@@ -256,7 +265,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         precisions=[m.strip() for m in args.precisions.split(",")] if args.precisions else None,
         input_on_device=args.input_on_device, compile=args.compile, profile=args.profile, steer=args.steer,
         objective=args.objective,
-        seed=args.seed, gpus=args.gpus, ddp=args.ddp, replay=args.replay,
+        seed=args.seed, gpus=args.gpus, ddp=args.ddp, replay=args.replay, resume=args.resume,
         trial_timeout_s=args.trial_timeout, command=_command_line(args),
         accuracy_check=not args.no_accuracy_check, max_accuracy_drop=args.max_accuracy_drop,
         max_loss_drift=args.max_loss_drift, accuracy_steps=args.accuracy_steps, data=args.data,
@@ -278,14 +287,23 @@ def cmd_search(args: argparse.Namespace) -> int:
     finally:
         if view.task is not None:
             view.progress.stop()
-    return 0 if _print_summary(result.out_dir, result.elapsed_s, result.phases) else 1
+    return 0 if _print_summary(result.out_dir, result.elapsed_s, result.phases, study=result.study,
+                               min_batch_size=result.space.batch_sizes[0]) else 1
 
 
-def _print_summary(out_dir: Path, elapsed_s: float | None = None, phases: dict[str, float] | None = None) -> bool:
-    """Print the baseline, the best and the search's cost; False when nothing was measured."""
+def _print_summary(out_dir: Path, elapsed_s: float | None = None, phases: dict[str, float] | None = None, *,
+                   study=None, min_batch_size: int | None = None) -> bool:
+    """Print the baseline, the best and the search's cost; False when nothing can be recommended,
+    and then why (``study``: the pattern across its trials, autotune.outcome)."""
     path = out_dir / "config.json"
     if not path.exists():
-        console.print(f"[red]no trial finished successfully[/]; see {out_dir / 'trials.csv'} and {out_dir / 'logs'}")
+        console.print("[red]no configuration to recommend[/]")
+        if study is not None:
+            from autotune.outcome import explain
+
+            for line in explain(study, min_batch_size=min_batch_size):
+                console.print(f"  {line}")
+        console.print(f"see {out_dir / 'trials.csv'} and the logs in {out_dir / 'logs'}")
         return False
     data = json.loads(path.read_text())
     table = Table(title=f"{data['workload']['model']} on {data['provenance'].get('gpu', 'CPU')}")
@@ -385,7 +403,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     except (KeyError, ValueError) as exc:
         raise ConfigError(f"cannot load study {name!r} from the storage ({exc}); "
                           "`optuna studies --storage URL` lists the names") from None
-    out = args.out or args.folder or Path("reports") / study.study_name
+    from autotune.study import DEFAULT_OUT
+
+    out = args.out or args.folder or DEFAULT_OUT / study.study_name
     out.mkdir(parents=True, exist_ok=True)
     trials_frame(study).to_csv(out / "trials.csv", index=False)
     files = write_report(study, out, config)

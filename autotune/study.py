@@ -3,6 +3,7 @@ configurations, run trials until the trial count or the wall-clock budget is rea
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -22,8 +23,10 @@ from autotune.distributed import SharedStudy, check_same_hardware, sampler_seed,
 from autotune.errors import ConfigError, WorkloadError
 from autotune.gpus import GpuPool, parse_gpus, pinned, probe_view
 from autotune.knob_effects import apply_fixed_knobs, fix_no_effect_knobs
+from autotune.machine import MACHINE_ATTR, check_resume, this_machine
 from autotune.measure import MeasureSettings
 from autotune.objective import Objective, TrialFailed, requeue
+from autotune.runlog import run_log
 from autotune.runner import discard_spares, prestart_setting, run_worker
 from autotune.space import SearchSpace
 from autotune.storage import mask_url, open_storage  # noqa: F401  (mask_url: used by export and cli)
@@ -36,6 +39,9 @@ from strategies import optimizer as optimizer_strategy
 from strategies import fp32_layers as fp32_layers_strategy
 from strategies import threads as threads_strategy
 
+DEFAULT_OUT = Path("runs")
+"""Where searches write by default: <model>-<device>/ under it. Never reports/, whose committed
+example studies a search would otherwise resume (ignored by git, so a clone stays clean)."""
 DEFAULT_BUDGET_S = 600.0  # when neither --trials nor --budget is given
 MIN_BUDGET_S = 10.0
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
@@ -49,7 +55,7 @@ class SearchConfig:
     device: str = "auto"
     """"cuda", "cpu" or "auto" (CUDA when there is a GPU)."""
     out_dir: Path | None = None
-    """None: reports/<model>-<device>/."""
+    """None: runs/<model>-<device>/ (ignored by git; the committed examples live in reports/)."""
     storage: str | None = None
     """Optuna storage URL; None: SQLite file study.db in the output folder."""
     study_name: str | None = None
@@ -104,6 +110,9 @@ class SearchConfig:
     """--ddp N: measure every trial as an N-process DistributedDataParallel step, one GPU per
     process (autotune.ddp), and search DDP's bucket size, bucket views and static graph; None:
     single-process trials."""
+    resume: bool = False
+    """Add trials to a study another machine wrote (a copied folder, a committed example): refused
+    otherwise, since its figures are not this machine's (autotune.machine)."""
     replay: Path | None = None
     """An earlier search's output folder: its configurations are measured first, in its order
     (after this search's FP32 baseline and known-good ones), before the sampler proposes any: the
@@ -661,8 +670,8 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
     check_ddp(config, device)
     prestart = _prestart_workers(config, device)
     GpuPool.check_device(config.gpus, device)  # --gpus on a CPU: refused before any device time
-    # before any device time: the folder (or, by default, reports/) must take the results
-    _check_writable(Path(config.out_dir) if config.out_dir else Path("reports"))
+    # before any device time: the folder (or, by default, runs/) must take the results
+    _check_writable(Path(config.out_dir) if config.out_dir else DEFAULT_OUT)
     # a user's storage URL is checked (and its tables created) before any device time
     storage = open_storage(config.storage) if config.storage else None
     from autotune.goal import goal, nvml_refusal
@@ -690,17 +699,25 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         # a study of N-process DDP steps never mixes with single-process ones (nor another N):
         # its own folder and study name by default, and refused on resume below
         slug = f"{slug}-ddp{config.ddp}"
-    out_dir = Path(config.out_dir or Path("reports") / f"{config.workload.short_name}-{slug}")
+    out_dir = Path(config.out_dir or DEFAULT_OUT / f"{config.workload.short_name}-{slug}")
     _check_writable(out_dir)
     (out_dir / "logs").mkdir(exist_ok=True)
     lock = _Lock(out_dir / ".search.lock")
+    logged = contextlib.ExitStack()
     try:
+        # Optuna's per-trial messages and tracebacks go to logs/search.log, not the terminal
+        logged.enter_context(run_log(out_dir / "logs"))
         if gpu_pool:
             gpu_pool.activate()
         name = config.study_name or f"{config.workload.short_name}-{slug}"
         own_storage = config.storage is None
         storage = storage or open_storage(f"sqlite:///{out_dir / 'study.db'}")
         study = open_study(storage, name, config.seed, config.objective)
+        machine = this_machine(info["provenance"])
+        if own_storage:
+            # before anything is written to it: a committed example or another machine's study
+            # is never resumed by accident (a shared --storage is many machines by design)
+            check_resume(study, machine, where=str(out_dir / "study.db"), resume=config.resume)
         if study.trials or not own_storage:
             # a resumed study gets a fresh sampler seed, so it does not re-propose the same sequence;
             # on a shared storage, neither does another process joining it at the same moment
@@ -732,6 +749,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
             study.set_user_attr("workload", config.workload.to_dict())
             study.set_user_attr("device", device)
             study.set_user_attr("provenance", info["provenance"])
+            study.set_user_attr(MACHINE_ATTR, machine)
             seeds = seed_configurations(space)
             for role, params in seeds:
                 study.enqueue_trial(params, user_attrs={"role": role})
@@ -815,6 +833,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
     finally:
         discard_spares()
         GpuPool.deactivate()
+        logged.close()
         lock.release()
 
 

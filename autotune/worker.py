@@ -116,6 +116,9 @@ def provenance() -> dict[str, Any]:
             cuda=torch.version.cuda,
             cudnn=torch.backends.cudnn.version(),
         )
+        uuid = getattr(props, "uuid", None)  # which GPU, for autotune.machine
+        if uuid is not None:
+            info["gpu_uuid"] = str(uuid)
         try:
             import pynvml
 

@@ -1,6 +1,6 @@
 """How much faster does ``--gpus`` finish the same search than one GPU?
 
-    python3 scripts/gpus_speedup.py --gpus 0,1 --trials 28 [--arms one,all] [--out reports/gpus-speedup]
+    python3 scripts/gpus_speedup.py --gpus 0,1 --trials 28 [--arms one,all] [--out runs/gpus-speedup]
         [--no-warmup] -- --model resnet18 --input-shape 3x64x64 --num-classes 10 --no-compile --no-accuracy-check
 
 Runs ``autotune search`` twice, as a user runs it (a subprocess each), with the same options, the
@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpus", default="0,1", help="the GPUs of arm 'all' (arm 'one' takes the first); default 0,1")
     p.add_argument("--trials", type=int, default=28, help="trials of each arm's search (default 28)")
     p.add_argument("--arms", default="one,all", help="which arms to run now: one, all or one,all (default)")
-    p.add_argument("--out", type=Path, default=Path("reports/gpus-speedup"), help="output folder")
+    p.add_argument("--out", type=Path, default=Path("runs/gpus-speedup"), help="output folder (default runs/gpus-speedup)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warm-up search")
     p.add_argument("--replay", action="store_true",

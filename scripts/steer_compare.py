@@ -118,7 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tolerance", type=float, default=0.02, help="within this share of the reference (default 0.02)")
     p.add_argument("--compile", action="store_true", help="search torch.compile too (slow: minutes per compile)")
     p.add_argument("--accuracy-check", action="store_true", help="run the accuracy check (slow)")
-    p.add_argument("--out", type=Path, default=ROOT / "reports" / "steer-compare")
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "steer-compare")
     args = p.parse_args(argv)
     if args.seeds < 1:
         p.error("--seeds must be at least 1")
