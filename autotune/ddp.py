@@ -136,7 +136,9 @@ def free_port() -> int:
 
 
 def rank_command(result_path: Path, request_path: Path) -> list[str]:
-    return [sys.executable, "-c", _BOOT, str(result_path), str(os.getpid()), str(request_path)]
+    from autotune.runner import PYTHON_FLAGS
+
+    return [sys.executable, *PYTHON_FLAGS, "-c", _BOOT, str(result_path), str(os.getpid()), str(request_path)]
 
 
 def run_ranks(request: dict[str, Any], *, world_size: int, timeout_s: float | None = None,
@@ -147,7 +149,7 @@ def run_ranks(request: dict[str, Any], *, world_size: int, timeout_s: float | No
     failing rank's ("oom", "error", or "crashed" for a rank that died without a result), or
     "timeout" when the group was still running at ``timeout_s``; the other ranks are killed.
     """
-    from autotune.runner import _exit_description, _worker_env, salient_error
+    from autotune.runner import _worker_env, crash_reason, exit_description, salient_error
 
     with tempfile.TemporaryDirectory(prefix="autotune-ddp-") as tmp_name:
         tmp = Path(tmp_name)
@@ -196,11 +198,10 @@ def run_ranks(request: dict[str, Any], *, world_size: int, timeout_s: float | No
                 if got is not None and got.get("status") not in (None, "ok"):
                     failed.append((_blame(got["status"], got.get("reason", "")), rank, got))
                 elif got is None and rank not in killed:  # died by itself, without a word
-                    failed.append((1, rank, {"status": "crashed", "reason": (
-                        f"worker {_exit_description(proc.returncode)} and no result: {salient_error(texts[rank])}")}))
+                    failed.append((1, rank, {"status": "crashed", "reason": crash_reason(proc.returncode, texts[rank])}))
             if not failed:  # the rank that ended the wait left an "ok" result, yet exited with an error
                 failed.append((1, outcome, {"status": "crashed", "reason": (
-                    f"worker {_exit_description(procs[outcome].returncode)}: {salient_error(texts[outcome])}")}))
+                    f"worker {exit_description(procs[outcome].returncode)}: {salient_error(texts[outcome])}")}))
             _, rank, got = min(failed, key=lambda f: (f[0], f[1]))
             result = dict(got)
             result["reason"] = f"DDP rank {rank} of {world_size}: {got.get('reason', '')}"

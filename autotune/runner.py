@@ -64,9 +64,14 @@ def _worker_env(request: dict[str, Any] | None = None) -> dict[str, str]:
     return env
 
 
+PYTHON_FLAGS = ("-X", "faulthandler")
+"""A worker that dies of a signal (a segfault in an extension, an abort) prints its Python stack
+to its log first, so its trial's reason says where (crash_reason)."""
+
+
 def worker_command(*args: str) -> list[str]:
     """The command line of a worker process (``args`` become its sys.argv[1:])."""
-    return [sys.executable, "-c", _BOOT, *args]
+    return [sys.executable, *PYTHON_FLAGS, "-c", _BOOT, *args]
 
 
 class _Worker:
@@ -125,8 +130,7 @@ class _Worker:
         elif self.result_path.exists():
             result = json.loads(self.result_path.read_text())
         else:
-            result = {"status": "crashed",
-                      "reason": f"worker {_exit_description(self.proc.returncode)} and no result: {salient_error(text)}"}
+            result = {"status": "crashed", "reason": crash_reason(self.proc.returncode, text)}
         self.tmp.cleanup()
         result["wall_s"] = finished - started
         if "ready_at" in result:
@@ -258,7 +262,44 @@ def salient_error(log_text: str, limit: int = 500) -> str:
     return log_text.strip()[-limit:]
 
 
-def _exit_description(code: int | None) -> str:
+def crash_reason(code: int | None, log_text: str) -> str:
+    """Why a worker that left no result died, in one line: its exit, then what its log says
+    ("worker was killed by signal 11 (SIGSEGV): Fatal Python error: Segmentation fault, in
+    forward at model.py:7"), or that the log is empty."""
+    said = salient_error(log_text)
+    if not said:
+        return f"worker {exit_description(code)} with no result and an empty log"
+    where = _fault_location(log_text) if said.startswith("Fatal Python error") else None
+    return f"worker {exit_description(code)} with no result: {said}" + (f", in {where}" if where else "")
+
+
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+
+
+def _fault_location(log_text: str) -> str | None:
+    """From faulthandler's dump, the innermost frame of the user's code (outside the standard
+    library and installed packages), else the innermost frame: "forward at model.py:7"."""
+    import sysconfig
+
+    libraries = {sysconfig.get_paths()[key] for key in ("stdlib", "purelib", "platlib")}
+    frames = []
+    # the crashing thread's stack, which faulthandler names "Current thread"
+    dump = log_text.split("Current thread", 1)[-1] if "Current thread" in log_text else log_text
+    for line in dump.split("most recent call first", 1)[-1].splitlines()[1:]:
+        match = _FRAME.match(line)
+        if not match:
+            if frames:
+                break
+            continue
+        frames.append(match)
+    if not frames:
+        return None
+    own = [m for m in frames if not any(m["file"].startswith(lib) for lib in libraries)]
+    m = (own or frames)[0]
+    return f"{m['func']} at {os.path.basename(m['file'])}:{m['line']}"
+
+
+def exit_description(code: int | None) -> str:
     if code is not None and code < 0:
         try:
             return f"was killed by signal {-code} ({signal.Signals(-code).name})"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autotune.runner import _exit_description, salient_error
+from autotune.runner import exit_description, salient_error
 
 # the end of a real worker log on the H200 after a device-side assert (torch 2.11): the error comes
 # first, then an abort with a C++ stack trace
@@ -28,8 +28,8 @@ def test_without_an_error_line_the_end_of_the_log_is_kept():
 
 
 def test_signals_are_named():
-    assert _exit_description(-6) == "was killed by signal 6 (SIGABRT)"
-    assert _exit_description(11) == "exited with code 11"
+    assert exit_description(-6) == "was killed by signal 6 (SIGABRT)"
+    assert exit_description(11) == "exited with code 11"
 
 
 # --- spare workers: a trial's worker started while the previous trial runs ----------------------
