@@ -154,3 +154,38 @@ class _FastButBrokenUnderAutocast(nn.Module):
 
 def broken_head_under_autocast(num_classes: int = 10) -> nn.Module:
     return _FastButBrokenUnderAutocast(num_classes)
+
+
+# whole-search outcomes: models that fail every configuration ------------------------------------
+
+class _Segfaults(nn.Module):
+    """Dies of SIGSEGV in its forward, as a broken extension would."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.net = tiny_cnn(num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import ctypes
+
+        ctypes.string_at(0)  # reads address 0
+        return self.net(x)
+
+
+def segfaults(num_classes: int = 10) -> nn.Module:
+    return _Segfaults(num_classes)
+
+
+class _NanLoss(nn.Module):
+    """Its output is NaN in every precision, FP32 included: the model is broken, not the knobs."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.net = tiny_cnn(num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) * float("nan")
+
+
+def nan_loss(num_classes: int = 10) -> nn.Module:
+    return _NanLoss(num_classes)

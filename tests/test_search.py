@@ -267,7 +267,8 @@ def test_the_budget_is_a_limit_and_a_cut_trial_is_not_lost(tmp_path):
     started = time.time()
     proc = run_cli(*slow, "--budget", "12s", "--min-measure-time", "60", check=False)
     elapsed = time.time() - started
-    assert proc.returncode == 1 and "no trial finished successfully" in proc.stderr
+    said = " ".join(proc.stderr.split())  # rich wraps long lines
+    assert proc.returncode == 1 and "no configuration to recommend" in said and "no trial was measured" in said
     assert elapsed < 12 + 15, f"a 12 s budget took {elapsed:.0f} s"  # interpreter start and export aside
     first = _study(out).trials[0]
     assert first.state == optuna.trial.TrialState.FAIL and "budget ran out" in first.user_attrs["reason"]
