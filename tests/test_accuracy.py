@@ -74,11 +74,13 @@ def test_a_drop_within_fp32_reshuffle_noise_is_not_a_loss():
     assert within["fp32_noise"] == {"accuracy_points": 3.0, "loss_drift": pytest.approx(0.01)}
 
 
+@pytest.mark.slow
 def test_the_reference_comes_with_its_reshuffled_twin(tiny_reference):
     shuffled = tiny_reference[1]["reshuffled"]
     assert shuffled["held_out_accuracy"] is not None and shuffled["final_loss"] > 0
 
 
+@pytest.mark.slow
 def test_step_numerics_of_an_overflowing_scale_are_those_of_the_step_taken():
     """At a scale of 2**60 every fp16 gradient overflows; the scaler would back off and take the
     step at a smaller scale, and those are the gradients compared with FP32 (not inf/NaN)."""
@@ -130,6 +132,7 @@ def test_fp32_and_bf16_pass_on_a_small_model(tiny_reference):
     assert fp32["verdict"] == "passed" and fp32["accuracy_drop"] == 0
 
 
+@pytest.mark.slow
 def test_fp16_without_scaler_on_underflowing_gradients_is_violated():
     no_scaler, reference = _check("fake_models:tiny_loss_cnn", FP16)
     assert no_scaler["verdict"] == "violated", no_scaler["reason"]
@@ -144,6 +147,7 @@ def test_fp16_without_scaler_on_underflowing_gradients_is_violated():
     assert broken["verdict"] == "unstable" and broken["skipped_steps"] == SETTINGS.steps
 
 
+@pytest.mark.slow
 def test_fp32_layers_repairs_a_head_that_autocast_breaks():
     plain, reference = _check("fake_models:broken_head_under_autocast", {"precision": {"mode": "bf16"}})
     assert plain["verdict"] == "violated"
@@ -176,6 +180,7 @@ def _trial(study, value, mode, accuracy=None):
         value=value, user_attrs=attrs))
 
 
+@pytest.mark.slow
 def test_best_trial_skips_failed_checks_and_export_time_checks_fill_the_gap(tiny_reference, tmp_path):
     study = optuna.create_study(direction="maximize")
     _trial(study, 100.0, "fp32")
@@ -221,6 +226,7 @@ def test_search_never_recommends_a_configuration_that_fails_the_check(tmp_path):
     assert "accuracy drop" in (out / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_reference_that_cannot_train_leaves_the_search_going_and_says_why(tmp_path):
     study = optuna.create_study(direction="maximize")
     gate = AccuracyGate(settings=SETTINGS, space=SPACE, timeout_s=120, log_dir=tmp_path,

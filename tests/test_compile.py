@@ -88,6 +88,7 @@ def test_replay_and_describe() -> None:
         assert ("compile default" in text) == (knobs["compile"].mode == "default")
 
 
+@pytest.mark.slow
 def test_the_probe_check_compiles_on_this_cpu() -> None:
     # CI has a C++ toolchain; without one this is the message the search would show
     result = compile_strategy.check_compile("cpu")
@@ -112,6 +113,7 @@ def _train(mode: str, steps: int = 3) -> tuple[list[float], torch.nn.Module, tor
     return [float(step(x, y)) for x, y in batches], model, original
 
 
+@pytest.mark.slow
 def test_compiled_model_trains_to_the_same_loss_as_eager() -> None:
     eager, eager_model, _ = _train("off")
     compiled, model, original = _train("default")
@@ -143,6 +145,7 @@ def test_measure_times_setup_steps_apart() -> None:
         measure(step, "cpu", settings, setup_steps=-1)
 
 
+@pytest.mark.slow
 def test_worker_trial_records_compile_time_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(TESTS))  # the worker imports fake_models
     knobs = strategies.sample(optuna.trial.FixedTrial({"compile.mode": "default"}), CPU_SPACE)

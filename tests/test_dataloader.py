@@ -185,6 +185,7 @@ def _fed_trial(data: str, workers: int = 0) -> dict:
     return result["figures"]
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("restore_backend_flags")
 def test_a_slow_dataset_is_data_bound_and_a_fast_one_is_not():
     slow = _fed_trial("test_dataloader:slow_data")

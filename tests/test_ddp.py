@@ -164,6 +164,7 @@ def _request(model: str, params: dict) -> dict:
             "workload": {**SPEC.to_dict(), "model": model}, "measure": settings.to_dict(), "seed": 0}
 
 
+@pytest.mark.slow
 def test_a_rank_that_dies_ends_the_trial_at_once(tmp_path):
     request = _request("test_ddp:crash_in_ddp_on_rank_1",
                        {"ddp.bucket_cap_mb": 25, "ddp.gradient_as_bucket_view": False, "ddp.static_graph": False})
@@ -188,6 +189,7 @@ def ddp_search(tmp_path_factory):
     return out, proc
 
 
+@pytest.mark.slow
 def test_ddp_search_reports_per_gpu_throughput_and_scaling_efficiency(ddp_search):
     out, proc = ddp_search
     said = " ".join(proc.stderr.split())  # rich wraps long lines
@@ -219,6 +221,7 @@ def test_ddp_search_reports_per_gpu_throughput_and_scaling_efficiency(ddp_search
     assert "scaling efficiency" in html
 
 
+@pytest.mark.slow
 def test_the_reports_ddp_snippet_trains_under_torchrun(ddp_search, tmp_path):
     """The report's training loop for a --ddp config, run as it says: torchrun, one process group."""
     out, _ = ddp_search
@@ -236,6 +239,7 @@ def test_the_reports_ddp_snippet_trains_under_torchrun(ddp_search, tmp_path):
     assert "rank 0 loss" in run.stdout and "rank 1 loss" in run.stdout
 
 
+@pytest.mark.slow
 def test_ddp_study_is_not_resumed_without_ddp(ddp_search, tmp_path):
     out, _ = ddp_search
     (name,) = optuna.get_all_study_names(f"sqlite:///{out / 'study.db'}")

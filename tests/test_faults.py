@@ -18,6 +18,7 @@ def test_hung_and_raising_trials_are_survived_and_nothing_is_lost():
     assert proc.stdout.strip().splitlines()[-1] == "faults survived: 3/3, trials lost: 0"
 
 
+@pytest.mark.slow
 def test_unknown_fault_names_are_refused():
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "faults.py"), "--only", "meteor"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -149,6 +149,7 @@ def test_the_best_and_the_export_rank_by_the_objective(tmp_path, monkeypatch, ob
     assert f"batch {best_batch}" in first_row
 
 
+@pytest.mark.slow
 def test_compare_says_which_objective_each_run_used(tmp_path, monkeypatch):
     from autotune.compare import compare
 

@@ -81,6 +81,7 @@ def copy_with(study: optuna.Study, extra) -> optuna.Study:
     return copy
 
 
+@pytest.mark.slow
 def test_the_search_says_what_its_run_cost_outside_the_trials(report):
     said = _searches["said"]
     match = re.search(r"trials in all (\d+)s; this run (\d+)s \(probe ([\d.]+)s, export ([\d.]+)s\)", said)

@@ -55,6 +55,7 @@ def no_spares_left():
 
 
 
+@pytest.mark.slow
 def test_a_spare_worker_imports_during_the_request_before_it_and_serves_the_next(tmp_path, no_spares_left):
     first = runner.run_worker(PROBE, timeout_s=120, log_path=tmp_path / "trial-0000.log", spare=True)
     assert first["status"] == "ok", first
@@ -73,6 +74,7 @@ def test_a_spare_worker_imports_during_the_request_before_it_and_serves_the_next
     assert sorted(p.name for p in tmp_path.iterdir()) == ["trial-0000.log", "trial-0001.log"]
 
 
+@pytest.mark.slow
 def test_a_spare_serves_only_its_own_gpu_and_a_dead_one_is_replaced(tmp_path, no_spares_left):
     with pinned("0"):
         runner.run_worker(PROBE, timeout_s=120, spare=True)
@@ -94,6 +96,7 @@ def test_a_spare_serves_only_its_own_gpu_and_a_dead_one_is_replaced(tmp_path, no
     assert not runner._spares
 
 
+@pytest.mark.slow
 def test_spares_nobody_takes_are_killed_and_their_files_removed(tmp_path):
     runner.run_worker(PROBE, timeout_s=120, log_path=tmp_path / "trial-0000.log", spare=True)
     (spare,) = runner._spares.values()
@@ -103,6 +106,7 @@ def test_spares_nobody_takes_are_killed_and_their_files_removed(tmp_path):
     assert not os.path.exists(tmp) and sorted(p.name for p in tmp_path.iterdir()) == ["trial-0000.log"]
 
 
+@pytest.mark.slow
 def test_a_trial_log_is_readable_while_it_runs_and_complete_when_a_spare_cannot_be_renamed(tmp_path, monkeypatch,
                                                                                           no_spares_left):
     fresh = runner._Worker(runner._worker_env(), log_path=tmp_path / "trial-0000.log")
@@ -142,6 +146,7 @@ def test_a_worker_is_made_ready_for_its_model_and_device_before_the_request():
     assert runner._env_key(runner._worker_env(custom)) != runner._env_key(runner._worker_env(PROBE))
 
 
+@pytest.mark.slow
 def test_a_spare_imports_the_model_module_ahead_and_a_failing_one_is_reported_by_the_request(tmp_path,
                                                                                             no_spares_left):
     runner.run_worker(PROBE, timeout_s=120, spare=True)

@@ -23,6 +23,7 @@ def _plant_shadows(folder) -> None:
         (folder / f"{name}.py").write_text(f"raise SystemExit('the {name}.py in the current directory was imported')\n")
 
 
+@pytest.mark.slow
 def test_the_cli_ignores_modules_planted_in_the_current_directory(tmp_path):
     _plant_shadows(tmp_path)
     env = subprocess_env()
@@ -32,6 +33,7 @@ def test_the_cli_ignores_modules_planted_in_the_current_directory(tmp_path):
     assert "resnet50" in proc.stdout.split()
 
 
+@pytest.mark.slow
 def test_a_worker_ignores_them_and_still_imports_the_users_own_module(tmp_path, monkeypatch):
     _plant_shadows(tmp_path)
     (tmp_path / "my_nets.py").write_text(textwrap.dedent("""

@@ -144,6 +144,7 @@ def test_prestarted_workers_take_the_imports_off_each_trials_path(tmp_path):
     assert bad.returncode != 0 and "AUTOTUNE_PRESTART='yes': write 1" in bad.stderr
 
 
+@pytest.mark.slow
 def test_resume_after_the_search_process_is_killed(tmp_path):
     out = tmp_path / "out"
     args = ["search", "--model", "fake_models:slow_cnn", *SMALL, "--min-measure-time", "1.0",
@@ -246,6 +247,7 @@ def test_a_crashing_worker_fails_its_trial_and_the_study_goes_on(tmp_path):
         (["--model", "resnet18", "--min-measure-time", "-1"], "--min-measure-time -1: MeasureSettings.min_time_s must not be negative"),
     ],
 )
+@pytest.mark.slow
 def test_bad_input_gets_a_clear_error(tmp_path, args, message):
     proc = run_cli("search", *args, "--device", "cpu", "--out", str(tmp_path / "o"), check=False, timeout=120)
     assert proc.returncode == 2, proc.stderr
@@ -253,6 +255,7 @@ def test_bad_input_gets_a_clear_error(tmp_path, args, message):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_models_lists_torchvision_names():
     proc = run_cli("models")
     names = proc.stdout.split()
@@ -314,6 +317,7 @@ def test_sigterm_stops_cleanly_writes_the_outputs_and_the_next_run_resumes(tmp_p
     assert sum("status" in t.user_attrs for t in trials) == 4
 
 
+@pytest.mark.slow
 def test_storage_passwords_never_reach_messages(tmp_path):
     secret = "s3cret-pw"
     proc = run_cli("search", "--model", "fake_models:tiny_cnn", *SMALL, "--trials", "1", "--out", str(tmp_path / "o"),
@@ -326,6 +330,7 @@ def test_storage_passwords_never_reach_messages(tmp_path):
     assert mask_url("sqlite:///reports/x/study.db") == "sqlite:///reports/x/study.db"
 
 
+@pytest.mark.slow
 def test_an_unwritable_output_folder_is_refused_before_any_trial(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")

@@ -50,6 +50,7 @@ def _objective(lock_after: int, path, seconds: float, taken: threading.Event):
     return objective
 
 
+@pytest.mark.slow
 def test_a_locked_database_is_waited_out_and_no_trial_fails(tmp_path, caplog):
     path = tmp_path / "study.db"
     storage = open_storage(f"sqlite:///{path}", engine_kwargs=QUICK, patience_s=30)
@@ -68,6 +69,7 @@ def test_a_locked_database_is_waited_out_and_no_trial_fails(tmp_path, caplog):
     assert "reachable again" in messages
 
 
+@pytest.mark.slow
 def test_an_outage_longer_than_the_patience_stops_with_how_to_resume(tmp_path):
     path = tmp_path / "study.db"
     storage = open_storage(f"sqlite:///{path}", engine_kwargs=QUICK, patience_s=0.5)
@@ -114,6 +116,7 @@ def test_every_database_call_is_retried():
         assert getattr(RetryingRDBStorage, name) is not getattr(optuna.storages.RDBStorage, name), name
 
 
+@pytest.mark.slow
 def test_a_bad_storage_url_is_refused_before_the_probe_runs(tmp_path):
     marker = tmp_path / "built"
     env_before = os.environ.get("AUTOTUNE_TEST_MARKER")
@@ -133,6 +136,7 @@ def test_a_bad_storage_url_is_refused_before_the_probe_runs(tmp_path):
     assert not marker.exists(), "the model was built (the probe ran) before the storage was checked"
 
 
+@pytest.mark.slow
 def test_report_refuses_a_bad_storage_url_without_its_password(tmp_path):
     proc = run_cli("report", "--storage", "mysql://ann:hunter2@127.0.0.1:1/tune", "--study-name", "x",
                    "--out", str(tmp_path), check=False, timeout=120)
