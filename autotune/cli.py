@@ -39,6 +39,11 @@ def _add_search(sub: argparse._SubParsersAction) -> None:
                         "learning-rate scaling (default: --batch-size, else 256 on GPU, 16 on CPU)")
     p.add_argument("--min-batch-size", type=int, help="smallest batch to try (default 16 GPU, 4 CPU)")
     p.add_argument("--max-batch-size", type=int, help="largest batch to try (default 1024 GPU, 32 CPU)")
+    p.add_argument("--memory-limit", metavar="SIZE",
+                   help="cap every trial's GPU memory at SIZE, e.g. 24GiB: tune on a large GPU for a smaller card "
+                        "(what lives outside PyTorch's allocator counts too); recorded in config.json")
+    p.add_argument("--memory-headroom", metavar="SIZE",
+                   help="leave SIZE of the GPU's memory free for other processes, e.g. 4GiB")
     p.add_argument("--precisions", help="comma-separated modes to search, e.g. fp32,bf16 (default: all the "
                                         "device runs natively; fp32 is always the baseline)")
     p.add_argument("--input-on-device", action="store_true",
@@ -193,6 +198,8 @@ class _ProgressView:
             self.walls.append(attrs["timing"]["wall_s"])
         outcome = (f"{fig['samples_per_s']:,.0f} samples/s, {fig['step_time_ms']:.1f} ms/step, "
                    f"{fig['peak_memory_bytes'] / 2**30:.2f} GiB") if fig else attrs.get("reason", trial.state.name)
+        if attrs.get("backed_off_to"):
+            outcome += f"; queued again at batch {attrs['backed_off_to']}"
         if attrs.get("unstable"):
             outcome += ", loss not finite (unstable: never recommended)"
         if fig.get("ddp_world_size"):
@@ -266,6 +273,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         input_on_device=args.input_on_device, compile=args.compile, profile=args.profile, steer=args.steer,
         objective=args.objective,
         seed=args.seed, gpus=args.gpus, ddp=args.ddp, replay=args.replay, resume=args.resume,
+        memory_limit=args.memory_limit, memory_headroom=args.memory_headroom,
         trial_timeout_s=args.trial_timeout, command=_command_line(args),
         accuracy_check=not args.no_accuracy_check, max_accuracy_drop=args.max_accuracy_drop,
         max_loss_drift=args.max_loss_drift, accuracy_steps=args.accuracy_steps, data=args.data,
@@ -320,6 +328,11 @@ def _print_summary(out_dir: Path, elapsed_s: float | None = None, phases: dict[s
         console.print(f"DDP over {best['ddp_world_size']} processes: {best['samples_per_s']:,.0f} samples/s in total, "
                       f"{best['per_gpu_samples_per_s']:,.0f} per GPU; one GPU alone: "
                       f"{best['single_gpu_samples_per_s']:,.0f}; scaling efficiency {best['scaling_efficiency']:.0%}")
+    if (data.get("baseline") or {}).get("note"):
+        console.print(f"note: {data['baseline']['note']}")
+    if (data.get("memory") or {}).get("limit_bytes"):
+        console.print(f"every trial was capped at {data['memory']['limit_bytes'] / 2**30:.1f} GiB of GPU memory "
+                      "(--memory-limit)")
     if "speedup_vs_baseline" in data:
         console.print(f"speed-up over the FP32 baseline: {data['speedup_vs_baseline']:.2f}x, "
                       f"memory {data['memory_vs_baseline']:.2f}x")

@@ -89,6 +89,7 @@ class TunedConfig:
         if space.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"{path} was tuned for CUDA but this process has no GPU; run on a GPU, or "
                               "tune for this machine with `autotune search --device cpu`")
+        _warn_if_it_may_not_fit(path, data, space.device)
         differs = _provenance_differences(data.get("provenance") or {}, space.device)
         if differs:
             warnings.warn(f"{path} was measured with {'; '.join(differs)}: the configuration still runs, "
@@ -193,6 +194,22 @@ class TunedConfig:
 
     def __repr__(self) -> str:
         return f"TunedConfig({self.describe()})"
+
+
+def _warn_if_it_may_not_fit(path: Path, data: dict[str, Any], device: str) -> None:
+    """A configuration measured to peak above this GPU's memory will likely not fit here."""
+    peak = (data.get("figures") or {}).get("peak_memory_bytes")
+    if device != "cuda" or not peak or not torch.cuda.is_available():
+        return
+    try:
+        total = torch.cuda.get_device_properties(0).total_memory
+    except (RuntimeError, AssertionError):  # no driver to ask: nothing to compare with
+        return
+    if peak > total:
+        limit = (data.get("memory") or {}).get("limit_bytes")
+        warnings.warn(f"{path} peaked at {peak / 2**30:.1f} GiB when measured, and this GPU has {total / 2**30:.1f} GiB: "
+                      f"it will likely run out of memory here{'' if limit else ' (it was tuned without --memory-limit)'}; "
+                      f"re-tune with `autotune search ... --memory-limit {total / 2**30:.0f}GiB`", stacklevel=4)
 
 
 def _provenance_differences(recorded: Mapping[str, Any], device: str) -> list[str]:

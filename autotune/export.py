@@ -105,6 +105,17 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def baseline_batch(base: optuna.trial.FrozenTrial, space: SearchSpace) -> dict[str, Any]:
+    """The FP32 baseline's batch, and why it is not --base-batch-size when it is not: the baseline
+    backed off to the largest batch that fits (autotune.memory)."""
+    batch = base.user_attrs["knobs"]["batch_size"]["batch_size"]
+    out: dict[str, Any] = {"batch_size": batch, "base_batch_size": space.base_batch_size}
+    if batch != space.base_batch_size:
+        out["note"] = (f"the FP32 baseline ran at batch {batch}, the largest that fits: the base batch size "
+                       f"{space.base_batch_size} does not fit")
+    return out
+
+
 def export(study: optuna.Study, out_dir: Path, *, config, space: SearchSpace, probe: dict[str, Any]) -> dict[str, Path]:
 
     out_dir = Path(out_dir)
@@ -141,7 +152,11 @@ def export(study: optuna.Study, out_dir: Path, *, config, space: SearchSpace, pr
             "knobs": base.user_attrs["knobs"],
             "figures": base.user_attrs["figures"],
             "trial_number": base.number,
+            **baseline_batch(base, space),
         },
+        # what fits: the cap each trial ran under (--memory-limit / --memory-headroom) and the GPU's memory
+        "memory": {"limit_bytes": study.user_attrs.get("memory_limit_bytes"),
+                   "device_total_bytes": probe["provenance"].get("gpu_memory_bytes")},
         "provenance": probe["provenance"],
         "study": {"storage": url, "study_name": study.study_name, "trial_number": best.number},
         "search": {

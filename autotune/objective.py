@@ -39,7 +39,8 @@ class Objective:
                  seed: int, trial_timeout_s: float, log_dir: Path | None = None,
                  deadline: float | None = None, accuracy=None, profile: bool = True,
                  misaligned: list[str] | None = None, steer: bool = True, goal=None,
-                 data: str | None = None, prestart_workers: bool = False) -> None:
+                 data: str | None = None, prestart_workers: bool = False,
+                 memory_limit_bytes: int | None = None, device_memory_bytes: int | None = None) -> None:
         from autotune.goal import goal as goal_named
 
         self.space = space
@@ -67,6 +68,15 @@ class Objective:
         ready-made batches."""
         self.prestart_workers = prestart_workers
         """Start the next trial's worker while this one runs (autotune.runner: spare workers)."""
+        self.memory_limit_bytes = memory_limit_bytes
+        """--memory-limit (less --memory-headroom): each worker caps its device memory at this."""
+        self.device_memory_bytes = device_memory_bytes
+        """The GPU's memory (from the probe); None on a CPU."""
+
+    @property
+    def fit_limit_bytes(self) -> int | None:
+        """What a configuration must fit in: the memory limit, else the GPU's memory."""
+        return self.memory_limit_bytes or self.device_memory_bytes
 
     def __call__(self, trial: optuna.Trial) -> float:
         knobs = strategies.sample(trial, self.space)
@@ -81,6 +91,16 @@ class Objective:
             trial.set_user_attr("duplicate_of", previous.number)
             return self._conclude(trial, previous.user_attrs.get("status"), previous.user_attrs.get("reason"),
                                   previous.user_attrs.get("figures"))
+        from autotune.memory import MemoryModel
+
+        verdict = MemoryModel.from_study(trial.study, self.fit_limit_bytes).verdict(trial.user_attrs["knobs"])
+        if verdict is not None:
+            # not run, and not counted (no "status"): the sampler learns the region from the pruned
+            # trial, and the configuration is queued at a batch that fits
+            trial.set_user_attr("reason", verdict)
+            trial.set_user_attr("predicted_oom", True)
+            self._back_off(trial)
+            raise optuna.TrialPruned(verdict)
         request = {
             "mode": "trial",
             "space": self.space.to_dict(),
@@ -93,6 +113,14 @@ class Objective:
         }
         if self.data is not None:
             request["data"] = self.data
+        if self.memory_limit_bytes:
+            request["memory_limit_bytes"] = self.memory_limit_bytes
+        batch = knobs["batch_size"].batch_size
+        if ("batch_size.batch_size" in trial.params and knobs["compile"].mode == "off"
+                and not knobs["cuda_graphs"].enabled and self.space.ddp_world_size == 1 and self.data is None):
+            # out of memory: the worker looks for the largest smaller batch that fits (eager steps
+            # only: no recompile, no graph capture), and the search measures that next
+            request["fit_probe"] = [b for b in self.space.batch_sizes if b < batch]
         if self.profile and self.log_dir:
             request["trace_path"] = str(self.log_dir / f"trace-{trial.number:04d}.json")
         log_path = self.log_dir / f"trial-{trial.number:04d}.log" if self.log_dir else None
@@ -127,10 +155,42 @@ class Objective:
             trial.set_user_attr("reason", result["reason"])
         if figures:
             trial.set_user_attr("figures", figures)
+        fit = result.get("fit") or {}
+        if fit.get("peaks"):
+            trial.set_user_attr("fit_peaks", fit["peaks"])
+        if fit.get("does_not_fit_at"):
+            trial.set_user_attr("fit_oom_batch", fit["does_not_fit_at"])
+        if result["status"] == "oom":
+            self._back_off(trial, fits_at=fit.get("fits_at"))
         if result["status"] == "ok":
             self._explain(trial, result)
         return self._conclude(trial, result["status"], result.get("reason"), figures,
                               traceback=result.get("traceback") or result.get("log_tail"))
+
+    def _back_off(self, trial: optuna.Trial, fits_at: int | None = None) -> None:
+        """Queue this configuration at the largest batch that can fit (``fits_at``, as the worker
+        found it, else the memory model's choice), keeping its role: the FP32 baseline backs off
+        as a baseline, so there always is one. Nothing is queued for a pinned batch size, or a
+        configuration already measured or queued at that batch."""
+        from autotune.memory import MemoryModel
+
+        if "batch_size.batch_size" not in trial.params:
+            return
+        knobs = trial.user_attrs["knobs"]
+        batch = fits_at
+        if batch is None:
+            model = MemoryModel.from_study(trial.study, self.fit_limit_bytes)
+            batch = model.backoff_batch(knobs, self.space.batch_sizes)
+        if batch is None:
+            return
+        params = {**trial.params, "batch_size.batch_size": batch}
+        for other in trial.study.get_trials(deepcopy=False):
+            if (other.params or other.system_attrs.get("fixed_params")) == params:
+                return
+        role = trial.user_attrs.get("role")
+        attrs = {"role": role if role == "baseline" else "backed-off", "backoff_of": trial.number}
+        trial.study.enqueue_trial(params, user_attrs=attrs, skip_if_exists=False)
+        trial.set_user_attr("backed_off_to", batch)
 
     def _explain(self, trial: optuna.Trial, result: dict[str, Any]) -> None:
         """Record the trial's NVML and profile figures and the findings they support, and queue

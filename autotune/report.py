@@ -344,6 +344,13 @@ def _summary(d: _Data) -> list[dict[str, str]]:
         items.append({"label": "Speed-up over the FP32 baseline",
                       "text": fmt_ratio(speedup) if speedup is not None else "no baseline to compare with"})
         items.append({"label": "Peak memory", "text": _memory_text(best, base)})
+        note = (cfg.get("baseline") or {}).get("note")
+        if note:
+            items.append({"label": "FP32 baseline", "text": note})
+        limit = (cfg.get("memory") or {}).get("limit_bytes")
+        if limit:
+            items.append({"label": "Memory limit", "text": f"every trial capped at {fmt_gib(limit)} GiB (--memory-limit), "
+                                                           "what lives outside PyTorch's allocator included"})
     if d.has["energy"]:
         e_best, e_base = _energy_of(d, best), _energy_of(d, base)
         if e_best.get("joules_per_sample") is not None:

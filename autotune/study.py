@@ -110,6 +110,11 @@ class SearchConfig:
     """--ddp N: measure every trial as an N-process DistributedDataParallel step, one GPU per
     process (autotune.ddp), and search DDP's bucket size, bucket views and static graph; None:
     single-process trials."""
+    memory_limit: int | str | None = None
+    """--memory-limit: every worker caps its GPU memory at this many bytes ("24GiB" is parsed), what
+    lives outside PyTorch's allocator included, so an H200 tunes for a 24 GB card's memory."""
+    memory_headroom: int | str | None = None
+    """--memory-headroom: leave this much of the GPU's memory free (for other processes)."""
     resume: bool = False
     """Add trials to a study another machine wrote (a copied folder, a committed example): refused
     otherwise, since its figures are not this machine's (autotune.machine)."""
@@ -142,6 +147,15 @@ class SearchConfig:
             if not (self.replay / "study.db").is_file():
                 raise ConfigError(f"--replay {self.replay}: no study.db there; give the output folder of an "
                                   "earlier `autotune search` (the one holding its config.json and study.db)")
+        from autotune.memory import parse_size
+
+        if self.memory_limit is not None:
+            self.memory_limit = parse_size(self.memory_limit, "--memory-limit")
+        if self.memory_headroom is not None:
+            self.memory_headroom = parse_size(self.memory_headroom, "--memory-headroom")
+        if (self.memory_limit or self.memory_headroom) and self.device == "cpu":
+            raise ConfigError("--memory-limit and --memory-headroom cap a GPU's memory; a CPU search has none "
+                              "to cap (drop them, or search on --device cuda)")
         if self.trials is not None and self.trials < 1:
             raise ConfigError(f"--trials must be at least 1, got {self.trials}")
         if self.budget_s is not None and self.budget_s < MIN_BUDGET_S:
@@ -230,6 +244,22 @@ def _check_writable(out_dir: Path, min_free_bytes: int = 50 * 2**20) -> None:
     if free < min_free_bytes:
         raise ConfigError(f"only {free / 2**20:.0f} MiB free under {out_dir}; free some space or choose "
                           "another --out (the study, logs and report need about 50 MiB)")
+
+
+def memory_limit_bytes(config: SearchConfig, device: str, info: dict[str, Any]) -> int | None:
+    """The device memory each trial may use: --memory-limit, and the GPU's memory less
+    --memory-headroom, whichever is less; None when neither is given (or on a CPU)."""
+    if device != "cuda" or not (config.memory_limit or config.memory_headroom):
+        return None
+    total = int(info["provenance"].get("gpu_memory_bytes") or 0)
+    limits = [int(config.memory_limit)] if config.memory_limit else []
+    if config.memory_headroom:
+        limits.append(total - int(config.memory_headroom))
+    limit = min(limits)
+    if limit <= 0:
+        raise ConfigError(f"--memory-headroom {config.memory_headroom / 2**30:.1f} GiB leaves nothing of this GPU's "
+                          f"{total / 2**30:.1f} GiB; give a smaller headroom")
+    return limit
 
 
 def probe(config: SearchConfig, device: str, list_devices: bool = False) -> dict[str, Any]:
@@ -366,6 +396,10 @@ def _same_space(stored: dict[str, Any], space: SearchSpace) -> bool:
         return SearchSpace.from_dict(stored).to_dict() == space.to_dict()
     except TypeError:  # a field this version does not know: made by a newer autotune
         return False
+
+
+def _limit_words(limit: int | None) -> str:
+    return "no memory limit" if limit is None else f"a memory limit of {limit / 2**30:.1f} GiB"
 
 
 def _ddp_words(world_size: Any) -> str:
@@ -740,6 +774,13 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
                 f"{_ddp_words(theirs)} measurements and this search measures {_ddp_words(space.ddp_world_size)}: "
                 "one study must not mix them. Resume it with " + (f"--ddp {theirs}" if theirs != 1 else "no --ddp")
                 + ", or start a new search with another --study-name or --out")
+        limit = memory_limit_bytes(config, device, info)
+        if stored_space is not None and study.user_attrs.get("memory_limit_bytes") != limit:
+            raise ConfigError(
+                f"study {name!r} in {mask_url(config.storage or str(out_dir / 'study.db'))} was measured under "
+                f"{_limit_words(study.user_attrs.get('memory_limit_bytes'))} and this search runs under "
+                f"{_limit_words(limit)}: "
+                "what fits differs. Resume it with the same limit, or start a new one with another --out")
         if stored_space is not None and not _same_space(stored_space, space):
             raise ConfigError(
                 f"study {name!r} in {mask_url(config.storage or str(out_dir / 'study.db'))} was made with another search space ({stored_space}); "
@@ -750,6 +791,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
             study.set_user_attr("device", device)
             study.set_user_attr("provenance", info["provenance"])
             study.set_user_attr(MACHINE_ATTR, machine)
+            study.set_user_attr("memory_limit_bytes", limit)
             seeds = seed_configurations(space)
             for role, params in seeds:
                 study.enqueue_trial(params, user_attrs={"role": role})
@@ -773,7 +815,9 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
                               deadline=None if config.budget_s is None else started + config.budget_s,
                               profile=config.profile, steer=config.steer, goal=target,
                               misaligned=(info.get("misaligned") or {}).get("8"),
-                              prestart_workers=prestart)
+                              prestart_workers=prestart,
+                              memory_limit_bytes=limit,
+                              device_memory_bytes=info["provenance"].get("gpu_memory_bytes") if device == "cuda" else None)
         emit("start", {"space": space, "probe": info, "out_dir": out_dir, "study": study,
                        "recovered": recovered, "done": len(counted_trials(study)), "config": config})
         walls: list[tuple[float, bool]] = []  # (wall seconds, compiled) of each measured trial

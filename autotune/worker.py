@@ -342,6 +342,9 @@ def run_trial(request: dict[str, Any]) -> dict[str, Any]:
     device = cfg.device
     seed = int(request.get("seed", 0))
     data_spec = cfg.info.get("data") if request.get("config_path") else request.get("data")
+    limit = request.get("memory_limit_bytes")
+    if limit and device == "cuda":
+        cap_memory(int(limit))
     torch.manual_seed(seed)
     workload = build(spec)
     model = workload.model
@@ -368,21 +371,37 @@ def run_trial(request: dict[str, Any]) -> dict[str, Any]:
     nvml_window = (lambda: monitor.window_into(windows)) if monitor is not None else None
 
     loader_figures: dict[str, Any] = {}
+    does_not_fit = None
     try:
-        if feed is None:
-            m = measure(one_step, device, settings, setup_steps=step.num_setup_steps,
-                        timed_window=nvml_window)
-        else:
-            m, one_step, loader_figures = feed.measure(one_step, step, last_loss, settings,
-                                                       nvml_window)
-    finally:
-        if monitor is not None:
-            monitor.close()
-        if feed is not None and device != "cuda":
-            feed.close()  # on a GPU the profile window below still reads from it
+        try:
+            if feed is None:
+                m = measure(one_step, device, settings, setup_steps=step.num_setup_steps,
+                            timed_window=nvml_window)
+            else:
+                m, one_step, loader_figures = feed.measure(one_step, step, last_loss, settings,
+                                                           nvml_window)
+        finally:
+            if monitor is not None:
+                monitor.close()
+            if feed is not None and device != "cuda":
+                feed.close()  # on a GPU the profile window below still reads from it
+    except Exception as exc:
+        if not (request.get("fit_probe") and feed is None and is_out_of_memory(exc)):
+            raise
+        does_not_fit = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+    if does_not_fit is not None:
+        # outside the except block, so the failed step's frames (and tensors) are gone
+        last_loss.clear()
+        del stream, batches
+        fit = largest_fit(step, workload, cfg, request["fit_probe"], seed)
+        return {"status": "oom", "reason": does_not_fit, "fit": fit, "knobs": strategies.knobs_to_dict(cfg.knobs)}
     loss = float(last_loss[0].float().item())
     figures = m.to_dict()
     figures.update(memory_figures(device))
+    if limit and device == "cuda" and figures["peak_memory_bytes"] > limit:
+        # the allocator was capped, but memory outside it (context, library handles) grew past
+        return {"status": "oom", "reason": f"peak {figures['peak_memory_bytes'] / 2**30:.1f} GiB is over the memory "
+                                           f"limit of {limit / 2**30:.1f} GiB", "figures": figures}
     figures["samples_per_s"] = cfg.batch_size * 1e3 / m.step_time_ms
     figures.update(loader_figures)  # with --data: the loader-fed rate is what the user gets
     figures["batch_size"] = cfg.batch_size
@@ -408,6 +427,56 @@ def run_trial(request: dict[str, Any]) -> dict[str, Any]:
         feed.close()
     figures.update(timings)
     return result
+
+
+def cap_memory(limit_bytes: int) -> None:
+    """Cap this process's CUDA memory at ``limit_bytes``, what lives outside the caching allocator
+    (the CUDA context, library handles) included: the allocator gets the rest, and a step that
+    needs more raises out-of-memory as on a GPU of that size (--memory-limit)."""
+    free, total = torch.cuda.mem_get_info()  # makes the context, which is what lives outside
+    outside = max(0, total - free - torch.cuda.memory_reserved())
+    torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, (limit_bytes - outside) / total)))
+
+
+def largest_fit(step, workload, cfg: TunedConfig, candidates: list[int], seed: int) -> dict[str, Any]:
+    """After a step ran out of memory: the largest of ``candidates`` (smaller batches, ascending)
+    at which two steps of the same configuration fit, found by bisection (a fit at b means a fit
+    below b), with each fitting batch's peak. The search measures the configuration there next
+    (autotune.memory); eager steps only, so no recompilation or graph capture is involved."""
+    import gc
+
+    device = cfg.device
+    peaks: dict[int, int] = {}
+    failed: list[int] = []
+
+    def fits(batch: int) -> bool:
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            stream = iter(cfg.loader(itertools.cycle(_input_batches(workload, batch, device, False, seed))))
+            for _ in range(2):
+                x, y = next(stream)
+                loss = step(x, y)
+            float(loss.float().item())  # waits for the GPU
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                return False
+            raise
+        peaks[batch] = memory_figures(device)["peak_memory_bytes"]
+        return True
+
+    low, high, best = 0, len(candidates) - 1, None
+    while low <= high:
+        mid = (low + high) // 2
+        if fits(candidates[mid]):
+            best, low = candidates[mid], mid + 1
+        else:
+            failed.append(candidates[mid])
+            high = mid - 1
+    return {"fits_at": best, "peaks": {str(b): p for b, p in peaks.items()},
+            "does_not_fit_at": min(failed) if failed else None}
 
 
 def _profile(one_step, request: dict[str, Any], batch_size: int, step_time_ms: float) -> dict[str, Any]:

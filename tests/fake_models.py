@@ -35,6 +35,10 @@ def oom_above_16(num_classes: int = 10) -> nn.Module:
     return _OOMAbove(17, num_classes)
 
 
+def oom_above_32(num_classes: int = 10) -> nn.Module:
+    return _OOMAbove(33, num_classes)
+
+
 class _CrashUnderAutocast(nn.Module):
     """Kills its process (as a segfault would) when run under autocast."""
 

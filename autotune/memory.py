@@ -1,0 +1,152 @@
+"""What fits: a memory model fitted from the peaks the search measured, and out-of-memory back-off.
+
+A configuration's peak memory is close to a fixed part (weights, gradients, optimizer state, the
+CUDA context, workspaces) plus a per-sample part (activations), and both depend on the knobs that
+change what is stored: precision, memory format, padding, kept-FP32 layers, compile, CUDA graphs,
+the optimizer, streams. Trials that differ only in the batch size form a *family*; each family's
+line ``peak = fixed + per_sample * batch`` is fitted from its measured peaks (and from the peaks
+the worker measured while looking for the largest batch that fits, see autotune.worker).
+
+The search uses it two ways (autotune.objective):
+
+- before a trial runs, a configuration that surely does not fit is pruned with the reason: its
+  family ran out of memory at this batch or a smaller one, or its line predicts more than the
+  limit ("predicted not to fit: needs about 31 GiB of 24");
+- a configuration that does not fit at batch N is queued again at the largest batch that can fit
+  (the worker's own finding, else the family's line, else half of N): the FP32 baseline too, which
+  therefore always exists.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import optuna
+
+from autotune.errors import ConfigError
+
+PREDICT_MARGIN = 1.10
+"""A prediction prunes only when it is this much over the limit: a line fitted from two or three
+peaks is an estimate, and a configuration wrongly pruned is never measured."""
+BACKOFF_FILL = 0.95
+"""A back-off batch is one whose predicted peak is within this share of the limit."""
+
+# knobs that do not change device memory: the batch is the model's variable, the rest act on the
+# host (threads, the data loader) or only on the loss scale's arithmetic (GradScaler settings)
+_NOT_MEMORY = ("batch_size", "threads", "dataloader", "grad_scaler")
+
+
+def parse_size(text: str | int | float, option: str = "--memory-limit") -> int:
+    """'24GiB', '24GB', '24G', '500MiB', or a number of bytes -> bytes (GB and G taken as GiB,
+    as nvidia-smi and most guides mean them for GPU memory)."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    if not match:
+        raise ConfigError(f"{option} {text!r}: write a size like 24GiB, 24GB or 500MiB")
+    factor = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[match.group(2)]
+    value = int(float(match.group(1)) * factor)
+    if value <= 0:
+        raise ConfigError(f"{option} {text!r}: give a positive size, e.g. 24GiB")
+    return value
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def family(knobs: Mapping[str, Mapping[str, Any]]) -> str:
+    """The configuration without its batch size (and the knobs that do not change memory)."""
+    parts = [f"{name}.{key}={value}" for name, values in sorted(knobs.items()) if name not in _NOT_MEMORY
+             for key, value in sorted(values.items())]
+    return ",".join(parts)
+
+
+def batch_of(knobs: Mapping[str, Mapping[str, Any]]) -> int:
+    return int(knobs["batch_size"]["batch_size"])
+
+
+@dataclass
+class MemoryModel:
+    """Measured peaks and out-of-memory batches per family, and the limit they are held against."""
+
+    limit_bytes: float | None
+    """The most a trial may use: --memory-limit, else the GPU's memory; None on a CPU."""
+    peaks: dict[str, dict[int, float]] = field(default_factory=lambda: defaultdict(dict))
+    """family -> batch -> peak bytes (the highest seen at that batch)."""
+    ooms: dict[str, list[tuple[int, int]]] = field(default_factory=lambda: defaultdict(list))
+    """family -> (batch, trial number) of each measured out-of-memory trial."""
+
+    @classmethod
+    def from_study(cls, study: optuna.Study, limit_bytes: float | None) -> "MemoryModel":
+        model = cls(limit_bytes)
+        for trial in study.get_trials(deepcopy=False):
+            knobs, attrs = trial.user_attrs.get("knobs"), trial.user_attrs
+            if not knobs or "duplicate_of" in attrs:
+                continue
+            fam = family(knobs)
+            for batch, peak in (attrs.get("fit_peaks") or {}).items():
+                model.add(fam, int(batch), peak)
+            if attrs.get("status") == "ok" and (attrs.get("figures") or {}).get("peak_memory_bytes"):
+                model.add(fam, batch_of(knobs), attrs["figures"]["peak_memory_bytes"])
+            elif attrs.get("status") == "oom":
+                model.ooms[fam].append((batch_of(knobs), trial.number))
+            if attrs.get("fit_oom_batch"):  # the worker's search for a batch that fits failed here too
+                model.ooms[fam].append((int(attrs["fit_oom_batch"]), trial.number))
+        return model
+
+    def add(self, fam: str, batch: int, peak: float) -> None:
+        self.peaks[fam][batch] = max(peak, self.peaks[fam].get(batch, 0.0))
+
+    def line(self, fam: str) -> tuple[float, float] | None:
+        """(fixed bytes, bytes per sample) by least squares over the family's batches; None with
+        fewer than two batches measured."""
+        points = sorted(self.peaks.get(fam, {}).items())
+        if len(points) < 2:
+            return None
+        n = len(points)
+        mean_b = sum(b for b, _ in points) / n
+        mean_p = sum(p for _, p in points) / n
+        var = sum((b - mean_b) ** 2 for b, _ in points)
+        slope = max(0.0, sum((b - mean_b) * (p - mean_p) for b, p in points) / var)
+        return mean_p - slope * mean_b, slope
+
+    def predict(self, knobs: Mapping[str, Mapping[str, Any]], batch: int | None = None) -> float | None:
+        """Predicted peak bytes of ``knobs`` (at ``batch`` instead of its own, if given)."""
+        fitted = self.line(family(knobs))
+        if fitted is None:
+            return None
+        fixed, per_sample = fitted
+        return fixed + per_sample * (batch if batch is not None else batch_of(knobs))
+
+    def verdict(self, knobs: Mapping[str, Mapping[str, Any]]) -> str | None:
+        """Why ``knobs`` surely does not fit, or None when it may."""
+        fam, batch = family(knobs), batch_of(knobs)
+        failed = [(b, n) for b, n in self.ooms.get(fam, []) if b <= batch]
+        if failed:
+            b, n = min(failed)
+            return f"does not fit: the same configuration ran out of memory at batch {b} (#{n})"
+        predicted = self.predict(knobs)
+        if self.limit_bytes and predicted is not None and predicted > self.limit_bytes * PREDICT_MARGIN:
+            return (f"predicted not to fit: needs about {predicted / 2**30:.0f} GiB of "
+                    f"{self.limit_bytes / 2**30:.0f} (batch {batch}; fitted from the peaks measured at "
+                    f"batch {', '.join(str(b) for b in sorted(self.peaks[fam]))})")
+        return None
+
+    def backoff_batch(self, knobs: Mapping[str, Mapping[str, Any]], candidates: list[int]) -> int | None:
+        """The batch to measure ``knobs`` at instead, after it did not (or would not) fit: the largest
+        of ``candidates`` below every out-of-memory batch of its family whose predicted peak is
+        within the limit; without a fitted line, the largest at most half of its batch."""
+        fam, batch = family(knobs), batch_of(knobs)
+        ceiling = min([batch] + [b for b, _ in self.ooms.get(fam, [])])
+        below = [c for c in candidates if c < ceiling]
+        if not below:
+            return None
+        if self.limit_bytes and self.line(fam) is not None:
+            fitting = [c for c in below if self.predict(knobs, c) <= self.limit_bytes * BACKOFF_FILL]
+            return max(fitting) if fitting else None
+        halved = [c for c in below if c <= ceiling // 2]
+        return max(halved) if halved else min(below)

@@ -1,0 +1,70 @@
+"""GPU tests of what fits: --memory-limit caps a worker, the worker finds the largest batch that
+fits after running out of memory, and the memory model's predictions against measured peaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from autotune.measure import MeasureSettings
+from autotune.memory import MemoryModel, family
+from autotune.runner import run_worker
+from autotune.space import SearchSpace
+
+pytestmark = pytest.mark.gpu
+
+GiB = 2**30
+BATCHES = [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+SPACE = SearchSpace(device="cuda", precisions=["fp32"], batch_sizes=BATCHES, base_batch_size=256)
+RESNET50 = {"model": "resnet50", "input_shape": [3, 224, 224], "num_classes": 1000}
+QUICK = MeasureSettings(min_warmup_steps=2, max_warmup_s=5, min_steps=5, min_time_s=0.3, max_remeasure=0)
+
+
+def _knobs(batch: int) -> dict:
+    return {"precision": {"mode": "fp32"}, "batch_size": {"batch_size": batch, "base_batch_size": 256}}
+
+
+def _trial(batch: int, **extra) -> dict:
+    import strategies
+    from optuna.trial import FixedTrial
+
+    knobs = strategies.sample(FixedTrial({"batch_size.batch_size": batch}), SPACE)
+    return run_worker({"mode": "trial", "space": SPACE.to_dict(), "knobs": strategies.knobs_to_dict(knobs),
+                       "workload": RESNET50, "measure": QUICK.to_dict(), "seed": 0, "profile": False, **extra},
+                      timeout_s=300)
+
+
+def test_a_memory_limit_caps_the_worker_and_a_batch_over_it_does_not_fit():
+    limit = 8 * GiB
+    over = _trial(256, memory_limit_bytes=limit)  # FP32 ResNet-50 at 256 needs about 26 GiB
+    assert over["status"] == "oom", over
+    fits = _trial(32, memory_limit_bytes=limit)
+    assert fits["status"] == "ok", fits
+    assert fits["figures"]["peak_memory_bytes"] <= limit
+    print(f"\nbatch 32 under an 8 GiB cap: peak {fits['figures']['peak_memory_bytes'] / GiB:.2f} GiB")
+
+
+def test_after_running_out_of_memory_the_worker_finds_the_largest_batch_that_fits():
+    limit = 8 * GiB
+    result = _trial(512, memory_limit_bytes=limit, fit_probe=[b for b in BATCHES if b < 512])
+    assert result["status"] == "oom", result
+    fit = result["fit"]
+    assert fit["fits_at"] in BATCHES and fit["does_not_fit_at"] > fit["fits_at"]
+    there = _trial(fit["fits_at"], memory_limit_bytes=limit)  # the search measures it there next
+    assert there["status"] == "ok", there
+    print(f"\nunder 8 GiB: fits at batch {fit['fits_at']} (probe peak {int(fit['peaks'][str(fit['fits_at'])]) / GiB:.2f}"
+          f" GiB, measured {there['figures']['peak_memory_bytes'] / GiB:.2f} GiB), not at {fit['does_not_fit_at']}")
+
+
+def test_the_memory_model_predicts_measured_peaks_within_ten_percent():
+    model = MemoryModel(None)
+    measured = {}
+    for batch in (32, 64, 128, 256):
+        result = _trial(batch)
+        assert result["status"] == "ok", result
+        measured[batch] = result["figures"]["peak_memory_bytes"]
+    for batch in (32, 64):
+        model.add(family(_knobs(batch)), batch, measured[batch])
+    for batch in (128, 256):
+        predicted = model.predict(_knobs(batch))
+        print(f"\nResNet-50 FP32 batch {batch}: predicted {predicted / GiB:.2f} GiB, measured {measured[batch] / GiB:.2f} GiB")
+        assert predicted == pytest.approx(measured[batch], rel=0.10)

@@ -1,0 +1,182 @@
+"""What fits: sizes, the memory model against planted peaks, pruning and back-off before a worker
+runs, the memory limit, and a CPU search whose model does not fit above batch 32."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import optuna
+import pandas as pd
+import pytest
+import torch
+from optuna.trial import TrialState, create_trial
+
+from autotune.errors import ConfigError
+from autotune.memory import MemoryModel, family, parse_size
+from autotune.objective import Objective
+from autotune.space import SearchSpace
+from autotune.study import SearchConfig, memory_limit_bytes
+from autotune.workloads import WorkloadSpec
+from conftest import ROOT, run_cli
+
+GiB, MiB = 2**30, 2**20
+
+
+def test_sizes_read_as_a_user_writes_them():
+    assert parse_size("24GiB") == parse_size("24GB") == parse_size("24g") == 24 * GiB
+    assert parse_size("500MiB") == 500 * MiB and parse_size("1.5G") == int(1.5 * GiB) and parse_size(4096) == 4096
+    for bad in ("24 gigs", "-3GiB", "0GB"):
+        with pytest.raises(ConfigError, match="like 24GiB|positive size"):
+            parse_size(bad)
+
+
+def _knobs(batch: int, *, mode: str = "fp32", fmt: str = "contiguous", threads: int = 2) -> dict:
+    return {"precision": {"mode": mode}, "batch_size": {"batch_size": batch, "base_batch_size": 256},
+            "memory_format": {"format": fmt}, "threads": {"num_threads": threads}}
+
+
+def test_a_family_is_the_configuration_without_its_batch_and_host_knobs():
+    assert family(_knobs(32)) == family(_knobs(512, threads=1))
+    assert family(_knobs(32)) != family(_knobs(32, fmt="channels_last")) != family(_knobs(32, mode="bf16"))
+
+
+def _true_peak(batch: int) -> float:
+    """A planted configuration: 2 GiB fixed (weights, optimizer state, context), 50 MiB a sample."""
+    return 2 * GiB + 50 * MiB * batch
+
+
+def _model(limit: float | None = 24 * GiB, measured=(32, 64), noise: float = 0.005) -> MemoryModel:
+    model = MemoryModel(limit)
+    for i, batch in enumerate(measured):
+        model.add(family(_knobs(batch)), batch, _true_peak(batch) * (1 + (noise if i % 2 else -noise)))
+    return model
+
+
+def test_the_fitted_line_predicts_the_peaks_it_did_not_see():
+    model = _model()
+    fixed, per_sample = model.line(family(_knobs(32)))
+    assert fixed == pytest.approx(2 * GiB, rel=0.1) and per_sample == pytest.approx(50 * MiB, rel=0.05)
+    for batch in (128, 256, 384):
+        assert model.predict(_knobs(batch)) == pytest.approx(_true_peak(batch), rel=0.05)
+    assert model.predict(_knobs(128, mode="bf16")) is None  # another family: nothing measured
+    assert _model(measured=(32,)).predict(_knobs(128)) is None  # one point is no line
+
+
+def test_a_sure_out_of_memory_is_pruned_with_its_reason_and_a_likely_fit_is_not():
+    model = _model()
+    said = model.verdict(_knobs(1024))  # truly 52 GiB; 53 from the two noisy peaks
+    assert said == ("predicted not to fit: needs about 53 GiB of 24 (batch 1024; fitted from the peaks "
+                    "measured at batch 32, 64)")
+    assert model.verdict(_knobs(384)) is None  # truly 20.75 GiB: fits
+    assert model.verdict(_knobs(460)) is None  # truly 24.5 GiB: within the margin, so measured
+    assert _model(limit=None).verdict(_knobs(4096)) is None  # a CPU: no limit to predict against
+
+
+def test_a_family_that_ran_out_of_memory_at_a_batch_does_not_fit_above_it():
+    model = MemoryModel(None)
+    model.ooms[family(_knobs(256))].append((256, 7))
+    assert model.verdict(_knobs(512)) == "does not fit: the same configuration ran out of memory at batch 256 (#7)"
+    assert model.verdict(_knobs(256)) is not None
+    assert model.verdict(_knobs(128)) is None
+    assert model.verdict(_knobs(512, fmt="channels_last")) is None  # another family: not known
+
+
+def test_back_off_takes_the_largest_batch_predicted_to_fit_else_half():
+    candidates = [16, 32, 64, 128, 256, 384, 512, 1024]
+    assert _model().backoff_batch(_knobs(1024), candidates) == 384  # 20.75 GiB of 24 (95%: 22.8)
+    unknown = MemoryModel(None)
+    assert unknown.backoff_batch(_knobs(1024), candidates) == 512
+    unknown.ooms[family(_knobs(256))].append((256, 3))  # known not to fit at 256 already
+    assert unknown.backoff_batch(_knobs(1024), candidates) == 128
+    assert unknown.backoff_batch(_knobs(16), candidates) is None
+
+
+# --- the objective prunes and backs off before any worker runs -------------------------------------
+
+def test_a_configuration_known_not_to_fit_is_pruned_uncounted_and_queued_lower(tmp_path):
+    space = SearchSpace(device="cpu", precisions=["fp32"], batch_sizes=[16, 32, 64, 128, 256, 512],
+                        base_batch_size=256, thread_counts=[2])
+    study = optuna.create_study(direction="maximize")
+    objective = Objective(space=space, workload={"model": "not-built"}, measure={}, input_on_device=False, seed=0,
+                          trial_timeout_s=60, log_dir=tmp_path)
+    params = {"batch_size.batch_size": 256}
+    study.enqueue_trial(params)
+    study.optimize(lambda t: _record_oom(t, objective), n_trials=1)  # as a worker's OOM at 256 records it
+    study.enqueue_trial({"batch_size.batch_size": 512}, user_attrs={"role": "baseline"})
+    study.optimize(objective, n_trials=1)  # no worker: the model is never built
+    pruned = study.trials[1]
+    assert pruned.state == TrialState.PRUNED and "status" not in pruned.user_attrs  # not counted
+    assert pruned.user_attrs["reason"] == "does not fit: the same configuration ran out of memory at batch 256 (#0)"
+    queued = study.get_trials(states=(TrialState.WAITING,))
+    assert [(t.system_attrs["fixed_params"], t.user_attrs["role"]) for t in queued] == \
+        [({"batch_size.batch_size": 128}, "baseline")]  # half of 256, the family's ceiling; its role kept
+
+
+def _record_oom(trial, objective: Objective) -> float:
+    import strategies
+
+    knobs = strategies.sample(trial, objective.space)
+    trial.set_user_attr("knobs", strategies.knobs_to_dict(knobs))
+    trial.set_user_attr("status", "oom")
+    raise optuna.TrialPruned("does not fit at batch 256")
+
+
+# --- the memory limit -----------------------------------------------------------------------------
+
+def test_the_limit_is_the_smaller_of_the_cap_and_the_gpus_memory_less_headroom():
+    info = {"provenance": {"gpu_memory_bytes": 141 * GiB}}
+    spec = WorkloadSpec(model="resnet50")
+
+    def limit(**options):
+        return memory_limit_bytes(SearchConfig(workload=spec, accuracy_check=False, **options), "cuda", info)
+
+    assert limit() is None
+    assert limit(memory_limit="24GiB") == 24 * GiB
+    assert limit(memory_headroom="4GiB") == 137 * GiB
+    assert limit(memory_limit="140GiB", memory_headroom="4GiB") == 137 * GiB
+    with pytest.raises(ConfigError, match="leaves nothing"):
+        limit(memory_headroom="200GiB")
+    with pytest.raises(ConfigError, match="cap a GPU's memory"):
+        SearchConfig(workload=spec, device="cpu", memory_limit="24GiB")
+
+
+def test_load_warns_when_the_gpu_at_hand_has_less_memory_than_the_measured_peak(tmp_path, monkeypatch):
+    import autotune
+
+    data = json.loads((ROOT / "reports" / "resnet50-h200" / "config.json").read_text())
+    data["figures"]["peak_memory_bytes"] = 30 * GiB
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: data["provenance"]["gpu"])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=0: SimpleNamespace(total_memory=24 * GiB))
+    with pytest.warns(UserWarning, match=r"peaked at 30.0 GiB when measured, and this GPU has 24.0 GiB.*--memory-limit 24GiB"):
+        autotune.load(tmp_path / "config.json")
+
+
+# --- a whole CPU search --------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_model_that_does_not_fit_above_batch_32_gets_a_baseline_and_a_recommendation(tmp_path):
+    out = tmp_path / "out"
+    proc = run_cli("search", "--model", "fake_models:oom_above_32", "--device", "cpu", "--input-shape", "3x32x32",
+                   "--num-classes", "10", "--max-batch-size", "1024", "--base-batch-size", "256", "--trials", "6",
+                   "--min-measure-time", "0.3", "--out", str(out))
+    assert proc.returncode == 0
+    data = json.loads((out / "config.json").read_text())
+    assert data["knobs"]["batch_size"]["batch_size"] <= 32
+    baseline = data["baseline"]
+    assert baseline["batch_size"] == 32 and baseline["base_batch_size"] == 256
+    assert baseline["note"] == ("the FP32 baseline ran at batch 32, the largest that fits: the base batch size 256 "
+                                "does not fit")
+    assert "note: the FP32 baseline ran at batch 32" in " ".join(proc.stderr.split())
+    trials = pd.read_csv(out / "trials.csv")
+    first = trials.iloc[0]
+    assert first["role"] == "baseline" and first["status"] == "oom"
+    backed = [t for t in optuna.load_study(study_name=None, storage=f"sqlite:///{out / 'study.db'}").trials
+              if t.user_attrs.get("backoff_of") == 0]
+    assert len(backed) == 1 and backed[0].user_attrs["role"] == "baseline"
+    assert backed[0].user_attrs["knobs"]["batch_size"]["batch_size"] == 32  # the worker found it: 33 raises
+    assert "FP32 baseline" in (out / "report.md").read_text()
