@@ -615,7 +615,10 @@ class AccuracyGate:
 
     def ensure_recommendation(self, study, deadline: float | None = None):
         """Check the best trials (under the study's objective) without evidence, best first, until
-        one passes. Returns the recommended trial (best with passing evidence) or None."""
+        one passes, while ``deadline`` (time.time(); the search budget's end) leaves time for a
+        check. Returns the recommended trial (best with passing evidence) or None."""
+        import time
+
         from optuna.study import StudyDirection
         from optuna.trial import TrialState
 
@@ -624,10 +627,18 @@ class AccuracyGate:
         for t in sorted(done, key=lambda t: t.value, reverse=study.direction == StudyDirection.MAXIMIZE):
             acc = accuracy_of(study, t)
             if acc is None:
-                acc = self.evidence(study, t.user_attrs["knobs"], check=True)
+                left = None if deadline is None else deadline - time.time()
+                if left is not None and left < MIN_CHECK_S:
+                    return None  # the budget is spent: the export says the numerics were not checked
+                acc = self.evidence(study, t.user_attrs["knobs"], check=True,
+                                    timeout_s=None if left is None else min(self.timeout_s, left))
             if passed(acc):
                 return t
         return None
+
+
+MIN_CHECK_S = 5.0
+"""A check is not started with less of the budget left than this."""
 
 
 class AccuracyCheckError(AutotuneError):

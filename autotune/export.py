@@ -190,6 +190,11 @@ def export(study: optuna.Study, out_dir: Path, *, config, space: SearchSpace, pr
         info["accuracy"] = {**accuracy, "settings": study.user_attrs.get(SETTINGS_ATTR)}
     elif study.user_attrs.get(UNAVAILABLE_ATTR):
         info["accuracy"] = {"verdict": "not checked", "reason": study.user_attrs[UNAVAILABLE_ATTR]}
+    elif study.user_attrs.get(SETTINGS_ATTR):
+        # the check was on, but the budget ended before this configuration's numerics were checked
+        info["accuracy"] = {"verdict": "not checked", "reason": (
+            "the search budget ran out before this configuration's numerics were checked against FP32; "
+            "give a longer --budget, or check it with `autotune accuracy`")}
     cfg = TunedConfig.from_params(best.params, space, info=info)
     # a study resumed by a newer autotune: its older trials ran knobs added since at their defaults
     recorded = strategies.knobs_from_dict(best.user_attrs["knobs"], fill_missing=True)

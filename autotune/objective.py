@@ -18,6 +18,33 @@ from strategies.compile import COMPILE_ALLOWANCE_S
 RESULT_ATTRS = ("status", "reason", "figures", "knobs", "timing", "energy", "profile", "findings")
 
 
+URGENT_ATTR = "urgent"
+"""User attribute of a queued trial that is served before the rest of the queue (serve_urgent_first)."""
+
+
+def serve_urgent_first(study: optuna.Study) -> None:
+    """Make ``study`` serve queued trials marked urgent (the FP32 baseline backed off to a batch that
+    fits) before the others; Optuna serves its queue oldest first, and the seeds queued at the start
+    (minutes each when they compile) would otherwise all run before the baseline.
+
+    Optuna has no public way to reorder its queue: this wraps the method that pops from it, and
+    claims an urgent trial the way Optuna claims any (an atomic WAITING -> RUNNING update)."""
+    storage, pop = study._storage, study._pop_waiting_trial_id
+
+    def pop_urgent_first() -> int | None:
+        for trial in storage.get_all_trials(study._study_id, deepcopy=False, states=(TrialState.WAITING,)):
+            if not trial.user_attrs.get(URGENT_ATTR):
+                continue
+            try:
+                if storage.set_trial_state_values(trial._trial_id, state=TrialState.RUNNING):
+                    return trial._trial_id
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue
+        return pop()
+
+    study._pop_waiting_trial_id = pop_urgent_first
+
+
 class TrialFailed(Exception):
     """The worker crashed, timed out or raised: recorded on the trial, and the study goes on."""
 
@@ -189,6 +216,8 @@ class Objective:
                 return
         role = trial.user_attrs.get("role")
         attrs = {"role": role if role == "baseline" else "backed-off", "backoff_of": trial.number}
+        if role == "baseline":
+            attrs[URGENT_ATTR] = True  # every figure is compared with it: measured next, not after the seeds
         trial.study.enqueue_trial(params, user_attrs=attrs, skip_if_exists=False)
         trial.set_user_attr("backed_off_to", batch)
 

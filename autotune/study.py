@@ -25,7 +25,7 @@ from autotune.gpus import GpuPool, parse_gpus, pinned, probe_view
 from autotune.knob_effects import apply_fixed_knobs, fix_no_effect_knobs
 from autotune.machine import MACHINE_ATTR, check_resume, this_machine
 from autotune.measure import MeasureSettings
-from autotune.objective import Objective, TrialFailed, requeue
+from autotune.objective import Objective, TrialFailed, requeue, serve_urgent_first
 from autotune.runlog import run_log
 from autotune.runner import discard_spares, prestart_setting, run_worker
 from autotune.space import SearchSpace
@@ -759,6 +759,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 study.sampler = optuna.samplers.TPESampler(
                     seed=sampler_seed(config.seed, len(study.trials), shared=not own_storage))
+        serve_urgent_first(study)  # a baseline backed off to a batch that fits runs next
         if config.steer:
             # knobs an earlier run of this study found to have no effect stay fixed
             apply_fixed_knobs(study)
@@ -864,7 +865,8 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
             # the recommendation must have passing accuracy evidence: check the fastest trials
             # that have none, fastest first, until one passes
             t = time.time()
-            gate.ensure_recommendation(study)
+            # within the budget: a recommendation left unchecked says so (export)
+            gate.ensure_recommendation(study, deadline=None if config.budget_s is None else started + config.budget_s)
             phases["final accuracy checks"] = time.time() - t
         t = time.time()
         files = _write_outputs(study, out_dir, config, space, info)

@@ -180,3 +180,37 @@ def test_a_model_that_does_not_fit_above_batch_32_gets_a_baseline_and_a_recommen
     assert len(backed) == 1 and backed[0].user_attrs["role"] == "baseline"
     assert backed[0].user_attrs["knobs"]["batch_size"]["batch_size"] == 32  # the worker found it: 33 raises
     assert "FP32 baseline" in (out / "report.md").read_text()
+
+
+def test_a_backed_off_baseline_is_served_before_the_queued_seeds():
+    from autotune.objective import URGENT_ATTR, serve_urgent_first
+
+    study = optuna.create_study()
+    serve_urgent_first(study)
+    for batch in (256, 512):
+        study.enqueue_trial({"x": batch}, user_attrs={"role": "known-good"})
+    study.enqueue_trial({"x": 32}, user_attrs={"role": "baseline", URGENT_ATTR: True})
+    served = []
+    for _ in range(4):
+        trial = study.ask()
+        served.append(trial.suggest_int("x", 1, 1024))
+        study.tell(trial, 0.0)
+    assert served[:3] == [32, 256, 512]  # then the sampler's own
+
+
+@pytest.mark.slow
+def test_a_search_whose_accuracy_check_is_slow_ends_within_its_budget_and_says_it_did_not_check(tmp_path):
+    import time
+
+    out = tmp_path / "out"
+    started = time.monotonic()
+    # 400 steps of a model that sleeps 50 ms a step: each accuracy run takes over 40 s, the budget 25 s
+    proc = run_cli("search", "--model", "fake_models:slow_cnn", "--device", "cpu", "--input-shape", "3x32x32",
+                   "--num-classes", "10", "--budget", "25s", "--accuracy-steps", "400", "--min-measure-time", "0.3",
+                   "--out", str(out))
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0
+    assert elapsed < 25 + 15, f"a 25 s budget took {elapsed:.0f} s"
+    accuracy = json.loads((out / "config.json").read_text())["accuracy"]
+    assert accuracy["verdict"] == "not checked" and "budget ran out" in accuracy["reason"]
+    assert "accuracy: not checked: the search budget ran out" in " ".join(proc.stderr.split())
