@@ -174,8 +174,8 @@ class Objective:
         figures = result.get("figures")
         timing = {"worker_start_s": result.get("worker_start_s"), "wall_s": result["wall_s"]}
         if figures:
-            timing.update(warmup_s=figures["warmup_s"], measure_s=figures["measure_s"], build_s=figures["build_s"],
-                          compile_s=figures.get("compile_s", 0.0))
+            timing.update(warmup_s=figures.get("warmup_s"), measure_s=figures.get("measure_s"),
+                          build_s=figures.get("build_s"), compile_s=figures.get("compile_s", 0.0))
         trial.set_user_attr("timing", timing)
         trial.set_user_attr("status", result["status"])
         if result.get("reason"):

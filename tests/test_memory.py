@@ -214,3 +214,25 @@ def test_a_search_whose_accuracy_check_is_slow_ends_within_its_budget_and_says_i
     accuracy = json.loads((out / "config.json").read_text())["accuracy"]
     assert accuracy["verdict"] == "not checked" and "budget ran out" in accuracy["reason"]
     assert "accuracy: not checked: the search budget ran out" in " ".join(proc.stderr.split())
+
+
+def test_a_worker_over_the_limit_outside_the_allocator_is_an_oom_with_its_peak_and_backs_off(tmp_path, monkeypatch):
+    """The worker's answer when memory outside PyTorch's allocator took a capped trial over the limit
+    (seen on the H200: bf16 + compile at batch 512 peaked at 24.1 GiB under --memory-limit 24GiB)."""
+    import autotune.objective as objective_module
+
+    over = {"status": "oom", "reason": "peak 24.1 GiB is over the memory limit of 24.0 GiB",
+            "fit": {"peaks": {"512": int(24.1 * GiB)}}, "wall_s": 30.0, "worker_start_s": 0.5}
+    monkeypatch.setattr(objective_module, "run_worker", lambda request, **kw: dict(over))
+    space = SearchSpace(device="cpu", precisions=["fp32"], batch_sizes=[128, 256, 384, 512], base_batch_size=256)
+    study = optuna.create_study(direction="maximize")
+    objective = Objective(space=space, workload={"model": "not-built"}, measure={}, input_on_device=False, seed=0,
+                          trial_timeout_s=60, log_dir=tmp_path, memory_limit_bytes=24 * GiB)
+    study.enqueue_trial({"batch_size.batch_size": 512})
+    study.optimize(objective, n_trials=1)
+    trial = study.trials[0]
+    assert trial.state == TrialState.PRUNED and trial.user_attrs["status"] == "oom"
+    assert trial.user_attrs["reason"] == "does not fit at batch 512: peak 24.1 GiB is over the memory limit of 24.0 GiB"
+    assert trial.user_attrs["fit_peaks"] == {"512": int(24.1 * GiB)} and trial.user_attrs["backed_off_to"] == 256
+    (queued,) = study.get_trials(states=(TrialState.WAITING,))
+    assert queued.system_attrs["fixed_params"] == {"batch_size.batch_size": 256}
