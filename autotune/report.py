@@ -349,7 +349,7 @@ def _summary(d: _Data) -> list[dict[str, str]]:
             items.append({"label": "FP32 baseline", "text": note})
         limit = (cfg.get("memory") or {}).get("limit_bytes")
         if limit:
-            items.append({"label": "Memory limit", "text": f"every trial capped at {fmt_gib(limit)} GiB (--memory-limit), "
+            items.append({"label": "Memory limit", "text": f"every trial capped at {fmt_gib(limit / 2**30)} GiB (--memory-limit), "
                                                            "what lives outside PyTorch's allocator included"})
     if d.has["energy"]:
         e_best, e_base = _energy_of(d, best), _energy_of(d, base)

@@ -236,3 +236,16 @@ def test_a_worker_over_the_limit_outside_the_allocator_is_an_oom_with_its_peak_a
     assert trial.user_attrs["fit_peaks"] == {"512": int(24.1 * GiB)} and trial.user_attrs["backed_off_to"] == 256
     (queued,) = study.get_trials(states=(TrialState.WAITING,))
     assert queued.system_attrs["fixed_params"] == {"batch_size.batch_size": 256}
+
+
+def test_the_committed_24_gib_search_kept_every_measured_trial_under_the_limit():
+    """reports/resnet50-h200-24gib: ResNet-50 on an H200 under --memory-limit 24GiB (6 minutes)."""
+    folder = ROOT / "reports" / "resnet50-h200-24gib"
+    data = json.loads((folder / "config.json").read_text())
+    assert data["memory"]["limit_bytes"] == 24 * GiB
+    trials = pd.read_csv(folder / "trials.csv")
+    measured = trials[trials["state"] == "COMPLETE"]
+    assert len(measured) >= 7 and (measured["peak_memory_gb"] <= 24).all()
+    over = trials[trials["status"] == "oom"]
+    assert len(over) >= 2 and over["reason"].str.contains("over the memory limit of 24.0 GiB").all()
+    assert data["baseline"]["batch_size"] == 256 and data["figures"]["peak_memory_bytes"] <= 24 * GiB
