@@ -39,6 +39,9 @@ def _add_search(sub: argparse._SubParsersAction) -> None:
                         "learning-rate scaling (default: --batch-size, else 256 on GPU, 16 on CPU)")
     p.add_argument("--min-batch-size", type=int, help="smallest batch to try (default 16 GPU, 4 CPU)")
     p.add_argument("--max-batch-size", type=int, help="largest batch to try (default 1024 GPU, 32 CPU)")
+    p.add_argument("--global-batch-size", type=int, metavar="N",
+                   help="keep N samples per optimizer step (your batch, your learning rate): search the micro-batch "
+                        "(a divisor of N) and accumulate gradients over N / micro-batch steps")
     p.add_argument("--memory-limit", metavar="SIZE",
                    help="cap every trial's GPU memory at SIZE, e.g. 24GiB: tune on a large GPU for a smaller card "
                         "(what lives outside PyTorch's allocator counts too); recorded in config.json")
@@ -274,6 +277,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         objective=args.objective,
         seed=args.seed, gpus=args.gpus, ddp=args.ddp, replay=args.replay, resume=args.resume,
         memory_limit=args.memory_limit, memory_headroom=args.memory_headroom,
+        global_batch_size=args.global_batch_size,
         trial_timeout_s=args.trial_timeout, command=_command_line(args),
         accuracy_check=not args.no_accuracy_check, max_accuracy_drop=args.max_accuracy_drop,
         max_loss_drift=args.max_loss_drift, accuracy_steps=args.accuracy_steps, data=args.data,

@@ -120,10 +120,17 @@ class TunedConfig:
     def notes(self) -> list[str]:
         return list(self.recipe.notes)
 
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches (of ``batch_size``) per optimizer step: 1 unless tuned with
+        --global-batch-size. ``train_step`` accumulates them; a loop of your own divides each
+        micro-batch's loss by it and steps the optimizer every ``accumulation_steps`` batches."""
+        return self.recipe.accumulation_steps
+
     def scaled_lr(self, base_lr: float) -> float:
         """The learning rate for the tuned batch size, by the linear scaling rule."""
         base = self.recipe.base_batch_size or self.recipe.batch_size
-        return base_lr * self.recipe.batch_size / base
+        return base_lr * self.recipe.batch_size * self.recipe.accumulation_steps / base
 
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
                 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:

@@ -108,9 +108,10 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
 def baseline_batch(base: optuna.trial.FrozenTrial, space: SearchSpace) -> dict[str, Any]:
     """The FP32 baseline's batch, and why it is not --base-batch-size when it is not: the baseline
     backed off to the largest batch that fits (autotune.memory)."""
-    batch = base.user_attrs["knobs"]["batch_size"]["batch_size"]
-    out: dict[str, Any] = {"batch_size": batch, "base_batch_size": space.base_batch_size}
-    if batch != space.base_batch_size:
+    knob = base.user_attrs["knobs"]["batch_size"]
+    batch, steps = knob["batch_size"], knob.get("accumulation_steps", 1)
+    out: dict[str, Any] = {"batch_size": batch, "accumulation_steps": steps, "base_batch_size": space.base_batch_size}
+    if batch * steps != space.base_batch_size:
         out["note"] = (f"the FP32 baseline ran at batch {batch}, the largest that fits: the base batch size "
                        f"{space.base_batch_size} does not fit")
     return out

@@ -307,8 +307,9 @@ class Objective:
 def describe(knobs: dict[str, dict[str, Any]]) -> str:
     """A short human description of a configuration."""
     p = knobs.get("precision", {}).get("mode", "fp32")
-    parts = [p, knobs.get("memory_format", {}).get("format", "contiguous"),
-             f"batch {knobs.get('batch_size', {}).get('batch_size')}"]
+    batch = knobs.get("batch_size", {})
+    accumulated = f" x {batch['accumulation_steps']} accumulated" if batch.get("accumulation_steps", 1) > 1 else ""
+    parts = [p, knobs.get("memory_format", {}).get("format", "contiguous"), f"batch {batch.get('batch_size')}{accumulated}"]
     if knobs.get("cudnn", {}).get("benchmark"):
         parts.append("cudnn.benchmark")
     if knobs.get("channel_alignment", {}).get("multiple", 1) > 1:

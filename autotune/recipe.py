@@ -87,7 +87,9 @@ class Recipe:
     device: str
     """"cuda" or "cpu"."""
     batch_size: int = 32
-    """Samples per optimizer step."""
+    """Samples per forward and backward pass (the micro-batch, with accumulation)."""
+    accumulation_steps: int = 1
+    """Micro-batches whose gradients add up to one optimizer step (--global-batch-size)."""
     base_batch_size: int | None = None
     """The batch size the user trains with today (for learning-rate scaling advice)."""
     autocast_dtype: torch.dtype | None = None

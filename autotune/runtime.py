@@ -152,6 +152,10 @@ class TrainStep:
         self._side_stream: torch.cuda.Stream | None = None
         self._static: tuple[list[Any], Any, torch.Tensor] | None = None
         self._static_loss: torch.Tensor | None = None
+        self._micro = 0  # micro-batches accumulated towards the next optimizer step
+        if recipe.accumulation_steps > 1 and recipe.cuda_graphs:
+            raise ConfigError("gradient accumulation and a whole-step CUDA graph do not go together (the graph "
+                              "holds one optimizer step per replay); re-export the configuration with `autotune search`")
 
     @property
     def num_setup_steps(self) -> int:
@@ -166,12 +170,33 @@ class TrainStep:
         return n
 
     def __call__(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        """One micro-batch: with ``accumulation_steps`` k, every k-th call steps the optimizer over
+        the gradients of the last k micro-batches (each loss divided by k, so the step is that of
+        one batch of k micro-batches); without accumulation, every call is a whole step."""
+        if self.recipe.accumulation_steps > 1:
+            return self._accumulate(inputs, targets)
         if self.recipe.cuda_graphs:
             return self._graphed(inputs, targets)
         if self.recipe.compile_mode in CUDAGRAPH_MODES:
             # a new iteration: the previous step's graph outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
         return self._eager(inputs, targets)
+
+    def _accumulate(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        steps = self.recipe.accumulation_steps
+        if self._micro == 0:
+            self.optimizer.zero_grad(set_to_none=self.recipe.zero_grad_set_to_none)
+        if self.recipe.compile_mode in CUDAGRAPH_MODES:
+            torch.compiler.cudagraph_mark_step_begin()
+        with autocast(self.recipe):
+            loss = self.loss_fn(logits(self.model(inputs)), targets)
+        self.scaler.scale(loss / steps).backward()
+        self._micro += 1
+        if self._micro == steps:
+            self._micro = 0
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        return loss.detach()
 
     def _eager(self, inputs: Any, targets: torch.Tensor, *, cache_enabled: bool = True) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=self.recipe.zero_grad_set_to_none)

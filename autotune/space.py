@@ -19,6 +19,9 @@ class SearchSpace:
     precisions: list[str] = field(default_factory=lambda: ["fp32"])
     """Precision modes the device supports, fp32 first."""
     batch_sizes: list[int] = field(default_factory=lambda: [32])
+    global_batch_size: int | None = None
+    """--global-batch-size: the samples of one optimizer step, kept whatever the batch (then the
+    micro-batch, a divisor of it) is: the rest is made up by gradient accumulation."""
     """Candidate batch sizes (one entry when the user pins --batch-size)."""
     base_batch_size: int = 32
     """The batch size the baseline runs with: the user's own, for learning-rate scaling."""

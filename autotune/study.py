@@ -110,6 +110,9 @@ class SearchConfig:
     """--ddp N: measure every trial as an N-process DistributedDataParallel step, one GPU per
     process (autotune.ddp), and search DDP's bucket size, bucket views and static graph; None:
     single-process trials."""
+    global_batch_size: int | None = None
+    """--global-batch-size: keep this many samples per optimizer step; the batch size searched is
+    then the micro-batch (a divisor of it), and gradient accumulation makes up the rest."""
     memory_limit: int | str | None = None
     """--memory-limit: every worker caps its GPU memory at this many bytes ("24GiB" is parsed), what
     lives outside PyTorch's allocator included, so an H200 tunes for a 24 GB card's memory."""
@@ -161,7 +164,15 @@ class SearchConfig:
         if self.budget_s is not None and self.budget_s < MIN_BUDGET_S:
             raise ConfigError(f"--budget {self.budget_s:g}s cannot hold a single trial (a worker start, a warm-up "
                               f"and seconds of timed steps); give at least {MIN_BUDGET_S:.0f}s, typically 10m")
-        for name in ("batch_size", "base_batch_size", "min_batch_size", "max_batch_size"):
+        if self.global_batch_size is not None:
+            for given, option in ((self.batch_size, "--batch-size"), (self.ddp, "--ddp"), (self.data, "--data")):
+                if given is not None:
+                    raise ConfigError(f"--global-batch-size searches the micro-batch and accumulates to it; it does "
+                                      f"not go with {option} yet (drop one of them)")
+            if self.base_batch_size is not None and self.base_batch_size != self.global_batch_size:
+                raise ConfigError(f"--global-batch-size {self.global_batch_size} is the batch you train with, so "
+                                  f"--base-batch-size {self.base_batch_size} contradicts it: drop --base-batch-size")
+        for name in ("batch_size", "base_batch_size", "min_batch_size", "max_batch_size", "global_batch_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -344,10 +355,19 @@ def build_space(config: SearchConfig, device: str, info: dict[str, Any]) -> Sear
         if low > high:
             raise ConfigError(f"batch range {low}..{high} is empty; set --min-batch-size/--max-batch-size")
         batches = batch_size_strategy.candidates(low, high)
-    base = config.base_batch_size or config.batch_size or (256 if cuda else 16)
-    base = min(max(base, batches[0]), batches[-1]) if base not in batches else base
-    if base not in batches:
-        batches = sorted(set(batches) | {base})
+    if config.global_batch_size:
+        # micro-batches that divide the global batch; the baseline is one plain step over all of it
+        # when that fits (else the largest micro-batch, after the out-of-memory back-off)
+        wanted = config.global_batch_size
+        batches = sorted({b for b in batches if wanted % b == 0} | ({wanted} if low <= wanted <= high else set()))
+        if not batches:
+            raise ConfigError(f"no batch in {low}..{high} divides --global-batch-size {wanted}; give a global batch "
+                              "with small divisors (a power of two, say) or widen --min/--max-batch-size")
+    base = config.global_batch_size or config.base_batch_size or config.batch_size or (256 if cuda else 16)
+    if not config.global_batch_size:  # the global batch itself need not be a micro-batch
+        base = min(max(base, batches[0]), batches[-1]) if base not in batches else base
+        if base not in batches:
+            batches = sorted(set(batches) | {base})
     image_like = info.get("input_dim") == 4
     alignments = [1]
     if cuda:
@@ -379,12 +399,14 @@ def build_space(config: SearchConfig, device: str, info: dict[str, Any]) -> Sear
         compile_modes=_compile_modes(config, device, info),
         # not under DDP: its all-reduces run from autograd hooks on NCCL's own stream, outside a
         # whole-step capture (the compile modes with CUDA graphs graph only the compiled pieces)
-        cuda_graphs=[False, True] if cuda and not config.ddp else [False],
+        # nor with accumulation: a graph replays one optimizer step, not k micro-steps and one step
+        cuda_graphs=[False, True] if cuda and not config.ddp and not config.global_batch_size else [False],
         # with real data the timed steps are fed by a DataLoader, whose settings are searched too
         dataloader_workers=dataloader_strategy.candidates() if config.data else [],
         dataloader_pin_memory=[False, True] if cuda and config.data else [False],
         dataloader_prefetch_factors=dataloader_strategy.PREFETCH_FACTORS if config.data else [2],
         ddp_world_size=config.ddp or 1,
+        global_batch_size=config.global_batch_size,
         **(ddp_strategy.candidates() if config.ddp else {}),
     )
 
@@ -474,7 +496,7 @@ def seed_configurations(space: SearchSpace) -> list[tuple[str, dict[str, Any]]]:
                     out[key] = value
         return out
 
-    base = space.base_batch_size
+    base = _nearest(space.batch_sizes, space.base_batch_size)  # the global batch's largest micro-batch
     # the optimizer as a user builds it with default arguments, eager, no graph capture
     implementations = space.optimizer_implementations
     untuned_step = {

@@ -359,10 +359,13 @@ def run_trial(request: dict[str, Any]) -> dict[str, Any]:
         batches = feed.first_batches()
     stream = iter(cfg.loader(itertools.cycle(batches)))
     last_loss: list[torch.Tensor] = []
+    micro_steps = cfg.accumulation_steps
 
     def one_step() -> None:
-        x, y = next(stream)
-        last_loss[:] = [step(x, y)]
+        # one optimizer step: with --global-batch-size, its micro-batches (the step accumulates)
+        for _ in range(micro_steps):
+            x, y = next(stream)
+            last_loss[:] = [step(x, y)]
 
     timings["build_s"] = time.perf_counter() - t0
     if device == "cuda":
@@ -404,7 +407,8 @@ def run_trial(request: dict[str, Any]) -> dict[str, Any]:
         peak = figures["peak_memory_bytes"]
         return {"status": "oom", "reason": f"peak {peak / 2**30:.1f} GiB is over the memory limit of "
                                            f"{limit / 2**30:.1f} GiB", "fit": {"peaks": {str(cfg.batch_size): peak}}}
-    figures["samples_per_s"] = cfg.batch_size * 1e3 / m.step_time_ms
+    figures["samples_per_s"] = cfg.batch_size * micro_steps * 1e3 / m.step_time_ms
+    figures["accumulation_steps"] = micro_steps
     figures.update(loader_figures)  # with --data: the loader-fed rate is what the user gets
     figures["batch_size"] = cfg.batch_size
     figures["final_loss"] = loss
@@ -458,7 +462,7 @@ def largest_fit(step, workload, cfg: TunedConfig, candidates: list[int], seed: i
             torch.cuda.reset_peak_memory_stats()
         try:
             stream = iter(cfg.loader(itertools.cycle(_input_batches(workload, batch, device, False, seed))))
-            for _ in range(2):
+            for _ in range(cfg.accumulation_steps + 1):  # at least one optimizer step, and its state
                 x, y = next(stream)
                 loss = step(x, y)
             float(loss.float().item())  # waits for the GPU

@@ -4,6 +4,11 @@ A batch that does not fit in memory is a result ("does not fit"), recorded by th
 crash. When the chosen batch differs from the user's own, the recipe says how to scale the
 learning rate (the linear scaling rule of Goyal et al., 2017), since a larger batch takes
 fewer, larger steps per epoch.
+
+With ``--global-batch-size N`` the user's batch is kept instead: the knob is the micro-batch (a
+divisor of N), and ``N / micro-batch`` micro-batches accumulate their gradients into each
+optimizer step (as DeepSpeed's autotuner searches micro-batch x accumulation), so the learning
+rate stays as it is.
 """
 
 from __future__ import annotations
@@ -34,25 +39,40 @@ class BatchSize(Strategy):
         """Samples per optimizer step."""
         base_batch_size: int = 32
         """The user's batch size, that the learning rate is tuned for."""
+        accumulation_steps: int = 1
+        """Micro-batches per optimizer step: the global batch is batch_size x accumulation_steps."""
+
+        @property
+        def global_batch_size(self) -> int:
+            return self.batch_size * self.accumulation_steps
 
         @property
         def lr_scale(self) -> float:
             """Linear scaling rule: multiply the learning rate by this."""
-            return self.batch_size / self.base_batch_size
+            return self.global_batch_size / self.base_batch_size
 
     def default(self) -> Config:
         return self.Config()
 
     def suggest(self, trial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
         value = self.choose(trial, "batch_size", space.batch_sizes)
-        return self.Config(batch_size=value, base_batch_size=space.base_batch_size)
+        # derived, not sampled: replaying the batch gives the same accumulation
+        steps = space.global_batch_size // value if space.global_batch_size else 1
+        return self.Config(batch_size=value, base_batch_size=space.base_batch_size, accumulation_steps=steps)
 
     def apply(self, config: Config, recipe: Recipe) -> None:
         recipe.batch_size = config.batch_size
+        recipe.accumulation_steps = config.accumulation_steps
         recipe.base_batch_size = config.base_batch_size
-        if config.batch_size != config.base_batch_size:
+        if config.accumulation_steps > 1:
             recipe.notes.append(
-                f"batch size {config.batch_size} instead of {config.base_batch_size}: scale the learning "
+                f"micro-batch {config.batch_size} x {config.accumulation_steps} accumulation steps = "
+                f"{config.global_batch_size} samples per optimizer step: cfg.train_step accumulates; in your "
+                f"own loop, divide the loss by cfg.accumulation_steps and step the optimizer every "
+                f"{config.accumulation_steps} micro-batches")
+        if config.global_batch_size != config.base_batch_size:
+            recipe.notes.append(
+                f"batch size {config.global_batch_size} instead of {config.base_batch_size}: scale the learning "
                 f"rate by {config.lr_scale:g} (linear scaling rule; cfg.scaled_lr(base_lr) does it), "
                 f"with a few epochs of warm-up when the factor is large"
             )
