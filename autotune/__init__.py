@@ -13,7 +13,7 @@ from autotune.errors import AutotuneError, ConfigError, WorkloadError
 
 __version__ = "0.1.0"
 
-_LAZY = {"TunedConfig": "autotune.config", "load": "autotune.config", "Workload": "autotune.workloads"}
+_LAZY = {"TunedConfig": "autotune.deploy.config", "load": "autotune.deploy.config", "Workload": "autotune.workload.models"}
 
 __all__ = ["TunedConfig", "load", "Workload", "AutotuneError", "ConfigError", "WorkloadError", "__version__"]
 

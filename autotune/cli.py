@@ -160,8 +160,8 @@ class _ProgressView:
         self.walls: list[float] = []
 
     def __call__(self, kind: str, payload: Any) -> None:
-        from autotune.export import describe_trial
-        from autotune.study import best_trial, counted_trials
+        from autotune.report.export import describe_trial
+        from autotune.search.trials import best_trial, counted_trials
 
         if kind == "start":
             space = payload["space"]
@@ -226,7 +226,7 @@ class _ProgressView:
         else:
             left_s = max(0.0, self.config.budget_s - elapsed)
             self.progress.update(self.task, completed=min(elapsed, self.config.budget_s))
-        from autotune.goal import goal_of
+        from autotune.search.goal import goal_of
 
         best_text = f"best {goal_of(self.study).format(best.value)} (#{best.number})" if best else "no result yet"
         self.progress.update(self.task, description=f"{done} trials, {best_text}", status=f"~{left_s:,.0f}s left")
@@ -234,7 +234,7 @@ class _ProgressView:
 
 def _command_line(args: argparse.Namespace) -> str:
     """The command as typed, for config.json and the report, without a storage password."""
-    from autotune.study import mask_url
+    from autotune.search.storage import mask_url
 
     argv = [mask_url(a) if args.storage and a == args.storage else a for a in sys.argv[1:]]
     return "autotune " + shlex.join(argv)
@@ -243,10 +243,10 @@ def _command_line(args: argparse.Namespace) -> str:
 def _prestart_probe(args: argparse.Namespace) -> None:
     """Start the search's probe worker now, under the GPUs it will see: its imports (torch: 4 s
     on an H200 machine) then run while this process imports torch for its own checks. A search
-    refused by those checks kills it on exit (autotune.runner.discard_spares)."""
+    refused by those checks kills it on exit (autotune.trial.runner.discard_spares)."""
     from autotune.errors import ConfigError
-    from autotune.gpus import parse_gpus, pinned, probe_view
-    from autotune.runner import prestart_setting, start_spare
+    from autotune.trial.gpus import parse_gpus, pinned, probe_view
+    from autotune.trial.runner import prestart_setting, start_spare
 
     try:
         if prestart_setting() is False:
@@ -261,9 +261,9 @@ def _prestart_probe(args: argparse.Namespace) -> None:
 def cmd_search(args: argparse.Namespace) -> int:
     _prestart_probe(args)
     from autotune.errors import ConfigError
-    from autotune.measure import MeasureSettings
-    from autotune.study import SearchConfig, parse_duration, run_search
-    from autotune.workloads import WorkloadSpec, parse_input_shape
+    from autotune.search.study import SearchConfig, parse_duration, run_search
+    from autotune.trial.measure import MeasureSettings
+    from autotune.workload.models import WorkloadSpec, parse_input_shape
 
     spec = WorkloadSpec(model=args.model, num_classes=args.num_classes,
                         input_shape=parse_input_shape(args.input_shape) if args.input_shape else None)
@@ -283,9 +283,9 @@ def cmd_search(args: argparse.Namespace) -> int:
         max_loss_drift=args.max_loss_drift, accuracy_steps=args.accuracy_steps, data=args.data,
     )
     if args.min_measure_time is not None:
-        from autotune.study import resolve_device
-
         import dataclasses
+
+        from autotune.search.study import resolve_device
 
         # replace() validates the new value (a typo like 0 or -1 gets a clear error)
         try:
@@ -306,12 +306,12 @@ def cmd_search(args: argparse.Namespace) -> int:
 def _print_summary(out_dir: Path, elapsed_s: float | None = None, phases: dict[str, float] | None = None, *,
                    study=None, min_batch_size: int | None = None) -> bool:
     """Print the baseline, the best and the search's cost; False when nothing can be recommended,
-    and then why (``study``: the pattern across its trials, autotune.outcome)."""
+    and then why (``study``: the pattern across its trials, autotune.search.outcome)."""
     path = out_dir / "config.json"
     if not path.exists():
         console.print("[red]no configuration to recommend[/]")
         if study is not None:
-            from autotune.outcome import explain
+            from autotune.search.outcome import explain
 
             for line in explain(study, min_batch_size=min_batch_size):
                 console.print(f"  {line}")
@@ -340,7 +340,7 @@ def _print_summary(out_dir: Path, elapsed_s: float | None = None, phases: dict[s
     if "speedup_vs_baseline" in data:
         console.print(f"speed-up over the FP32 baseline: {data['speedup_vs_baseline']:.2f}x, "
                       f"memory {data['memory_vs_baseline']:.2f}x")
-    from autotune.goal import goal_of_config
+    from autotune.search.goal import goal_of_config
 
     target, ranked = goal_of_config(data), data.get("objective") or {}
     line = f"objective: {target.text}"
@@ -369,8 +369,8 @@ def _print_summary(out_dir: Path, elapsed_s: float | None = None, phases: dict[s
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from autotune.config import load
-    from autotune.runner import run_worker
+    from autotune.deploy.config import load
+    from autotune.trial.runner import run_worker
 
     cfg = load(args.config)
     path = args.config / "config.json" if args.config.is_dir() else args.config
@@ -396,8 +396,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     import optuna
 
     from autotune.errors import ConfigError
-    from autotune.export import trials_frame
-    from autotune.report import write_report
+    from autotune.report.export import trials_frame
+    from autotune.report.render import write_report
 
     if args.folder is None and args.storage is None:
         raise ConfigError("give the search's output folder, or --storage URL (and --study-name)")
@@ -412,7 +412,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         storage = f"sqlite:///{args.folder / 'study.db'}"
     name = args.study_name or (config or {}).get("study", {}).get("study_name")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    from autotune.storage import open_storage
+    from autotune.search.storage import open_storage
 
     storage = open_storage(storage)  # a clear error, password masked, for a URL that does not open
     try:
@@ -420,7 +420,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     except (KeyError, ValueError) as exc:
         raise ConfigError(f"cannot load study {name!r} from the storage ({exc}); "
                           "`optuna studies --storage URL` lists the names") from None
-    from autotune.study import DEFAULT_OUT
+    from autotune.search.study import DEFAULT_OUT
 
     out = args.out or args.folder or DEFAULT_OUT / study.study_name
     out.mkdir(parents=True, exist_ok=True)
@@ -432,7 +432,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from autotune.compare import compare
+    from autotune.report.compare import compare
 
     result = compare(args.folders, args.out, allow_different_models=args.allow_different_models)
     console.print(result.table)
@@ -441,7 +441,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from autotune.config import load
+    from autotune.deploy.config import load
 
     cfg = load(args.config)
     console.print(cfg.describe())
@@ -449,11 +449,12 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_accuracy(args: argparse.Namespace) -> int:
-    from autotune.accuracy import AccuracySettings, compare_modes, mode_configurations
+    from autotune.accuracy.gate import compare_modes, mode_configurations
+    from autotune.accuracy.settings import AccuracySettings
+    from autotune.deploy.space import SearchSpace
     from autotune.errors import ConfigError
-    from autotune.space import SearchSpace
-    from autotune.study import SearchConfig, probe, resolve_device
-    from autotune.workloads import WorkloadSpec, check_spec, parse_input_shape
+    from autotune.search.study import SearchConfig, probe, resolve_device
+    from autotune.workload.models import WorkloadSpec, check_spec, parse_input_shape
     from strategies.fp32_layers import parse
 
     spec = WorkloadSpec(model=args.model, num_classes=args.num_classes,
@@ -463,7 +464,7 @@ def cmd_accuracy(args: argparse.Namespace) -> int:
     overrides = {"steps": args.accuracy_steps, "batch_size": args.batch_size, "seed": args.seed, "data": args.data,
                  "max_accuracy_drop": args.max_accuracy_drop, "max_loss_drift": args.max_loss_drift}
     settings = AccuracySettings.for_device(device, **overrides)
-    from autotune.data import check_data_spec
+    from autotune.workload.data import check_data_spec
 
     check_data_spec(settings.data)
     layers = [x.strip() for x in args.fp32_layers.split(",")] if args.fp32_layers else []
@@ -508,7 +509,7 @@ def cmd_accuracy(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from autotune.workloads import torchvision_models
+    from autotune.workload.models import torchvision_models
 
     for name in torchvision_models():
         print(name)

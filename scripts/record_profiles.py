@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 
 import strategies
-from autotune.config import TunedConfig
-from autotune.nvml import NvmlMonitor
-from autotune.profile import analyze, record, save_fixture
-from autotune.space import SearchSpace
-from autotune.workloads import WorkloadSpec, build
+from autotune.deploy.config import TunedConfig
+from autotune.trial.nvml import NvmlMonitor
+from autotune.trial.profile import analyze, record, save_fixture
+from autotune.deploy.space import SearchSpace
+from autotune.workload.models import WorkloadSpec, build
 
 CONFIGS = {
     # name: (model, batch, params)

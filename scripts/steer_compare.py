@@ -85,8 +85,8 @@ def arm_median(counts: Sequence[int | None]) -> float:
 
 def run_values(study) -> list[float | None]:
     """A run's objective value per counted trial, in order; None where it is not usable."""
-    from autotune.accuracy import accuracy_of, failed
-    from autotune.study import counted_trials
+    from autotune.accuracy.gate import accuracy_of, failed
+    from autotune.search.trials import counted_trials
     from optuna.trial import TrialState
 
     out: list[float | None] = []
@@ -133,9 +133,9 @@ def search_config(args: argparse.Namespace, *, steer: bool, seed: int, budget_s:
     """The SearchConfig of one run: everything but steering and the seed is the same in both arms."""
     import dataclasses
 
-    from autotune.measure import MeasureSettings
-    from autotune.study import SearchConfig, resolve_device
-    from autotune.workloads import WorkloadSpec, parse_input_shape
+    from autotune.trial.measure import MeasureSettings
+    from autotune.search.study import SearchConfig, resolve_device
+    from autotune.workload.models import WorkloadSpec, parse_input_shape
 
     spec = WorkloadSpec(model=args.model, num_classes=args.num_classes,
                         input_shape=parse_input_shape(args.input_shape) if args.input_shape else None)
@@ -152,8 +152,8 @@ def search_config(args: argparse.Namespace, *, steer: bool, seed: int, budget_s:
 
 def run_one(args: argparse.Namespace, arm: str, seed: int, budget_s: float | None) -> dict[str, Any]:
     """Run one arm for one seed into ARM-seedSEED under --out, or reuse that run if it finished."""
-    from autotune.objective import describe
-    from autotune.study import run_search
+    from autotune.search.objective import describe
+    from autotune.search.study import run_search
 
     out_dir = args.out / f"{arm}-seed{seed}"
     if (out_dir / "study.db").exists():
@@ -198,10 +198,10 @@ def finished_run(out_dir: Path, arm: str, seed: int, *, trials: int | None) -> d
 
 def run_record(study, arm: str, seed: int, out_dir: Path, *, wall_s: float | None) -> dict[str, Any]:
     """What the comparison keeps of one run: its values in trial order, roles, best and fixed knobs."""
-    from autotune.goal import goal_of
-    from autotune.knob_effects import fixed_knobs
-    from autotune.objective import describe
-    from autotune.study import best_trial
+    from autotune.search.goal import goal_of
+    from autotune.search.knob_effects import fixed_knobs
+    from autotune.search.objective import describe
+    from autotune.search.trials import best_trial
 
     best = best_trial(study)
     values = run_values(study)
@@ -230,8 +230,8 @@ def summarize(runs: list[dict[str, Any]], *, maximize: bool, tolerance: float) -
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from autotune.goal import goal
-    from autotune.study import parse_duration
+    from autotune.search.goal import goal
+    from autotune.search.study import parse_duration
 
     target = goal(args.objective)
     total_s = parse_duration(args.total_time) if args.total_time else None

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from autotune.recipe import Recipe
-from autotune.space import SearchSpace
+from autotune.deploy.recipe import Recipe
+from autotune.deploy.space import SearchSpace
 from strategies.base import Strategy
 from strategies.batch_size import BatchSize
 from strategies.channel_alignment import ChannelAlignment
 from strategies.compile import Compile
+from strategies.cuda_graphs import CudaGraphs
 from strategies.cudnn import Cudnn
 from strategies.dataloader import DataLoaderStrategy
 from strategies.ddp import DDP
-from strategies.cuda_graphs import CudaGraphs
 from strategies.fp32_layers import FP32Layers
 from strategies.grad_scaler import GradScalerStrategy
 from strategies.memory_format import MemoryFormat

@@ -5,7 +5,7 @@ A strategy does two things and nothing else:
 * ``suggest(trial, space, chosen)``: sample its parameters, named ``"<name>.<field>"``, only
   when they mean something (``chosen`` holds the configs of the strategies before it, so
   GradScaler settings are sampled only when precision is fp16), and return its typed ``Config``.
-* ``apply(config, recipe)``: write that value into the :class:`~autotune.recipe.Recipe`: the
+* ``apply(config, recipe)``: write that value into the :class:`~autotune.deploy.recipe.Recipe`: the
   model transforms, the backend switches, the autocast dtype, the step's input pipeline.
 
 Because sampling goes through an Optuna trial, replaying a stored trial's parameters with
@@ -21,8 +21,8 @@ from typing import Any, ClassVar, Mapping
 
 import optuna
 
-from autotune.recipe import Recipe
-from autotune.space import SearchSpace
+from autotune.deploy.recipe import Recipe
+from autotune.deploy.space import SearchSpace
 
 
 class Strategy(abc.ABC):

@@ -26,8 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from autotune.recipe import Recipe
-from autotune.space import SearchSpace
+from autotune.deploy.recipe import Recipe
+from autotune.deploy.space import SearchSpace
 from strategies.base import Strategy
 from strategies.compile import CUDAGRAPH_MODES
 

@@ -6,7 +6,7 @@ With it, every trial feeds its steps from a DataLoader over the training split (
 resize, normalise in the loader's workers), built with this knob's settings; the streams knob
 copies its batches to the device (on a side stream with 2 streams, which overlaps compute only
 from pinned memory). A configuration the loader cannot keep busy is "data-bound": the worker
-measures the same step fed from memory too and records both rates (``autotune.worker``).
+measures the same step fed from memory too and records both rates (``autotune.trial.worker``).
 
 * ``num_workers``: 0 decodes in the training process, in series with the step (the untuned
   DataLoader); more overlap decoding with compute, up to the CPUs this process may use.
@@ -28,8 +28,8 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from autotune.recipe import Recipe
-from autotune.space import SearchSpace
+from autotune.deploy.recipe import Recipe
+from autotune.deploy.space import SearchSpace
 from strategies.base import Strategy
 
 PREFETCH_FACTORS = [2, 4]

@@ -1,7 +1,7 @@
 """ddp: DistributedDataParallel's own settings, for a search run with ``--ddp N``.
 
 With ``--ddp N`` every trial runs its step in N processes of one torch.distributed group, one GPU
-each, the model wrapped in ``torch.nn.parallel.DistributedDataParallel`` (``autotune.ddp``). DDP
+each, the model wrapped in ``torch.nn.parallel.DistributedDataParallel`` (``autotune.trial.ddp_rank``). DDP
 averages gradients across the processes with all-reduces that overlap the backward pass, bucket
 by bucket; three of its arguments change how well that overlap works (PyTorch's DDP notes and
 ``DistributedDataParallel``'s documentation):
@@ -19,7 +19,7 @@ by bucket; three of its arguments change how well that overlap works (PyTorch's 
 
 ``world_size`` is not searched: it is the space's ``ddp_world_size`` (the ``--ddp N`` the study
 was made with), recorded in the config so that ``autotune.load`` knows the configuration was
-measured under DDP and wraps the model (``autotune.runtime.prepare_model``). Its default, 1, is
+measured under DDP and wraps the model (``autotune.deploy.runtime.prepare_model``). Its default, 1, is
 the untuned behaviour: no DDP at all, which is what every search without ``--ddp`` (and every
 config.json written before this knob existed) ran.
 """
@@ -29,8 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from autotune.recipe import Recipe
-from autotune.space import SearchSpace
+from autotune.deploy.recipe import Recipe
+from autotune.deploy.space import SearchSpace
 from strategies.base import Strategy
 
 BUCKET_CAPS_MB = [10, 25, 50, 100]

@@ -21,8 +21,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from autotune.recipe import Recipe
-from autotune.space import SearchSpace
+from autotune.deploy.recipe import Recipe
+from autotune.deploy.space import SearchSpace
 from strategies.base import Strategy
 
 KINDS = ("norm", "attention", "head")

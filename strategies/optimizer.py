@@ -28,9 +28,9 @@ from typing import Any, Mapping
 
 import torch
 
+from autotune.deploy.recipe import Recipe
+from autotune.deploy.space import SearchSpace
 from autotune.errors import ConfigError
-from autotune.recipe import Recipe
-from autotune.space import SearchSpace
 from strategies.base import Strategy
 
 IMPLEMENTATIONS = ("default", "plain", "foreach", "fused")

@@ -13,8 +13,8 @@ from typing import Any, Mapping
 
 import torch
 
-from autotune.recipe import Recipe
-from autotune.space import SearchSpace
+from autotune.deploy.recipe import Recipe
+from autotune.deploy.space import SearchSpace
 from strategies.base import Strategy
 
 AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}

@@ -10,11 +10,14 @@ import pandas as pd
 import pytest
 from optuna.distributions import CategoricalDistribution
 
-from autotune.accuracy import (AccuracyGate, AccuracySettings, accuracy_of, judge, numerics_key, run_check)
+from autotune.accuracy.check import run_check
+from autotune.accuracy.gate import AccuracyGate, accuracy_of, judge
+from autotune.accuracy.settings import AccuracySettings, numerics_key
 from autotune.errors import ConfigError
-from autotune.space import SearchSpace
-from autotune.study import SearchConfig, best_trial
-from autotune.workloads import WorkloadSpec
+from autotune.deploy.space import SearchSpace
+from autotune.search.study import SearchConfig
+from autotune.search.trials import best_trial
+from autotune.workload.models import WorkloadSpec
 from conftest import run_cli
 from test_data import _write_folder
 

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 from rich.console import Console
 
-from autotune.compare import compare, load_run
+from autotune.report.compare import compare, load_run
 from autotune.errors import ConfigError
 from conftest import ROOT, run_cli
 

@@ -13,15 +13,15 @@ import pytest
 import torch
 
 import strategies
-from autotune.config import TunedConfig
-from autotune.measure import MeasureSettings, measure
-from autotune.objective import Objective, describe
-from autotune.report import write_report
-from autotune.export import trials_frame
-from autotune.runner import run_worker
-from autotune.space import SearchSpace
-from autotune.study import SearchConfig, build_space, estimate_next_wall
-from autotune.workloads import WorkloadSpec
+from autotune.deploy.config import TunedConfig
+from autotune.trial.measure import MeasureSettings, measure
+from autotune.search.objective import Objective, describe
+from autotune.report.render import write_report
+from autotune.report.export import trials_frame
+from autotune.trial.runner import run_worker
+from autotune.deploy.space import SearchSpace
+from autotune.search.study import SearchConfig, build_space, estimate_next_wall
+from autotune.workload.models import WorkloadSpec
 from conftest import TESTS
 from strategies import compile as compile_strategy
 from strategies.compile import Compile
@@ -172,7 +172,7 @@ def test_objective_gives_compile_trials_time_to_compile(monkeypatch: pytest.Monk
                    "measure_s": 2.0, "build_s": 0.5, "compile_s": 30.0, "loss_finite": True}
         return {"status": "ok", "figures": figures, "wall_s": 40.0, "worker_start_s": 1.0}
 
-    monkeypatch.setattr("autotune.objective.run_worker", fake_worker)
+    monkeypatch.setattr("autotune.search.objective.run_worker", fake_worker)
     objective = Objective(space=CPU_SPACE, workload=TINY.to_dict(), measure={}, input_on_device=False, seed=0,
                           trial_timeout_s=100.0)
     study = optuna.create_study(direction="maximize")

@@ -14,8 +14,8 @@ from torch import nn
 
 import autotune
 import strategies
-from autotune.config import TunedConfig
-from autotune.space import SearchSpace
+from autotune.deploy.config import TunedConfig
+from autotune.deploy.space import SearchSpace
 
 torchvision = pytest.importorskip("torchvision")
 

@@ -13,12 +13,12 @@ from torch.utils._pytree import tree_flatten
 
 import strategies
 from autotune.errors import ConfigError
-from autotune.objective import describe
-from autotune.recipe import Recipe
-from autotune.runtime import GRAPH_WARMUP_STEPS, TrainStep
-from autotune.space import SearchSpace
-from autotune.study import SearchConfig, build_space, seed_configurations
-from autotune.workloads import WorkloadSpec
+from autotune.search.objective import describe
+from autotune.deploy.recipe import Recipe
+from autotune.deploy.runtime import GRAPH_WARMUP_STEPS, TrainStep
+from autotune.deploy.space import SearchSpace
+from autotune.search.study import SearchConfig, build_space, seed_configurations
+from autotune.workload.models import WorkloadSpec
 from strategies.compile import CUDAGRAPH_MODES
 from strategies.cuda_graphs import CudaGraphs, legal
 

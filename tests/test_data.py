@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from autotune.data import (Datasets, SyntheticImages, batch_order, check_data_spec, collate, from_factory,
+from autotune.workload.data import (Datasets, SyntheticImages, batch_order, check_data_spec, collate, from_factory,
                            image_folder, load_data, synthetic)
 from autotune.errors import ConfigError
 

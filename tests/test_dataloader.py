@@ -16,13 +16,14 @@ from torch.utils.data import DataLoader, Dataset
 
 import autotune
 import strategies
-from autotune.config import TunedConfig
-from autotune.findings import derive, is_data_bound
-from autotune.measure import MeasureSettings
-from autotune.space import SearchSpace
-from autotune.steering import complete_params
-from autotune.study import SearchConfig, _same_space, build_space, run_search, seed_configurations
-from autotune.workloads import WorkloadSpec
+from autotune.deploy.config import TunedConfig
+from autotune.search.findings import derive
+from autotune.trial.measure import is_data_bound
+from autotune.trial.measure import MeasureSettings
+from autotune.deploy.space import SearchSpace
+from autotune.search.steering import complete_params
+from autotune.search.study import SearchConfig, _same_space, build_space, run_search, seed_configurations
+from autotune.workload.models import WorkloadSpec
 from conftest import ROOT
 from strategies import dataloader as dataloader_strategy
 
@@ -172,7 +173,7 @@ def test_data_bound_finding_suggests_more_workers_and_steering_completes_it():
 
 
 def _fed_trial(data: str, workers: int = 0) -> dict:
-    from autotune.worker import run_trial
+    from autotune.trial.worker import run_trial
 
     space = SearchSpace(device="cpu", batch_sizes=[16], base_batch_size=16, thread_counts=[1],
                         dataloader_workers=[0, 1])

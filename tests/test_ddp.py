@@ -25,11 +25,11 @@ from torch import nn
 import autotune
 import strategies
 from autotune.errors import ConfigError
-from autotune.measure import MeasureSettings
-from autotune.runner import run_worker
-from autotune.space import SearchSpace
-from autotune.study import SearchConfig, build_space, check_ddp, seed_configurations
-from autotune.workloads import WorkloadSpec
+from autotune.trial.measure import MeasureSettings
+from autotune.trial.runner import run_worker
+from autotune.deploy.space import SearchSpace
+from autotune.search.study import SearchConfig, build_space, check_ddp, seed_configurations
+from autotune.workload.models import WorkloadSpec
 from conftest import run_cli, subprocess_env
 from strategies.ddp import DDP
 
@@ -133,7 +133,7 @@ def test_bad_ddp_options_are_refused(monkeypatch):
 
 
 def test_the_groups_energy_is_every_gpus_energy_over_every_gpus_samples():
-    from autotune.ddp import combine_energy
+    from autotune.trial.ddp_rank import combine_energy
 
     def window(energy_j, power, clock, temp, cap):
         return {"duration_s": 2.0, "energy_j": energy_j, "energy_source": "energy counter", "avg_power_w": power,

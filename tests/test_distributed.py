@@ -26,10 +26,10 @@ import torch
 from optuna.trial import TrialState
 
 import pg_server
-from autotune import gpus
-from autotune.distributed import OWNER, OWNER_ATTR, SharedStudy, SqliteSharedWarning, check_same_hardware, claim_setup
+from autotune.trial import gpus
+from autotune.search.distributed import OWNER, OWNER_ATTR, SharedStudy, SqliteSharedWarning, check_same_hardware, claim_setup
 from autotune.errors import ConfigError
-from autotune.storage import open_storage
+from autotune.search.storage import open_storage
 from conftest import ROOT, run_cli, subprocess_env
 
 SMALL = ["--device", "cpu", "--input-shape", "3x32x32", "--num-classes", "10", "--min-measure-time", "0.1",
@@ -326,14 +326,14 @@ def test_the_probe_sees_the_requested_gpus_and_names_them(monkeypatch):
     assert listed == [1]
     # CUDA_VISIBLE_DEVICES=5 on that machine: the probe sees no GPU, says so and probes nothing
     if not torch.cuda.is_available():
-        from autotune.worker import probe
+        from autotune.trial.worker import probe
 
         assert probe({"device": "cuda", "list_devices": True, "workload": {"model": "resnet18"}}) == {"cuda_devices": []}
 
 
 def test_gpus_on_a_cpu_are_refused_with_what_to_do():
-    from autotune.study import SearchConfig
-    from autotune.workloads import WorkloadSpec
+    from autotune.search.study import SearchConfig
+    from autotune.workload.models import WorkloadSpec
 
     with pytest.raises(ConfigError, match="--gpus .* --device cpu"):
         SearchConfig(workload=WorkloadSpec(model="resnet18"), device="cpu", gpus="0,1", accuracy_check=False)
@@ -342,7 +342,7 @@ def test_gpus_on_a_cpu_are_refused_with_what_to_do():
 
 
 def test_each_trial_thread_gets_its_own_gpu_and_its_workers_see_only_it():
-    from autotune.runner import _worker_env
+    from autotune.trial.process import worker_env as _worker_env
 
     pool = gpus.GpuPool([gpus.Gpu(0, "H200", "0"), gpus.Gpu(1, "H200", "1")])
     seen, both_in = [], threading.Barrier(2, timeout=10)
@@ -390,7 +390,7 @@ def test_the_nvml_index_is_found_by_pci_bus_id(monkeypatch):
 
 
 def test_a_second_search_on_the_same_folder_is_told_how_to_share_a_study(tmp_path):
-    from autotune.study import _Lock
+    from autotune.search.study import _Lock
 
     first = _Lock(tmp_path / ".search.lock")
     try:

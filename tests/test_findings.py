@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.findings import derive
+from autotune.search.findings import derive
 
 OFFERED = {"memory_format.format": ["contiguous", "channels_last"], "batch_size.batch_size": [64, 128, 256, 512],
            "cuda_graphs.enabled": [False, True], "streams.num_streams": [1, 2],

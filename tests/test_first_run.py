@@ -15,10 +15,10 @@ import pytest
 from optuna.trial import TrialState, create_trial
 
 from autotune.errors import ConfigError
-from autotune.machine import MACHINE_ATTR, check_resume, same_machine
-from autotune.outcome import explain
-from autotune.runner import crash_reason
-from autotune.study import DEFAULT_OUT
+from autotune.search.machine import MACHINE_ATTR, check_resume, same_machine
+from autotune.search.outcome import explain
+from autotune.trial.process import crash_reason
+from autotune.search.study import DEFAULT_OUT
 from conftest import ROOT, run_cli, subprocess_env
 
 HERE = {"host": "here", "machine_id": "m-here", "gpu_uuid": "GPU-1111"}

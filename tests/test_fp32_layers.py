@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 import strategies
-from autotune import runtime
-from autotune.space import SearchSpace
-from autotune.study import SearchConfig, build_space
-from autotune.workloads import WorkloadSpec
+from autotune.deploy import runtime
+from autotune.deploy.space import SearchSpace
+from autotune.search.study import SearchConfig, build_space
+from autotune.workload.models import WorkloadSpec
 from fake_models import tiny_cnn
 from strategies.channel_alignment import align_channels
 from strategies.fp32_layers import FP32Layers, combinations, keep_fp32, kinds_present, layers_of_kind, parse

@@ -11,11 +11,11 @@ from optuna.trial import FixedTrial
 from torch import nn
 
 import strategies
-from autotune.config import TunedConfig
+from autotune.deploy.config import TunedConfig
 from autotune.errors import ConfigError
-from autotune.space import SearchSpace
-from autotune.study import SearchConfig, build_space
-from autotune.workloads import WorkloadSpec
+from autotune.deploy.space import SearchSpace
+from autotune.search.study import SearchConfig, build_space
+from autotune.workload.models import WorkloadSpec
 from conftest import run_cli
 
 RESNET50_PROBE = {"precisions": ["fp32", "tf32", "fp16", "bf16"], "input_dim": 4, "misaligned": {},

@@ -11,8 +11,9 @@ import json
 
 import pytest
 
-from autotune.accuracy import AccuracySettings, compare_modes, mode_configurations
-from autotune.space import SearchSpace
+from autotune.accuracy.gate import compare_modes, mode_configurations
+from autotune.accuracy.settings import AccuracySettings
+from autotune.deploy.space import SearchSpace
 from conftest import run_cli
 from strategies.precision import supported_modes
 

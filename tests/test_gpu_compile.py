@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import strategies
-from autotune.config import TunedConfig
+from autotune.deploy.config import TunedConfig
 from autotune.errors import ConfigError
-from autotune.measure import MeasureSettings, measure
-from autotune.runner import run_worker
-from autotune.space import SearchSpace
-from autotune.workloads import WorkloadSpec
+from autotune.trial.measure import MeasureSettings, measure
+from autotune.trial.runner import run_worker
+from autotune.deploy.space import SearchSpace
+from autotune.workload.models import WorkloadSpec
 from conftest import TESTS
 
 pytestmark = pytest.mark.gpu
@@ -144,10 +144,10 @@ def test_compile_modes_run_and_record_compile_s(mode: str) -> None:
 
     m = measure(one_step, "cuda", MeasureSettings(min_steps=10, min_time_s=0.5, max_warmup_s=20),
                 setup_steps=step.num_setup_steps)
-    from autotune.worker import _compiled_graphs
+    from autotune.trial.worker import compiled_graphs
 
     assert m.num_setup_steps == step.num_setup_steps >= 1
-    print(f"\ncompile {mode}: {_compiled_graphs()} graphs compiled in this process so far")
+    print(f"\ncompile {mode}: {compiled_graphs()} graphs compiled in this process so far")
     assert m.compile_s > 10 * m.step_time_ms / 1e3
     print(f"\ncompile {mode}: compile_s {m.compile_s:.1f} s, step {m.step_time_ms:.2f} ms, warm-up {m.warmup_s:.1f} s")
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import strategies
-from autotune.measure import MeasureSettings
-from autotune.runner import run_worker
-from autotune.space import SearchSpace
+from autotune.trial.measure import MeasureSettings
+from autotune.trial.runner import run_worker
+from autotune.deploy.space import SearchSpace
 from conftest import run_cli, subprocess_env
 
 pytestmark = [pytest.mark.gpu,

@@ -13,14 +13,14 @@ import optuna
 import pytest
 import torch
 
-from autotune.distributed import GPU_ATTR
+from autotune.search.distributed import GPU_ATTR
 from conftest import run_cli, subprocess_env
 
 pytestmark = pytest.mark.gpu
 
 _MAPPING = """
 import json, pynvml, torch
-from autotune.gpus import nvml_index
+from autotune.trial.gpus import nvml_index
 i = nvml_index(0)
 pynvml.nvmlInit()
 bus = pynvml.nvmlDeviceGetPciInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).busId

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.measure import MeasureSettings
-from autotune.memory import MemoryModel, family
-from autotune.runner import run_worker
-from autotune.space import SearchSpace
+from autotune.trial.measure import MeasureSettings
+from autotune.search.memory import MemoryModel, family
+from autotune.trial.runner import run_worker
+from autotune.deploy.space import SearchSpace
 
 pytestmark = pytest.mark.gpu
 

@@ -12,9 +12,9 @@ import pandas as pd
 import pytest
 
 import strategies
-from autotune.measure import MeasureSettings
-from autotune.runner import run_worker
-from autotune.space import SearchSpace
+from autotune.trial.measure import MeasureSettings
+from autotune.trial.runner import run_worker
+from autotune.deploy.space import SearchSpace
 from conftest import run_cli
 
 pytestmark = pytest.mark.gpu

@@ -7,7 +7,7 @@ from __future__ import annotations
 import optuna
 import pytest
 
-from autotune.knob_effects import (FIXED_ATTR, MIN_COMPLETED, NOISE_FLOOR, differs_only_in, fix_no_effect_knobs,
+from autotune.search.knob_effects import (FIXED_ATTR, MIN_COMPLETED, NOISE_FLOOR, differs_only_in, fix_no_effect_knobs,
                                    no_effect_knobs)
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -124,13 +124,13 @@ def fake_worker(request, timeout_s=None, log_path=None, spare=False):
 
 @pytest.mark.parametrize("steer", [True, False])
 def test_only_a_steered_search_fixes_knobs(tmp_path, monkeypatch, steer):
-    import autotune.objective
-    import autotune.study
-    from autotune.study import SearchConfig, run_search
-    from autotune.workloads import WorkloadSpec
+    import autotune.search.objective
+    import autotune.search.study
+    from autotune.search.study import SearchConfig, run_search
+    from autotune.workload.models import WorkloadSpec
 
-    monkeypatch.setattr(autotune.study, "probe", fake_probe)
-    monkeypatch.setattr(autotune.objective, "run_worker", fake_worker)
+    monkeypatch.setattr(autotune.search.study, "probe", fake_probe)
+    monkeypatch.setattr(autotune.search.objective, "run_worker", fake_worker)
     events = []
     config = SearchConfig(workload=WorkloadSpec(model="resnet18", num_classes=10), device="cpu", out_dir=tmp_path,
                           trials=16, batch_size=8, accuracy_check=False, steer=steer, seed=3)
@@ -157,9 +157,9 @@ def test_only_a_steered_search_fixes_knobs(tmp_path, monkeypatch, steer):
 
 
 def test_steering_skips_a_measured_configuration_queued_with_fewer_parameters():
-    from autotune.findings import Finding
-    from autotune.space import SearchSpace
-    from autotune.steering import complete_params, steer
+    from autotune.search.findings import Finding
+    from autotune.deploy.space import SearchSpace
+    from autotune.search.steering import complete_params, steer
 
     space = SearchSpace(device="cuda", precisions=["fp32", "fp16"], batch_sizes=[64, 128], base_batch_size=64,
                         memory_formats=["contiguous", "channels_last"], stream_counts=[1, 2])

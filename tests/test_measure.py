@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from autotune.measure import Measurement, MeasureSettings, measure
+from autotune.trial.measure import Measurement, MeasureSettings, measure
 
 
 def fast_settings(**overrides) -> MeasureSettings:

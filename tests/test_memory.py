@@ -15,11 +15,11 @@ import torch
 from optuna.trial import TrialState, create_trial
 
 from autotune.errors import ConfigError
-from autotune.memory import MemoryModel, family, parse_size
-from autotune.objective import Objective
-from autotune.space import SearchSpace
-from autotune.study import SearchConfig, memory_limit_bytes
-from autotune.workloads import WorkloadSpec
+from autotune.search.memory import MemoryModel, family, parse_size
+from autotune.search.objective import Objective
+from autotune.deploy.space import SearchSpace
+from autotune.search.study import SearchConfig, memory_limit_bytes
+from autotune.workload.models import WorkloadSpec
 from conftest import ROOT, run_cli
 
 GiB, MiB = 2**30, 2**20
@@ -183,7 +183,7 @@ def test_a_model_that_does_not_fit_above_batch_32_gets_a_baseline_and_a_recommen
 
 
 def test_a_backed_off_baseline_is_served_before_the_queued_seeds():
-    from autotune.objective import URGENT_ATTR, serve_urgent_first
+    from autotune.search.objective import URGENT_ATTR, serve_urgent_first
 
     study = optuna.create_study()
     serve_urgent_first(study)
@@ -219,7 +219,7 @@ def test_a_search_whose_accuracy_check_is_slow_ends_within_its_budget_and_says_i
 def test_a_worker_over_the_limit_outside_the_allocator_is_an_oom_with_its_peak_and_backs_off(tmp_path, monkeypatch):
     """The worker's answer when memory outside PyTorch's allocator took a capped trial over the limit
     (seen on the H200: bf16 + compile at batch 512 peaked at 24.1 GiB under --memory-limit 24GiB)."""
-    import autotune.objective as objective_module
+    import autotune.search.objective as objective_module
 
     over = {"status": "oom", "reason": "peak 24.1 GiB is over the memory limit of 24.0 GiB",
             "fit": {"peaks": {"512": int(24.1 * GiB)}}, "wall_s": 30.0, "worker_start_s": 0.5}

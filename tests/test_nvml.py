@@ -11,9 +11,9 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from autotune import nvml
+from autotune.trial import nvml
 from autotune.errors import ConfigError
-from autotune.nvml import NvmlMonitor, NvmlUnavailableWarning, NvmlWindow, nvml_available
+from autotune.trial.nvml import NvmlMonitor, NvmlUnavailableWarning, NvmlWindow, nvml_available
 
 INTERVAL = 0.005  # fast sampling keeps every window short
 

@@ -9,13 +9,14 @@ import json
 import optuna
 import pytest
 
-import autotune.objective
-import autotune.study
+import autotune.search.objective
+import autotune.search.study
 from autotune.errors import ConfigError
-from autotune.goal import GOALS, OBJECTIVE_ATTR, goal, goal_of, goal_of_config, nvml_refusal
-from autotune.storage import open_storage
-from autotune.study import SearchConfig, best_trial, open_study, run_search
-from autotune.workloads import WorkloadSpec
+from autotune.search.goal import GOALS, OBJECTIVE_ATTR, goal, goal_of, goal_of_config, nvml_refusal
+from autotune.search.storage import open_storage
+from autotune.search.study import SearchConfig, open_study, run_search
+from autotune.search.trials import best_trial
+from autotune.workload.models import WorkloadSpec
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 SPEC = WorkloadSpec(model="resnet18", num_classes=10)
@@ -69,15 +70,15 @@ def test_energy_is_refused_without_nvml_before_any_trial(tmp_path, monkeypatch):
     def no_worker(*args, **kwargs):
         raise AssertionError("no worker may start")
 
-    monkeypatch.setattr(autotune.objective, "run_worker", no_worker)
-    monkeypatch.setattr(autotune.study, "probe", no_worker)
+    monkeypatch.setattr(autotune.search.objective, "run_worker", no_worker)
+    monkeypatch.setattr(autotune.search.study, "probe", no_worker)
     # a CPU search: refused before even the probe
     with pytest.raises(ConfigError, match="NVML.*use --objective throughput or --objective memory"):
         run_search(SearchConfig(workload=SPEC, device="cpu", out_dir=tmp_path / "cpu", trials=2,
                                 accuracy_check=False, objective="energy"))
     # a GPU whose driver has no usable NVML: refused after the probe says so
-    monkeypatch.setattr(autotune.study, "resolve_device", lambda requested: "cuda")
-    monkeypatch.setattr(autotune.study, "probe", lambda config, device, list_devices=False: {
+    monkeypatch.setattr(autotune.search.study, "resolve_device", lambda requested: "cuda")
+    monkeypatch.setattr(autotune.search.study, "probe", lambda config, device, list_devices=False: {
         "provenance": {"gpu": "Test GPU"}, "precisions": ["fp32"],
         "nvml": {"available": False, "reason": "NVML Shared Library Not Found"}})
     with pytest.raises(ConfigError, match="NVML Shared Library Not Found.*nvidia-ml-py"):
@@ -108,10 +109,10 @@ def fake_worker(request, timeout_s=None, log_path=None, spare=False):
 
 
 def fake_search(tmp_path, monkeypatch, objective: str):
-    monkeypatch.setattr(autotune.objective, "run_worker", fake_worker)
+    monkeypatch.setattr(autotune.search.objective, "run_worker", fake_worker)
     device = "cuda" if objective == "energy" else "cpu"  # the energy objective needs a GPU with NVML
-    monkeypatch.setattr(autotune.study, "resolve_device", lambda requested: device)
-    monkeypatch.setattr(autotune.study, "probe", lambda config, device, list_devices=False: {
+    monkeypatch.setattr(autotune.search.study, "resolve_device", lambda requested: device)
+    monkeypatch.setattr(autotune.search.study, "probe", lambda config, device, list_devices=False: {
         **fake_probe(config, device), "nvml": {"available": True, "reason": ""}})
     config = SearchConfig(workload=SPEC, device=device, out_dir=tmp_path / objective, trials=6, min_batch_size=4,
                           max_batch_size=32, base_batch_size=16, accuracy_check=False, objective=objective, seed=0,
@@ -151,7 +152,7 @@ def test_the_best_and_the_export_rank_by_the_objective(tmp_path, monkeypatch, ob
 
 @pytest.mark.slow
 def test_compare_says_which_objective_each_run_used(tmp_path, monkeypatch):
-    from autotune.compare import compare
+    from autotune.report.compare import compare
 
     a = fake_search(tmp_path, monkeypatch, "throughput").out_dir
     b = fake_search(tmp_path, monkeypatch, "memory").out_dir

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 import strategies
-from autotune.config import TunedConfig
+from autotune.deploy.config import TunedConfig
 from autotune.errors import ConfigError
-from autotune.objective import describe
-from autotune.space import SearchSpace
+from autotune.search.objective import describe
+from autotune.deploy.space import SearchSpace
 from strategies import optimizer as optimizer_strategy
 from strategies.optimizer import Optimizer, rebuild
 

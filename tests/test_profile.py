@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.findings import derive
-from autotune.profile import GpuEvent, ProfileTrace, analyze, classify, load_fixture
+from autotune.search.findings import derive
+from autotune.trial.profile import GpuEvent, ProfileTrace, analyze, classify, load_fixture
 from conftest import ROOT
 
 # names as they appear in a ResNet-50 trace recorded on the H200 (torch 2.11, cuDNN 9.19)
@@ -228,7 +228,7 @@ class _Profiler:
 
 
 def test_kernels_named_like_a_host_range_are_work_and_gpu_ranges_are_not():
-    from autotune.profile import from_profiler
+    from autotune.trial.profile import from_profiler
 
     triton = "triton_poi_fused__native_batch_norm_legit_functional_relu_0"
     events = [_Event(triton, cuda=False, start=0, dur=50),  # inductor's host-side range around the launch

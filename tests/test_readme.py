@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import re
 
-from autotune.config import TunedConfig
-from autotune.space import SearchSpace
+from autotune.deploy.config import TunedConfig
+from autotune.deploy.space import SearchSpace
 from conftest import ROOT
 
 README = (ROOT / "README.md").read_text()

@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 from optuna.trial import TrialState
 
-from autotune.report import write_report
+from autotune.report.render import write_report
 from conftest import ROOT, run_cli
 
 SEARCH = ["search", "--model", "fake_models:tiny_cnn", "--device", "cpu", "--input-shape", "3x32x32",
@@ -277,7 +277,7 @@ def test_no_completed_trial_still_reports(tmp_path):
     (0.004, 0, "more loader workers, DALI or a faster decode would help"),
 ])
 def test_the_data_pipeline_line_names_the_remedy_that_fits_the_wait(wait, workers, remedy):
-    from autotune.report import _data_text
+    from autotune.report.render import _data_text
 
     best = pd.Series({"loader_fed_samples_per_s": 3211.4, "compute_only_samples_per_s": 5484.7,
                       "loader_wait_share": wait, "data_bound": True, "param.dataloader.num_workers": workers})
@@ -293,7 +293,7 @@ def test_a_faster_trial_whose_loss_was_not_finite_is_marked_not_chosen(tmp_path)
     trials.csv says so, the top table marks it, and the best is #2."""
     import shutil
 
-    from autotune.export import trials_frame
+    from autotune.report.export import trials_frame
 
     folder = ROOT / "reports" / "resnet50-h200-jpegs"
     for name in ("study.db", "config.json"):

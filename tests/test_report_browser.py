@@ -13,7 +13,7 @@ from selenium import webdriver  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 
-from autotune.report import write_report
+from autotune.report.render import write_report
 from conftest import ROOT
 from test_report import load, tiny_search
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autotune.runner import exit_description, salient_error
+from autotune.trial.process import exit_description, salient_error
 
 # the end of a real worker log on the H200 after a device-side assert (torch 2.11): the error comes
 # first, then an abort with a C++ stack trace
@@ -38,8 +38,8 @@ import os  # noqa: E402
 
 import pytest  # noqa: E402
 
-from autotune import runner  # noqa: E402
-from autotune.gpus import pinned  # noqa: E402
+from autotune.trial import process, runner  # noqa: E402
+from autotune.trial.gpus import pinned  # noqa: E402
 from conftest import wait_ready  # noqa: E402
 
 PROBE = {"mode": "probe", "device": "cpu",
@@ -81,9 +81,9 @@ def test_a_spare_serves_only_its_own_gpu_and_a_dead_one_is_replaced(tmp_path, no
     (key, spare), = runner._spares.items()
     assert dict(key)["CUDA_VISIBLE_DEVICES"] == "0"
     # what importing torch adds to this process's environment (its own defaults) does not matter
-    assert runner._env_key(dict(runner._worker_env(PROBE), TORCHINDUCTOR_CACHE_DIR="/tmp/x")) != key  # another pin
+    assert runner._env_key(dict(process.worker_env(PROBE), TORCHINDUCTOR_CACHE_DIR="/tmp/x")) != key  # another pin
     with pinned("0"):
-        assert runner._env_key(dict(runner._worker_env(PROBE), TORCHINDUCTOR_CACHE_DIR="/tmp/x")) == key
+        assert runner._env_key(dict(process.worker_env(PROBE), TORCHINDUCTOR_CACHE_DIR="/tmp/x")) == key
     with pinned("1"):  # another GPU's thread starts its own worker
         other = runner.run_worker(PROBE, timeout_s=120)
     assert other["status"] == "ok" and other["pid"] != spare.proc.pid
@@ -109,7 +109,7 @@ def test_spares_nobody_takes_are_killed_and_their_files_removed(tmp_path):
 @pytest.mark.slow
 def test_a_trial_log_is_readable_while_it_runs_and_complete_when_a_spare_cannot_be_renamed(tmp_path, monkeypatch,
                                                                                           no_spares_left):
-    fresh = runner._Worker(runner._worker_env(), log_path=tmp_path / "trial-0000.log")
+    fresh = runner._Worker(process.worker_env(), log_path=tmp_path / "trial-0000.log")
     assert fresh.log_path == tmp_path / "trial-0000.log"  # written where the trial's log is, from the start
     fresh.discard()
     assert (tmp_path / "trial-0000.log").exists()  # a trial's log is kept, even when its run is cut
@@ -130,20 +130,20 @@ def test_a_trial_log_is_readable_while_it_runs_and_complete_when_a_spare_cannot_
 
 def test_a_worker_is_made_ready_for_its_model_and_device_before_the_request():
     trial = {"mode": "trial", "space": {"device": "cuda"}, "workload": {"model": "resnet18"}}
-    assert runner.preload(trial) == {runner.PRELOAD_IMPORTS: "torchvision", runner.PRELOAD_CUDA: "1"}
+    assert process.preload(trial) == {process.PRELOAD_IMPORTS: "torchvision", process.PRELOAD_CUDA: "1"}
     custom = {"mode": "probe", "device": "cpu", "workload": {"model": "my_pkg.models:build"}}
-    assert runner.preload(custom) == {runner.PRELOAD_IMPORTS: "my_pkg.models"}  # no CUDA context on a CPU
+    assert process.preload(custom) == {process.PRELOAD_IMPORTS: "my_pkg.models"}  # no CUDA context on a CPU
     # the CLI's probe, started before --device auto is resolved: a context where torch sees a GPU
-    assert runner.PRELOAD_CUDA in runner.preload({"device": "auto", "workload": {"model": "resnet18"}})
-    assert runner.preload({"mode": "trial", "config_path": "config.json"}) == {}  # `autotune verify`
+    assert process.PRELOAD_CUDA in process.preload({"device": "auto", "workload": {"model": "resnet18"}})
+    assert process.preload({"mode": "trial", "config_path": "config.json"}) == {}  # `autotune verify`
     # the search process's own environment never leaks one request's preparation into another's
-    os.environ[runner.PRELOAD_CUDA] = "1"
+    os.environ[process.PRELOAD_CUDA] = "1"
     try:
-        assert runner.PRELOAD_CUDA not in runner._worker_env(custom)
+        assert process.PRELOAD_CUDA not in process.worker_env(custom)
     finally:
-        del os.environ[runner.PRELOAD_CUDA]
+        del os.environ[process.PRELOAD_CUDA]
     # the model is part of which spare may serve a request
-    assert runner._env_key(runner._worker_env(custom)) != runner._env_key(runner._worker_env(PROBE))
+    assert runner._env_key(process.worker_env(custom)) != runner._env_key(process.worker_env(PROBE))
 
 
 @pytest.mark.slow

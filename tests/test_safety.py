@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 import autotune
-from autotune.runner import run_worker
+from autotune.trial.runner import run_worker
 from conftest import subprocess_env
 
 SHADOWS = ("torch", "optuna", "rich", "json")

@@ -181,7 +181,7 @@ def test_resume_after_the_search_process_is_killed(tmp_path):
     assert len(finished_before) >= 2
     for _ in range(20):  # the orphaned worker notices its parent is gone and exits
         time.sleep(0.5)
-        workers = subprocess.run(["pgrep", "-f", "autotune.worker"], capture_output=True, text=True).stdout.split()
+        workers = subprocess.run(["pgrep", "-f", "autotune.trial.worker"], capture_output=True, text=True).stdout.split()
         if not workers:
             break
     assert not workers, f"workers left running after the search was killed: {workers}"
@@ -325,7 +325,7 @@ def test_storage_passwords_never_reach_messages(tmp_path):
                    "--storage", f"mysql://bob:{secret}@127.0.0.1:1/tune", check=False, timeout=120)
     assert proc.returncode == 2 and "cannot be opened" in proc.stderr
     assert secret not in proc.stderr + proc.stdout and "bob:***@" in proc.stderr
-    from autotune.study import mask_url
+    from autotune.search.storage import mask_url
 
     assert mask_url(f"postgresql://bob:{secret}@db:5432/tune") == "postgresql://bob:***@db:5432/tune"
     assert mask_url("sqlite:///reports/x/study.db") == "sqlite:///reports/x/study.db"
@@ -363,9 +363,9 @@ def test_replay_measures_an_earlier_searchs_configurations_in_its_order(cpu_sear
 
 
 def test_replay_leaves_out_configurations_this_space_does_not_offer(tmp_path):
-    from autotune.space import SearchSpace
-    from autotune.study import replay_configurations
-    from autotune.steering import complete_params
+    from autotune.deploy.space import SearchSpace
+    from autotune.search.study import replay_configurations
+    from autotune.search.steering import complete_params
 
     wide = SearchSpace(device="cpu", precisions=["fp32", "bf16"], batch_sizes=[8, 16, 32], base_batch_size=8)
     narrow = SearchSpace(device="cpu", precisions=["fp32", "bf16"], batch_sizes=[8, 16], base_batch_size=8)

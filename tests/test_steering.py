@@ -8,13 +8,13 @@ import optuna
 import pytest
 
 import strategies
-from autotune.config import TunedConfig
-from autotune.findings import Finding
-from autotune.objective import Objective
-from autotune.profile import analyze, load_fixture
-from autotune.space import SearchSpace
-from autotune.steering import complete_params, steer
-from autotune.study import keep_traces
+from autotune.deploy.config import TunedConfig
+from autotune.search.findings import Finding
+from autotune.search.objective import Objective
+from autotune.trial.profile import analyze, load_fixture
+from autotune.deploy.space import SearchSpace
+from autotune.search.steering import complete_params, steer
+from autotune.search.study import keep_traces
 from conftest import ROOT
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -117,7 +117,7 @@ def test_the_baseline_and_best_traces_are_kept_and_the_rest_deleted(tmp_path):
 
 @pytest.mark.parametrize("steps", [1, 3])
 def test_measure_enters_the_timed_window_once_around_every_timed_step(steps):
-    from autotune.measure import MeasureSettings, measure
+    from autotune.trial.measure import MeasureSettings, measure
 
     events: list[str] = []
 
@@ -140,7 +140,7 @@ def test_measure_enters_the_timed_window_once_around_every_timed_step(steps):
 
 
 def test_trials_csv_has_the_energy_profile_and_findings_columns():
-    from autotune.export import trials_frame
+    from autotune.report.export import trials_frame
 
     trace = load_fixture(ROOT / "tests" / "fixtures" / "profile-resnet50-fp16-nchw.json.gz")
     study = optuna.create_study(direction="maximize")

@@ -14,7 +14,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from autotune.storage import RetryingRDBStorage, StorageUnavailable, is_transient, open_storage
+from autotune.search.storage import RetryingRDBStorage, StorageUnavailable, is_transient, open_storage
 from conftest import run_cli
 
 # the SQLite busy timeout is 5 s by default; a short one makes a held lock an error at once
@@ -57,7 +57,7 @@ def test_a_locked_database_is_waited_out_and_no_trial_fails(tmp_path, caplog):
     study = optuna.create_study(storage=storage, study_name="s", direction="maximize")
     taken = threading.Event()
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="autotune.storage"):
+    with caplog.at_level(logging.WARNING, logger="autotune.search.storage"):
         study.optimize(_objective(1, path, 1.5, taken), n_trials=4)
     assert taken.is_set()
     assert time.monotonic() - started >= 1.4  # the lock really was in the way

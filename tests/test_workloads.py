@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import autotune
-from autotune.workloads import (
+from autotune.workload.models import (
     WorkloadSpec,
     build,
     check_spec,

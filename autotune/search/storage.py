@@ -24,7 +24,7 @@ from optuna.storages import RDBStorage
 
 from autotune.errors import AutotuneError, ConfigError
 
-log = logging.getLogger("autotune.storage")
+log = logging.getLogger("autotune.search.storage")
 
 DEFAULT_PATIENCE_S = 120.0
 """How long a storage may stay unreachable before the search stops (it resumes on the next run)."""

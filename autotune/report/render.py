@@ -28,9 +28,9 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
 
 import autotune
-from autotune.export import trials_frame
-from autotune.objective import describe
-from autotune.study import baseline_trial, best_trial, counted_trials
+from autotune.report.export import trials_frame
+from autotune.search.objective import describe
+from autotune.search.trials import baseline_trial, best_trial, counted_trials
 
 GIB = 2**30
 NOT_MEASURED = "not measured in this search"
@@ -129,7 +129,7 @@ _FRAME_COLUMNS = ["number", "role", "state", "status", "reason", "duplicate_of",
 
 
 def _collect(study: optuna.Study, out_dir: Path, config: dict[str, Any] | None) -> _Data:
-    from autotune.accuracy import accuracy_of
+    from autotune.accuracy.gate import accuracy_of
 
     trials = study.get_trials(deepcopy=False)
     attrs = {t.number: dict(t.user_attrs) for t in trials}
@@ -314,7 +314,7 @@ def _summary(d: _Data) -> list[dict[str, str]]:
     """The summary, as (label, text) items shared by HTML and Markdown."""
     items = [{"label": "Device", "text": _device_text(d)}, {"label": "Model", "text": _model_text(d)}]
     best, base, cfg = d.best, d.baseline, d.config or {}
-    from autotune.goal import goal_of_config
+    from autotune.search.goal import goal_of_config
 
     items.append({"label": "Objective", "text": goal_of_config(cfg).text + ": the best configuration is ranked by it"})
     fixed = cfg.get("fixed_knobs") or {}
@@ -409,7 +409,7 @@ def _data_text(best: pd.Series, device: str) -> str:
     waited = f"; the step waited for data {fmt_pct(wait, 0)} of the time" if wait is not None else ""
     if str(best["data_bound"]).lower() == "true":
         workers = _num(best.get("param.dataloader.num_workers"))
-        from autotune.findings import CONTENTION_WAIT_SHARE
+        from autotune.search.findings import CONTENTION_WAIT_SHARE
 
         if wait is not None and wait < CONTENTION_WAIT_SHARE and workers:
             # the step seldom waited, yet ran slower than fed from memory: the workers' decoding
@@ -1028,7 +1028,7 @@ def _context(d: _Data) -> dict[str, Any]:
 
 
 def _environment() -> jinja2.Environment:
-    return jinja2.Environment(loader=jinja2.PackageLoader("autotune", "templates"), autoescape=True,
+    return jinja2.Environment(loader=jinja2.PackageLoader("autotune.report", "templates"), autoescape=True,
                               undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
 
 
@@ -1090,7 +1090,7 @@ def render_markdown(d: _Data) -> str:
         out += _md_table(["", "trial", "configuration", "samples/s", "step ms", "peak GiB", *extra_cols], rows)
         out.append("")
 
-        from autotune.goal import goal_of_config
+        from autotune.search.goal import goal_of_config
 
         ranking = goal_of_config(cfg)  # the top configurations under the search's objective
         top = d.measured.sort_values(ranking.column, ascending=not ranking.maximize).head(10)

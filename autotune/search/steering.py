@@ -1,13 +1,13 @@
 """Steering: the findings of a measured trial queue the configurations they suggest.
 
 A finding such as "38% of GPU time is in layout conversions: channels_last removes them" comes
-with the parameters of its remedy (``autotune.findings``). The remedy applied to the trial's own
+with the parameters of its remedy (``autotune.search.findings``). The remedy applied to the trial's own
 parameters is a concrete configuration; it is completed through the strategies (a switch to fp16
 brings the GradScaler's parameters, at their defaults) and queued with Optuna's
 ``enqueue_trial``, so the next trials test what the profile says instead of what TPE guesses. A
 configuration already measured or queued is not queued again (every one compared in its completed
 form, so a seed queued with fewer parameters still counts), and a remedy that changes a knob
-``autotune.knob_effects`` found to have no effect is not queued.
+``autotune.search.knob_effects`` found to have no effect is not queued.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any, Mapping
 import optuna
 
 import strategies
-from autotune.findings import Finding
-from autotune.space import SearchSpace
+from autotune.deploy.space import SearchSpace
+from autotune.search.findings import Finding
 
 MAX_STEERED_PER_TRIAL = 2
 """Remedies queued from one trial, the first findings first (they are ordered by the rules)."""
@@ -77,7 +77,7 @@ def complete_params(params: Mapping[str, Any], space: SearchSpace) -> dict[str, 
 def steer(study: optuna.Study, trial: optuna.trial.FrozenTrial | optuna.Trial, findings: list[Finding],
           space: SearchSpace, *, limit: int = MAX_STEERED_PER_TRIAL) -> list[dict[str, Any]]:
     """Queue the remedies of ``findings`` on top of ``trial``'s parameters; returns what was queued."""
-    from autotune.knob_effects import fixed_knobs
+    from autotune.search.knob_effects import fixed_knobs
 
     # a queued trial has no params until it runs: its parameters wait in its fixed_params
     known = [complete_params(t.params or t.system_attrs.get("fixed_params", {}), space)

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from autotune.deploy.recipe import Recipe, apply_backend_flags
 from autotune.errors import ConfigError
-from autotune.recipe import Recipe, apply_backend_flags
-from autotune.workloads import logits
+from autotune.workload.models import logits
 from strategies import optimizer as optimizer_strategy
 from strategies.compile import CUDAGRAPH_MODES
 

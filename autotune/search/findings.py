@@ -1,8 +1,8 @@
 """Findings: plain-language explanations of a trial's profile and NVML figures, each with the
 configuration change it suggests.
 
-Every rule reads only measured figures (the profile analysis of ``autotune.profile``, the NVML
-window of ``autotune.nvml``, the layers the probe found misaligned) and the trial's own knobs; it
+Every rule reads only measured figures (the profile analysis of ``autotune.trial.profile``, the NVML
+window of ``autotune.trial.nvml``, the layers the probe found misaligned) and the trial's own knobs; it
 fires only past a threshold that makes the effect worth a trial, and names the change (as Optuna
 parameters) that would remove the cause. The search queues those suggestions (the steering), the
 report prints the texts.
@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from autotune.trial.measure import DATA_WAIT_SHARE
+
 # thresholds: a share of the window's GPU wall time (or of NVML samples) worth acting on
 LAYOUT_SHARE = 0.05
 IDLE_SHARE = 0.15
@@ -22,13 +24,6 @@ NON_TENSOR_CORE_SHARE = 0.20
 ELEMENTWISE_SHARE = 0.30
 POWER_CAP_SHARE = 0.20
 THERMAL_SHARE = 0.05
-DATA_BOUND_RATIO = 0.90
-"""Loader-fed throughput below this share of the same step fed from memory is data-bound ..."""
-DATA_WAIT_SHARE = 0.05
-"""... when the step waited for its batches at least this share of the time, or ..."""
-DATA_BOUND_CLEAR_RATIO = 0.75
-"""... when the loss is this large even without waits (the loader's workers taking the CPU the
-step needs). A smaller loss without waits is within the noise of two separate windows."""
 DDP_EFFICIENCY = 0.90
 """A DDP step whose per-GPU rate is below this share of the same step alone on one GPU spends
 enough on its gradient all-reduces to try DDP's own settings (on two H200s, ResNet-18 at batch
@@ -36,13 +31,6 @@ enough on its gradient all-reduces to try DDP's own settings (on two H200s, ResN
 CONTENTION_WAIT_SHARE = DATA_WAIT_SHARE
 """A data-bound step with workers that waited for its batches less than this share of the time
 was slowed by the workers' CPU use, not by their pace: the remedy is fewer of them."""
-
-
-def is_data_bound(loader_fed: float, compute_only: float, wait_share: float) -> bool:
-    """Whether a DataLoader-fed step is held back by its data pipeline (see the thresholds above)."""
-    if loader_fed >= DATA_BOUND_RATIO * compute_only:
-        return False
-    return wait_share >= DATA_WAIT_SHARE or loader_fed < DATA_BOUND_CLEAR_RATIO * compute_only
 
 
 @dataclass(frozen=True)
@@ -68,7 +56,7 @@ def derive(profile: Mapping[str, Any] | None, energy: Mapping[str, Any] | None, 
            figures: Mapping[str, Any] | None = None) -> list[Finding]:
     """The findings of one trial.
 
-    ``profile``: ``autotune.profile.analyze`` output; ``energy``: an ``NvmlWindow.to_dict()``;
+    ``profile``: ``autotune.trial.profile.analyze`` output; ``energy``: an ``NvmlWindow.to_dict()``;
     ``knobs``: the trial's knob dicts (strategy -> fields); ``misaligned``: layers whose widths are
     not multiples of 8 (from the probe); ``offered``: parameter -> the values the search space
     offers, so a suggestion never names a value the space does not have; ``figures``: the

@@ -19,24 +19,25 @@ import optuna
 from optuna.trial import TrialState
 
 import strategies
-from autotune.distributed import SharedStudy, check_same_hardware, sampler_seed, setup_done, wait_for_setup
+from autotune.deploy.space import SearchSpace
 from autotune.errors import ConfigError, WorkloadError
-from autotune.gpus import GpuPool, parse_gpus, pinned, probe_view
-from autotune.knob_effects import apply_fixed_knobs, fix_no_effect_knobs
-from autotune.machine import MACHINE_ATTR, check_resume, this_machine
-from autotune.measure import MeasureSettings
-from autotune.objective import Objective, TrialFailed, requeue, serve_urgent_first
-from autotune.runlog import run_log
-from autotune.runner import discard_spares, prestart_setting, run_worker
-from autotune.space import SearchSpace
-from autotune.storage import mask_url, open_storage  # noqa: F401  (mask_url: used by export and cli)
-from autotune.workloads import WorkloadSpec, check_spec
+from autotune.search.distributed import SharedStudy, check_same_hardware, sampler_seed, setup_done, wait_for_setup
+from autotune.search.knob_effects import apply_fixed_knobs, fix_no_effect_knobs
+from autotune.search.machine import MACHINE_ATTR, check_resume, this_machine
+from autotune.search.objective import Objective, TrialFailed, requeue, serve_urgent_first
+from autotune.search.runlog import run_log
+from autotune.search.storage import mask_url, open_storage
+from autotune.search.trials import FINISHED, baseline_trial, best_trial, counted_trials
+from autotune.trial.gpus import GpuPool, parse_gpus, pinned, probe_view
+from autotune.trial.measure import MeasureSettings
+from autotune.trial.runner import discard_spares, prestart_setting, run_worker
+from autotune.workload.models import WorkloadSpec, check_spec
 from strategies import batch_size as batch_size_strategy
 from strategies import compile as compile_strategy
 from strategies import dataloader as dataloader_strategy
 from strategies import ddp as ddp_strategy
-from strategies import optimizer as optimizer_strategy
 from strategies import fp32_layers as fp32_layers_strategy
+from strategies import optimizer as optimizer_strategy
 from strategies import threads as threads_strategy
 
 DEFAULT_OUT = Path("runs")
@@ -44,7 +45,6 @@ DEFAULT_OUT = Path("runs")
 example studies a search would otherwise resume (ignored by git, so a clone stays clean)."""
 DEFAULT_BUDGET_S = 600.0  # when neither --trials nor --budget is given
 MIN_BUDGET_S = 10.0
-FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
 @dataclass(kw_only=True)
@@ -78,7 +78,7 @@ class SearchConfig:
     even a tiny model takes tens of seconds per trial), False never. Only where the probe compiled."""
     accuracy_check: bool = True
     """Train configurations near the speed frontier briefly against FP32; never recommend one that
-    loses more than max_accuracy_drop (see autotune.accuracy)."""
+    loses more than max_accuracy_drop (see autotune.accuracy.gate)."""
     max_accuracy_drop: float = 0.5
     """Held-out accuracy drop versus FP32 allowed, in percentage points."""
     max_loss_drift: float = 0.1
@@ -91,24 +91,24 @@ class SearchConfig:
     """Profile each GPU trial (torch.profiler and NVML) and derive its findings."""
     steer: bool = True
     """Queue the configurations the findings suggest, and stop exploring knobs shown to have no
-    effect (autotune.knob_effects)."""
+    effect (autotune.search.knob_effects)."""
     objective: str = "throughput"
     """What the search optimizes: "throughput" (samples/s), "energy" (joules per sample, NVML) or
-    "memory" (peak memory); see autotune.goal."""
+    "memory" (peak memory); see autotune.search.goal."""
     seed: int = 0
     trial_timeout_s: float = 600.0
     measure: MeasureSettings | None = None
     command: str = ""
     gpus: list[int] | str | None = None
     """CUDA GPUs to search on in parallel, one trial worker on each ("0,1", [0, 1] or "all");
-    None: the first visible GPU. All must be the same model (autotune.gpus)."""
+    None: the first visible GPU. All must be the same model (autotune.trial.gpus)."""
     prestart_workers: bool | None = None
-    """Start each trial's worker while the previous trial runs (autotune.runner: spare workers),
+    """Start each trial's worker while the previous trial runs (autotune.trial.runner: spare workers),
     taking its imports off the trials' path; None: on a GPU without --ddp (on a CPU the spare's
     imports would compete with the trial measured on the same cores)."""
     ddp: int | None = None
     """--ddp N: measure every trial as an N-process DistributedDataParallel step, one GPU per
-    process (autotune.ddp), and search DDP's bucket size, bucket views and static graph; None:
+    process (autotune.trial.ddp_rank), and search DDP's bucket size, bucket views and static graph; None:
     single-process trials."""
     global_batch_size: int | None = None
     """--global-batch-size: keep this many samples per optimizer step; the batch size searched is
@@ -120,7 +120,7 @@ class SearchConfig:
     """--memory-headroom: leave this much of the GPU's memory free (for other processes)."""
     resume: bool = False
     """Add trials to a study another machine wrote (a copied folder, a committed example): refused
-    otherwise, since its figures are not this machine's (autotune.machine)."""
+    otherwise, since its figures are not this machine's (autotune.search.machine)."""
     replay: Path | None = None
     """An earlier search's output folder: its configurations are measured first, in its order
     (after this search's FP32 baseline and known-good ones), before the sampler proposes any: the
@@ -150,7 +150,7 @@ class SearchConfig:
             if not (self.replay / "study.db").is_file():
                 raise ConfigError(f"--replay {self.replay}: no study.db there; give the output folder of an "
                                   "earlier `autotune search` (the one holding its config.json and study.db)")
-        from autotune.memory import parse_size
+        from autotune.search.memory import parse_size
 
         if self.memory_limit is not None:
             self.memory_limit = parse_size(self.memory_limit, "--memory-limit")
@@ -186,17 +186,17 @@ class SearchConfig:
             raise ConfigError("--precisions must include fp32: the FP32 baseline is what every figure is compared with")
         if self.trial_timeout_s <= 0:
             raise ConfigError("--trial-timeout must be positive")
-        from autotune.goal import goal
+        from autotune.search.goal import goal
 
         goal(self.objective)  # an unknown name gets the list of objectives
         if self.accuracy_check:
-            from autotune.accuracy import AccuracySettings
-            from autotune.data import check_data_spec
+            from autotune.accuracy.settings import AccuracySettings
+            from autotune.workload.data import check_data_spec
 
             self.accuracy_settings("cpu")  # validates the thresholds and the step count
             check_data_spec(self.data)
         elif self.data is not None:
-            from autotune.data import check_data_spec
+            from autotune.workload.data import check_data_spec
 
             check_data_spec(self.data)  # it still feeds the timed steps, through a DataLoader
         if self.data is not None and self.input_on_device:
@@ -205,7 +205,7 @@ class SearchConfig:
 
     def accuracy_settings(self, device: str):
         """The accuracy check's settings on ``device`` (validated: a bad value raises ConfigError)."""
-        from autotune.accuracy import AccuracySettings
+        from autotune.accuracy.settings import AccuracySettings
 
         return AccuracySettings.for_device(device, steps=self.accuracy_steps, seed=self.seed, data=self.data,
                                            max_accuracy_drop=self.max_accuracy_drop,
@@ -305,7 +305,7 @@ def _compile_modes(config: SearchConfig, device: str, info: dict[str, Any]) -> l
 
 def _prestart_workers(config: SearchConfig, device: str) -> bool:
     """Whether each trial's worker starts while the previous trial runs: config.prestart_workers,
-    else $AUTOTUNE_PRESTART (autotune.runner.prestart_setting), else on a GPU without --ddp."""
+    else $AUTOTUNE_PRESTART (autotune.trial.runner.prestart_setting), else on a GPU without --ddp."""
     if config.prestart_workers is not None:
         return config.prestart_workers
     setting = prestart_setting()
@@ -444,7 +444,7 @@ def replay_configurations(folder: Path, space: SearchSpace) -> tuple[list[tuple[
     complete parameters: (trial number, params) pairs, and how many were left out because this
     space does not offer one of their values (a batch size another GPU's memory allowed, say).
     Repeats stay in: the search measured them once and copied the rest, and so will this one."""
-    from autotune.steering import complete_params
+    from autotune.search.steering import complete_params
 
     url = f"sqlite:///{folder / 'study.db'}"
     names = optuna.get_all_study_names(storage=url)
@@ -470,7 +470,7 @@ def replay_configurations(folder: Path, space: SearchSpace) -> tuple[list[tuple[
 def _enqueue_replay(study: optuna.Study, folder: Path, space: SearchSpace, seeds: list[dict[str, Any]]) -> None:
     """Queue the configurations of the search in ``folder`` behind this one's seeds (which that
     search measured first too: they are not queued twice)."""
-    from autotune.steering import complete_params
+    from autotune.search.steering import complete_params
 
     replayed, left_out = replay_configurations(folder, space)
     seeded = [complete_params(params, space) for params in seeds]
@@ -581,37 +581,11 @@ def estimate_next_wall(study: optuna.Study, walls: list[tuple[float, bool]]) -> 
     return share * kind_median(True) + (1 - share) * kind_median(False)
 
 
-def counted_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    """Finished trials with a recorded outcome. A trial whose search process was killed has
-    none (it is failed on resume and re-run), so no trial is counted twice."""
-    return [t for t in study.get_trials(deepcopy=False, states=FINISHED) if "status" in t.user_attrs]
-
-
-def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
-    """The best completed trial under the study's objective (its direction: the fastest, or the
-    least energy or memory) that is neither unstable nor failed its accuracy check."""
-    from autotune.accuracy import accuracy_of, failed
-
-    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            if not t.user_attrs.get("unstable") and not failed(accuracy_of(study, t))]
-    if not done:
-        return None
-    pick = max if study.direction == optuna.study.StudyDirection.MAXIMIZE else min
-    return pick(done, key=lambda t: t.value)
-
-
-def baseline_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
-    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-        if t.user_attrs.get("role") == "baseline":
-            return t
-    return None
-
-
 def _write_outputs(study: optuna.Study, out_dir: Path, config: SearchConfig, space: SearchSpace,
                    info: dict[str, Any]) -> dict[str, Path]:
     """config.json and trials.csv, then report.html and report.md."""
-    from autotune.export import export
-    from autotune.report import write_report
+    from autotune.report.export import export
+    from autotune.report.render import write_report
 
     files = export(study, out_dir, config=config, space=space, probe=info)
     files.update(keep_traces(study, out_dir))
@@ -680,7 +654,7 @@ def open_study(storage: optuna.storages.BaseStorage, name: str, seed: int,
     """Create the study for ``objective`` (its direction, recorded as a user attribute), or load
     it; a study made for another objective is refused (Optuna's load_if_exists would silently
     keep the stored direction, and the values of the two objectives must never be mixed)."""
-    from autotune.goal import OBJECTIVE_ATTR, goal, goal_of
+    from autotune.search.goal import OBJECTIVE_ATTR, goal, goal_of
 
     wanted = goal(objective)
     with warnings.catch_warnings():
@@ -730,7 +704,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
     _check_writable(Path(config.out_dir) if config.out_dir else DEFAULT_OUT)
     # a user's storage URL is checked (and its tables created) before any device time
     storage = open_storage(config.storage) if config.storage else None
-    from autotune.goal import goal, nvml_refusal
+    from autotune.search.goal import goal, nvml_refusal
 
     target = goal(config.objective)
     if target.needs_nvml and device != "cuda":  # known before the probe: refuse at once
@@ -826,7 +800,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         measure = config.measure = config.measure or MeasureSettings.for_device(device)
         gate = None
         if config.accuracy_check:
-            from autotune.accuracy import AccuracyGate
+            from autotune.accuracy.gate import AccuracyGate
 
             gate = AccuracyGate(settings=config.accuracy_settings(device), space=space,
                                 workload=config.workload.to_dict(), timeout_s=config.trial_timeout_s,

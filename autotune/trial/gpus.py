@@ -2,12 +2,12 @@
 
 One search process runs ``study.optimize(n_jobs=len(gpus))``: Optuna's own parallel loop, one
 thread per GPU, each trial of a thread measured in a worker process pinned to that thread's GPU
-with ``CUDA_VISIBLE_DEVICES`` (autotune.runner reads :func:`current_pin`). The study, its lock,
+with ``CUDA_VISIBLE_DEVICES`` (autotune.trial.runner reads :func:`current_pin`). The study, its lock,
 its output folder and its export stay one; the default SQLite storage is then written by several
 threads of one process, which its retries absorb.
 
 All GPUs of one search must be the same model: a study holds the measurements of one GPU model
-(see autotune.distributed), so a mixed machine runs one search per model, each with its own
+(see autotune.search.distributed), so a mixed machine runs one search per model, each with its own
 ``--gpus`` and ``--study-name``; the refusal says which.
 
 NVML numbers GPUs in PCI bus order and ignores ``CUDA_VISIBLE_DEVICES``; :func:`nvml_index`

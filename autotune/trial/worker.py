@@ -5,7 +5,7 @@ allocator's state, cuDNN's algorithm cache and a sticky CUDA error never reach t
 (timm's bulk_runner does the same). The study process talks to it through a JSON request on
 stdin and a JSON result file.
 
-    python -m autotune.worker RESULT.json STUDY_PID < REQUEST.json
+    python -m autotune.trial.worker RESULT.json STUDY_PID < REQUEST.json
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ import os
 import sys
 import time
 
-
 if __name__ == "__main__" and len(sys.argv) > 2:
-    from autotune.orphan import watch_parent
+    from autotune.trial.orphan import watch_parent
 
     watch_parent(int(sys.argv[2]))  # before the heavy imports below
 
@@ -32,16 +31,16 @@ from typing import Any, Iterator  # noqa: E402
 import torch  # noqa: E402
 
 import strategies  # noqa: E402
-from autotune.config import TunedConfig, load  # noqa: E402
-from autotune.measure import MeasureSettings, measure, memory_figures  # noqa: E402
-from autotune.profile import analyze, record  # noqa: E402
-from autotune.runner import PRELOAD_CUDA, PRELOAD_IMPORTS  # noqa: E402
-from autotune.space import SearchSpace  # noqa: E402
-from autotune.workloads import WorkloadSpec, build  # noqa: E402
+from autotune.deploy.config import TunedConfig, load  # noqa: E402
+from autotune.deploy.space import SearchSpace  # noqa: E402
+from autotune.trial.measure import MeasureSettings, measure, memory_figures  # noqa: E402
+from autotune.trial.process import PRELOAD_CUDA, PRELOAD_IMPORTS  # noqa: E402
+from autotune.trial.profile import analyze, record  # noqa: E402
+from autotune.workload.models import WorkloadSpec, build  # noqa: E402
 
 
 def _preload() -> list[str]:
-    """What autotune.runner.preload asked for, done before the request: the model's module
+    """What autotune.trial.runner.preload asked for, done before the request: the model's module
     imported, the CUDA context made. Each is done again by the trial if it fails here, and says
     what went wrong then."""
     done = []
@@ -116,7 +115,7 @@ def provenance() -> dict[str, Any]:
             cuda=torch.version.cuda,
             cudnn=torch.backends.cudnn.version(),
         )
-        uuid = getattr(props, "uuid", None)  # which GPU, for autotune.machine
+        uuid = getattr(props, "uuid", None)  # which GPU, for autotune.search.machine
         if uuid is not None:
             info["gpu_uuid"] = str(uuid)
         try:
@@ -140,14 +139,14 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     device = request["device"]
     result: dict[str, Any] = {}
     if request.get("list_devices"):
-        # --gpus: the requested GPUs, in the order given (autotune.gpus.probe_view)
+        # --gpus: the requested GPUs, in the order given (autotune.trial.gpus.probe_view)
         result["cuda_devices"] = [torch.cuda.get_device_properties(i).name for i in range(torch.cuda.device_count())]
         if not result["cuda_devices"]:  # none of them exists: the search says which there are
             return result
     result.update(provenance=provenance(), cuda_available=torch.cuda.is_available())
     if device == "cuda":
         result["precisions"] = supported_modes("cuda")
-        from autotune.nvml import _probe as nvml_probe
+        from autotune.trial.nvml import probe as nvml_probe
 
         available, reason = nvml_probe()
         result["nvml"] = {"available": available, "reason": reason}
@@ -167,7 +166,7 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _compiled_graphs() -> int:
+def compiled_graphs() -> int:
     """Graphs TorchDynamo compiled in this process so far. A compiled trial with none ran eagerly
     (its frames skipped, or reusing code compiled for an identical model): its compile_s is then
     no compile time, and its speed is eager speed."""
@@ -176,7 +175,7 @@ def _compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _input_batches(workload, batch_size: int, device: str, on_device: bool, seed: int) -> list[Any]:
+def input_batches(workload, batch_size: int, device: str, on_device: bool, seed: int) -> list[Any]:
     """Distinct random batches, cycled by the measured loop: in pinned host memory (copied each
     step, as from a DataLoader with pin_memory=True) or, with on_device, already on the GPU."""
     if device == "cuda" and workload.make_batch is None:
@@ -209,7 +208,7 @@ class _LoaderFeed:
     """
 
     def __init__(self, spec: str, workload, cfg: TunedConfig, seed: int) -> None:
-        from autotune.data import load_data
+        from autotune.workload.data import load_data
         from strategies.dataloader import endless_loader
 
         datasets = load_data(spec, input_shape=tuple(workload.input_shape), num_classes=workload.num_classes,
@@ -243,7 +242,7 @@ class _LoaderFeed:
         """Time the step fed from memory (a short window; compiling and warm-up happen here), then
         fed by the loader (its timed window under NVML); returns the loader-fed Measurement, the
         loader-fed step (for the profile window) and the loader figures."""
-        from autotune.findings import is_data_bound
+        from autotune.trial.measure import is_data_bound
 
         device, batch = self.cfg.device, self.cfg.batch_size
         compute_wall: list[tuple[float, float]] = []
@@ -353,7 +352,7 @@ def run_trial(request: dict[str, Any]) -> dict[str, Any]:
     step = cfg.train_step(model, optimizer, workload.loss_fn)
     feed = _LoaderFeed(data_spec, workload, cfg, seed) if data_spec else None
     if feed is None:
-        batches = _input_batches(workload, cfg.batch_size, device, input_on_device, seed)
+        batches = input_batches(workload, cfg.batch_size, device, input_on_device, seed)
     else:
         # the loader's first batches, cycled from memory: the same step with no loader to wait for
         batches = feed.first_batches()
@@ -370,7 +369,7 @@ def run_trial(request: dict[str, Any]) -> dict[str, Any]:
     timings["build_s"] = time.perf_counter() - t0
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    monitor, windows = _nvml_monitor(device, request), []
+    monitor, windows = nvml_monitor(device, request), []
     nvml_window = (lambda: monitor.window_into(windows)) if monitor is not None else None
 
     loader_figures: dict[str, Any] = {}
@@ -414,7 +413,7 @@ def run_trial(request: dict[str, Any]) -> dict[str, Any]:
     figures["final_loss"] = loss
     figures["loss_finite"] = bool(torch.isfinite(torch.tensor(loss)))
     if cfg.recipe.compile_mode is not None:
-        figures["compiled_graphs"] = _compiled_graphs()
+        figures["compiled_graphs"] = compiled_graphs()
     result: dict[str, Any] = {"status": "ok", "figures": figures, "knobs": strategies.knobs_to_dict(cfg.knobs)}
     if windows and windows[0] is not None:
         energy = windows[0].to_dict()
@@ -448,7 +447,7 @@ def largest_fit(step, workload, cfg: TunedConfig, candidates: list[int], seed: i
     """After a step ran out of memory: the largest of ``candidates`` (smaller batches, ascending)
     at which two steps of the same configuration fit, found by bisection (a fit at b means a fit
     below b), with each fitting batch's peak. The search measures the configuration there next
-    (autotune.memory); eager steps only, so no recompilation or graph capture is involved."""
+    (autotune.search.memory); eager steps only, so no recompilation or graph capture is involved."""
     import gc
 
     device = cfg.device
@@ -461,7 +460,7 @@ def largest_fit(step, workload, cfg: TunedConfig, candidates: list[int], seed: i
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         try:
-            stream = iter(cfg.loader(itertools.cycle(_input_batches(workload, batch, device, False, seed))))
+            stream = iter(cfg.loader(itertools.cycle(input_batches(workload, batch, device, False, seed))))
             for _ in range(cfg.accumulation_steps + 1):  # at least one optimizer step, and its state
                 x, y = next(stream)
                 loss = step(x, y)
@@ -494,14 +493,14 @@ def _profile(one_step, request: dict[str, Any], batch_size: int, step_time_ms: f
     return analyze(trace, step_time_ms=step_time_ms)
 
 
-def _nvml_monitor(device: str, request: dict[str, Any], cuda_index: int = 0):
+def nvml_monitor(device: str, request: dict[str, Any], cuda_index: int = 0):
     """An NVML monitor of this process's CUDA device ``cuda_index`` (a DDP rank's: its local rank),
     or None (CPU, or asked not to sample). NVML ignores CUDA_VISIBLE_DEVICES, so the device is
-    found by its PCI bus id (autotune.gpus.nvml_index)."""
+    found by its PCI bus id (autotune.trial.gpus.nvml_index)."""
     if device != "cuda" or not request.get("nvml", True):
         return None
-    from autotune.gpus import nvml_index
-    from autotune.nvml import NvmlMonitor
+    from autotune.trial.gpus import nvml_index
+    from autotune.trial.nvml import NvmlMonitor
 
     return NvmlMonitor(device_index=nvml_index(cuda_index), interval_s=0.05)
 
@@ -522,7 +521,7 @@ def main(argv: list[str]) -> int:
         if request.get("mode") == "probe":
             result = {"status": "ok", **probe(request)}
         elif request.get("mode") == "accuracy":
-            from autotune.accuracy import run_check
+            from autotune.accuracy.check import run_check
 
             result = run_check(request)
         else:

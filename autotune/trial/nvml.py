@@ -58,7 +58,7 @@ _warned = False
 _lock = threading.Lock()
 
 
-def _probe() -> tuple[bool, str]:
+def probe() -> tuple[bool, str]:
     try:
         import pynvml
     except ImportError:
@@ -79,7 +79,7 @@ def nvml_available() -> bool:
     global _available, _unavailable_reason
     with _lock:
         if _available is None:
-            _available, _unavailable_reason = _probe()
+            _available, _unavailable_reason = probe()
         return _available
 
 

@@ -25,10 +25,10 @@ import torch
 from torch import nn
 
 import strategies
-from autotune import runtime
+from autotune.deploy import runtime
+from autotune.deploy.recipe import Recipe, backend_flags
+from autotune.deploy.space import SearchSpace
 from autotune.errors import ConfigError
-from autotune.recipe import Recipe, backend_flags
-from autotune.space import SearchSpace
 from strategies.streams import device_batches
 
 FORMAT_VERSION = 1

@@ -23,8 +23,8 @@ from rich.table import Table
 from rich.text import Text
 
 from autotune.errors import ConfigError
-from autotune.objective import describe
-from autotune.report import inline_svg
+from autotune.report.render import inline_svg
+from autotune.search.objective import describe
 
 PRECISION_MODES = ("fp32", "tf32", "fp16", "bf16")
 """The precision modes the search knows, in the order the speed-up table lists them."""
@@ -387,7 +387,7 @@ def _side_by_side(runs: list[Run]) -> Section:
 
 
 def _objective_note(runs: list[Run]) -> str:
-    from autotune.goal import goal_of_config
+    from autotune.search.goal import goal_of_config
 
     names = [goal_of_config(r.info).name for r in runs]
     if len(set(names)) == 1:
@@ -399,7 +399,7 @@ def _objective_note(runs: list[Run]) -> str:
 def _objective_text(run: Run) -> str:
     """What the run's best configuration was ranked by (config.json's objective; throughput for a
     config.json written before --objective existed), with its value."""
-    from autotune.goal import goal_of_config
+    from autotune.search.goal import goal_of_config
 
     target = goal_of_config(run.info)
     value = (run.info.get("objective") or {}).get("value") if isinstance(run.info.get("objective"), dict) else None

@@ -20,7 +20,7 @@ Every rank measures two windows, all ranks at the same time, each on its own GPU
 2. **DDP**: the wrapped model, gradients all-reduced every step. DDP steps are collectives, so
    every rank must run exactly as many steps: the warm-up and timed step counts are derived from
    the single-GPU step times that all ranks gathered (``plan``), not decided per rank the way
-   ``autotune.measure.measure`` decides (that would leave one rank waiting in an all-reduce
+   ``autotune.trial.measure.measure`` decides (that would leave one rank waiting in an all-reduce
    another never joins).
 
 The trial's figures (rank 0 gathers them): ``samples_per_s`` is the total throughput, N x batch
@@ -43,9 +43,8 @@ import os
 import sys
 import time
 
-
 if __name__ == "__main__" and len(sys.argv) > 3:
-    from autotune.orphan import watch_parent
+    from autotune.trial.orphan import watch_parent
 
     watch_parent(int(sys.argv[2]))  # before the heavy imports below
 
@@ -56,11 +55,7 @@ import gc  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import re  # noqa: E402
-import socket  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Callable  # noqa: E402
@@ -79,168 +74,6 @@ after the first step, and a static graph is recorded then too; at least MIN_DDP_
 steps either way."""
 
 MIN_DDP_WARMUP_STEPS = 3
-
-_BOOT = ("import os, sys; cwd = os.getcwd(); "
-         "sys.path[:] = [p for p in sys.path if p not in ('', cwd)] + [cwd]; "
-         "import runpy; runpy.run_module('autotune.ddp', run_name='__main__', alter_sys=True)")
-
-_PEER_FAILURE = re.compile(r"DistBackendError|Connection closed by peer|Connection reset by peer|ProcessGroup"
-                           r"|gloo|NCCL error|NCCL communicator|watchdog|Timed out|Broken pipe", re.I)
-"""A rank's error that only says a peer went away: a rank's failure makes its peers fail in their
-next collective, so such an error explains nothing when another rank failed by itself."""
-
-
-def _blame(status: str, reason: str) -> int:
-    """How well a failed rank's outcome explains the trial's failure, best (lowest) first: out of
-    memory, died by itself, raised, and last an error that only reports a peer gone."""
-    if status == "oom":
-        return 0
-    if status == "crashed":
-        return 1
-    return 3 if _PEER_FAILURE.search(reason or "") else 2
-
-
-# the study process's side: start the ranks, watch them, read back the trial ------------------------
-
-def describe(knobs: dict[str, Any]) -> str:
-    """A trial's DDP settings in a few words ("" without DDP), for its one-line description."""
-    ddp = knobs.get("ddp") or {}
-    if ddp.get("world_size", 1) <= 1:
-        return ""
-    parts = [f"DDP x{ddp['world_size']}", f"bucket {ddp.get('bucket_cap_mb', 25)} MB"]
-    if ddp.get("gradient_as_bucket_view"):
-        parts.append("grads as bucket views")
-    if ddp.get("static_graph"):
-        parts.append("static graph")
-    return ", ".join(parts)
-
-
-def request_world_size(request: dict[str, Any]) -> int:
-    """The DDP world size a trial request asks for (1: a plain single-process trial)."""
-    if request.get("mode", "trial") != "trial":
-        return 1
-    knobs = request.get("knobs")
-    if knobs is None and request.get("config_path"):  # `autotune verify` of an exported config
-        try:
-            knobs = json.loads(Path(request["config_path"]).read_text()).get("knobs")
-        except (OSError, ValueError):
-            return 1  # the worker reports the unreadable file
-    return int(((knobs or {}).get("ddp") or {}).get("world_size", 1))
-
-
-def free_port() -> int:
-    """A TCP port free on this host right now, for the group's rendezvous (MASTER_PORT)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rank_command(result_path: Path, request_path: Path) -> list[str]:
-    from autotune.runner import PYTHON_FLAGS
-
-    return [sys.executable, *PYTHON_FLAGS, "-c", _BOOT, str(result_path), str(os.getpid()), str(request_path)]
-
-
-def run_ranks(request: dict[str, Any], *, world_size: int, timeout_s: float | None = None,
-              log_path: Path | None = None) -> dict[str, Any]:
-    """Run one trial in ``world_size`` rank processes; returns a result like ``run_worker``'s.
-
-    status is rank 0's ("ok", with the gathered figures) when every rank finished, else the
-    failing rank's ("oom", "error", or "crashed" for a rank that died without a result), or
-    "timeout" when the group was still running at ``timeout_s``; the other ranks are killed.
-    """
-    from autotune.runner import _worker_env, crash_reason, exit_description, salient_error
-
-    with tempfile.TemporaryDirectory(prefix="autotune-ddp-") as tmp_name:
-        tmp = Path(tmp_name)
-        request_path = tmp / "request.json"
-        request_path.write_text(json.dumps(request))
-        results = [tmp / f"result-{rank}.json" for rank in range(world_size)]
-        logs = [tmp / f"rank-{rank}.log" for rank in range(world_size)]
-        env = _worker_env()
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size),
-                   LOCAL_WORLD_SIZE=str(world_size))
-        # as torchrun does for several processes per node (unless the user set it): what the
-        # exported config's training run will see; a CPU search's threads knob sets its own count
-        env.setdefault("OMP_NUM_THREADS", "1")
-        spawned = time.time()
-        procs: list[subprocess.Popen] = []
-        killed: set[int] = set()
-        try:
-            for rank in range(world_size):
-                with open(logs[rank], "w") as log:
-                    procs.append(subprocess.Popen(rank_command(results[rank], request_path), stdin=subprocess.DEVNULL,
-                                                  stdout=log, stderr=subprocess.STDOUT, text=True,
-                                                  env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
-            outcome = _wait(procs, results, None if timeout_s is None else spawned + timeout_s)
-        finally:  # a failed or hung group, or Ctrl-C in the study: no rank stays on its GPU
-            for rank, proc in enumerate(procs):
-                if proc.poll() is None:
-                    proc.kill()
-                    killed.add(rank)
-            for proc in procs:
-                proc.wait()
-        finished = time.time()
-        texts = [log.read_text(errors="replace") if log.exists() else "" for log in logs]
-        joined = "".join(f"==== rank {rank} ====\n{text}\n" for rank, text in enumerate(texts))
-        if log_path:
-            Path(log_path).write_text(joined)
-        read = [_read(path) for path in results]
-        if outcome == "timeout":
-            result = {"status": "timeout",
-                      "reason": f"no result from all {world_size} DDP ranks after {timeout_s:.0f} s; the ranks were killed"}
-        elif outcome == "done":
-            result = read[0] if read[0] is not None else {"status": "crashed", "reason": "rank 0 wrote no result"}
-        else:
-            failed = []
-            for rank, proc in enumerate(procs):
-                got = read[rank]
-                if got is not None and got.get("status") not in (None, "ok"):
-                    failed.append((_blame(got["status"], got.get("reason", "")), rank, got))
-                elif got is None and rank not in killed:  # died by itself, without a word
-                    failed.append((1, rank, {"status": "crashed", "reason": crash_reason(proc.returncode, texts[rank])}))
-            if not failed:  # the rank that ended the wait left an "ok" result, yet exited with an error
-                failed.append((1, outcome, {"status": "crashed", "reason": (
-                    f"worker {exit_description(procs[outcome].returncode)}: {salient_error(texts[outcome])}")}))
-            _, rank, got = min(failed, key=lambda f: (f[0], f[1]))
-            result = dict(got)
-            result["reason"] = f"DDP rank {rank} of {world_size}: {got.get('reason', '')}"
-            result["failed_rank"] = rank
-    result["wall_s"] = finished - spawned
-    ready = [r["ready_at"] for r in read if r and "ready_at" in r]
-    if ready:
-        result["worker_start_s"] = max(ready) - spawned
-    result["log_tail"] = joined[-2000:]
-    return result
-
-
-def _read(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _wait(procs: list[subprocess.Popen], results: list[Path], deadline: float | None) -> str | int:
-    """Until every rank is done ("done"), one fails (its rank number) or the deadline ("timeout").
-    A rank fails when it exits with an error code, without a result, or with a result that is
-    not "ok": its peers would otherwise wait for it in a collective until their own timeout."""
-    while True:
-        running = False
-        for rank, proc in enumerate(procs):
-            code = proc.poll()
-            if code is None:
-                running = True
-                continue
-            got = _read(results[rank])
-            if code != 0 or got is None or got.get("status") != "ok":
-                time.sleep(0.2)  # a peer failing at the same moment may still be writing its reason
-                return rank
-        if not running:
-            return "done"
-        if deadline is not None and time.time() > deadline:
-            return "timeout"
-        time.sleep(0.05)
 
 
 # a rank's side: two windows, gathered by rank 0 ---------------------------------------------------
@@ -263,9 +96,9 @@ def measure_fixed(step: Callable[[], Any], device: str, settings, *, setup_steps
     ``timed_window()`` (NVML sampling) is entered around the timed steps only."""
     import torch
 
-    from autotune.measure import Measurement, _quantile, _Timer
+    from autotune.trial.measure import Measurement, Timer, quantile
 
-    timer = _Timer(device)
+    timer = Timer(device)
     compile_s = 0.0
     if setup_steps:
         start = time.perf_counter()
@@ -283,8 +116,8 @@ def measure_fixed(step: Callable[[], Any], device: str, settings, *, setup_steps
         measure_s = time.perf_counter() - start
     med = statistics.median(times)
     warm_med = statistics.median(warm[len(warm) // 2:])
-    spread = (_quantile(times, 0.9) - _quantile(times, 0.1)) / med
-    return Measurement(step_time_ms=med, step_time_p10_ms=_quantile(times, 0.1), step_time_p90_ms=_quantile(times, 0.9),
+    spread = (quantile(times, 0.9) - quantile(times, 0.1)) / med
+    return Measurement(step_time_ms=med, step_time_p10_ms=quantile(times, 0.1), step_time_p90_ms=quantile(times, 0.9),
                        spread=spread, num_steps=len(times), num_warmup_steps=warmup_steps,
                        steady=abs(warm_med - med) / med <= settings.steady_tolerance,
                        noisy=spread > settings.spread_tolerance, num_remeasured=0, warmup_s=warmup_s,
@@ -298,8 +131,8 @@ class _Run:
     def __init__(self, cfg, spec, *, input_on_device: bool, seed: int, rank: int) -> None:
         import torch
 
-        from autotune.worker import _input_batches
-        from autotune.workloads import build
+        from autotune.trial.worker import input_batches
+        from autotune.workload.models import build
 
         torch.manual_seed(seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
         workload = build(spec)
@@ -307,7 +140,7 @@ class _Run:
         self.model, self.optimizer = cfg.prepare(workload.model, optimizer)
         self.step = cfg.train_step(self.model, self.optimizer, workload.loss_fn)
         # each rank trains on its own shard of the data, as a DistributedSampler gives it
-        batches = _input_batches(workload, cfg.batch_size, cfg.device, input_on_device, seed + 1000 * rank)
+        batches = input_batches(workload, cfg.batch_size, cfg.device, input_on_device, seed + 1000 * rank)
         self.stream = iter(cfg.loader(itertools.cycle(batches)))
         self.last_loss: list[Any] = []
 
@@ -326,11 +159,11 @@ def run_rank(request: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     import strategies
-    from autotune.config import TunedConfig, load
-    from autotune.measure import MeasureSettings, measure, memory_figures
-    from autotune.worker import _nvml_monitor
-    from autotune.space import SearchSpace
-    from autotune.workloads import WorkloadSpec
+    from autotune.deploy.config import TunedConfig, load
+    from autotune.deploy.space import SearchSpace
+    from autotune.trial.measure import MeasureSettings, measure, memory_figures
+    from autotune.trial.worker import nvml_monitor
+    from autotune.workload.models import WorkloadSpec
 
     rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     t0 = time.perf_counter()
@@ -379,7 +212,7 @@ def run_rank(request: dict[str, Any]) -> dict[str, Any]:
         t2 = time.perf_counter()
         run = _Run(cfg, spec, input_on_device=input_on_device, seed=seed, rank=rank)
         build_s += time.perf_counter() - t2
-        monitor, windows = _nvml_monitor(device, request, cuda_index=local), []
+        monitor, windows = nvml_monitor(device, request, cuda_index=local), []
         nvml_window = (lambda: monitor.window_into(windows)) if monitor is not None else None
 
         try:
@@ -394,9 +227,9 @@ def run_rank(request: dict[str, Any]) -> dict[str, Any]:
                 "build_s": build_s, "single_window_s": single_window_s,
                 "energy": windows[0].to_dict() if windows and windows[0] is not None else None}
         if cfg.recipe.compile_mode is not None:
-            from autotune.worker import _compiled_graphs
+            from autotune.trial.worker import compiled_graphs
 
-            mine["compiled_graphs"] = _compiled_graphs()
+            mine["compiled_graphs"] = compiled_graphs()
         ranks: list[Any] = [None] * world
         dist.all_gather_object(ranks, mine)
     finally:
@@ -492,7 +325,7 @@ def _combine(ranks: list[dict[str, Any]], singles: list[dict[str, Any]], batch: 
 
 def main(argv: list[str]) -> int:
     result_path, request_path = argv[1], argv[3]
-    from autotune.worker import is_out_of_memory
+    from autotune.trial.worker import is_out_of_memory
 
     try:
         request = json.loads(Path(request_path).read_text())

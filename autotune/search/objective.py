@@ -11,7 +11,7 @@ import optuna
 from optuna.trial import TrialState
 
 import strategies
-from autotune.runner import run_worker
+from autotune.trial.runner import run_worker
 from strategies.compile import COMPILE_ALLOWANCE_S
 
 # trial user attributes that hold a result; copied verbatim when a configuration repeats
@@ -60,7 +60,7 @@ def requeue(study: optuna.Study, trial: optuna.Trial | optuna.trial.FrozenTrial)
 
 class Objective:
     """Callable for ``study.optimize``: returns the objective's value (samples/s by default,
-    joules per sample or peak memory bytes; see autotune.goal), or prunes with a reason."""
+    joules per sample or peak memory bytes; see autotune.search.goal), or prunes with a reason."""
 
     def __init__(self, *, space, workload: dict[str, Any], measure: dict[str, Any], input_on_device: bool,
                  seed: int, trial_timeout_s: float, log_dir: Path | None = None,
@@ -68,7 +68,7 @@ class Objective:
                  misaligned: list[str] | None = None, steer: bool = True, goal=None,
                  data: str | None = None, prestart_workers: bool = False,
                  memory_limit_bytes: int | None = None, device_memory_bytes: int | None = None) -> None:
-        from autotune.goal import goal as goal_named
+        from autotune.search.goal import goal as goal_named
 
         self.space = space
         self.workload = workload
@@ -81,7 +81,7 @@ class Objective:
         """Wall-clock time (time.time()) at which the search budget ends; a trial still running
         then is stopped, so --budget is a limit and not a hint."""
         self.accuracy = accuracy
-        """An autotune.accuracy.AccuracyGate, or None when the accuracy check is off."""
+        """An autotune.accuracy.gate.AccuracyGate, or None when the accuracy check is off."""
         self.profile = profile
         """Profile each trial (on a GPU) in a short window after the timed one."""
         self.misaligned = list(misaligned or [])
@@ -89,12 +89,12 @@ class Objective:
         self.steer = steer
         """Queue the configurations the findings suggest."""
         self.goal = goal or goal_named(None)
-        """What a trial's value is (autotune.goal.Goal); throughput when not given."""
+        """What a trial's value is (autotune.search.goal.Goal); throughput when not given."""
         self.data = data
         """--data: the timed steps are fed by a DataLoader over it (the dataloader knob); None:
         ready-made batches."""
         self.prestart_workers = prestart_workers
-        """Start the next trial's worker while this one runs (autotune.runner: spare workers)."""
+        """Start the next trial's worker while this one runs (autotune.trial.runner: spare workers)."""
         self.memory_limit_bytes = memory_limit_bytes
         """--memory-limit (less --memory-headroom): each worker caps its device memory at this."""
         self.device_memory_bytes = device_memory_bytes
@@ -118,7 +118,7 @@ class Objective:
             trial.set_user_attr("duplicate_of", previous.number)
             return self._conclude(trial, previous.user_attrs.get("status"), previous.user_attrs.get("reason"),
                                   previous.user_attrs.get("figures"))
-        from autotune.memory import MemoryModel
+        from autotune.search.memory import MemoryModel
 
         verdict = MemoryModel.from_study(trial.study, self.fit_limit_bytes).verdict(trial.user_attrs["knobs"])
         if verdict is not None:
@@ -199,7 +199,7 @@ class Objective:
         found it, else the memory model's choice), keeping its role: the FP32 baseline backs off
         as a baseline, so there always is one. Nothing is queued for a pinned batch size, or a
         configuration already measured or queued at that batch."""
-        from autotune.memory import MemoryModel
+        from autotune.search.memory import MemoryModel
 
         if "batch_size.batch_size" not in trial.params:
             return
@@ -224,8 +224,8 @@ class Objective:
     def _explain(self, trial: optuna.Trial, result: dict[str, Any]) -> None:
         """Record the trial's NVML and profile figures and the findings they support, and queue
         the configurations the findings suggest."""
-        from autotune.findings import derive
-        from autotune.steering import offered, steer
+        from autotune.search.findings import derive
+        from autotune.search.steering import offered, steer
 
         energy, profile, figures = result.get("energy"), result.get("profile"), result.get("figures") or {}
         if result.get("profile_error"):
@@ -271,7 +271,7 @@ class Objective:
         """Attach accuracy evidence: reused when the numerics key was checked, measured when the
         trial is on or near the speed frontier; its constraint steers the sampler (Optuna 5's
         Trial.set_constraint; a trial without one counts as feasible)."""
-        from autotune.accuracy import UNSTABLE_CONSTRAINT
+        from autotune.accuracy.settings import UNSTABLE_CONSTRAINT
 
         if self.accuracy is None:
             return

@@ -19,7 +19,7 @@ them and the sampler sees every process's results. What this module adds on top:
   writes to the same SQLite file and says to use PostgreSQL instead.
 
 A process that dies leaves its trial RUNNING; its heartbeat stops, and the next trial any process
-starts fails it and queues it for one re-run (autotune.storage.RetryStaleTrial).
+starts fails it and queues it for one re-run (autotune.search.storage.RetryStaleTrial).
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ import optuna
 from optuna.trial import TrialState
 
 from autotune.errors import ConfigError
-from autotune.storage import mask_url
+from autotune.search.storage import mask_url
 
-log = logging.getLogger("autotune.distributed")
+log = logging.getLogger("autotune.search.distributed")
 
 OWNER = f"{socket.gethostname()}:{os.getpid()}"
 """This search process, as trials record it."""
@@ -172,7 +172,7 @@ class SharedStudy:
         The wait polls every WAIT_POLL_S, not every heartbeat interval: a running trial may finish
         at any moment, and with --gpus the search ends only when this wait does (a 10 s sleep
         here once kept a finished two-GPU search waiting 9 s for nothing)."""
-        from autotune.study import counted_trials
+        from autotune.search.trials import counted_trials
 
         assert self.trials is not None
         while True:
@@ -189,10 +189,10 @@ class SharedStudy:
         """``objective`` behind the checks each trial passes first: it records its process, warns
         once when another process shares a SQLite study, and ends unmeasured when the study's
         --trials are already taken by trials started before it."""
-        from autotune.objective import TrialFailed
+        from autotune.search.objective import TrialFailed
 
         def guarded(trial: optuna.Trial) -> float:
-            from autotune.gpus import current_pin
+            from autotune.trial.gpus import current_pin
 
             self.storage.set_trial_system_attr(trial._trial_id, OWNER_ATTR, OWNER)
             pin = current_pin()
@@ -200,7 +200,7 @@ class SharedStudy:
                 self.storage.set_trial_system_attr(trial._trial_id, GPU_ATTR, pin)
             self.warn_if_sqlite_shared()
             if self.trials is not None:
-                from autotune.study import counted_trials
+                from autotune.search.trials import counted_trials
 
                 ahead = len(counted_trials(self.study)) + len(self.live_running(before=trial.number))
                 if ahead >= self.trials:  # the stop rule then waits for those, see has_its_trials

@@ -85,7 +85,7 @@ class Measurement:
         return asdict(self)
 
 
-class _Timer:
+class Timer:
     """Per-step durations in milliseconds, with CUDA events or the host clock."""
 
     def __init__(self, device: str) -> None:
@@ -110,7 +110,7 @@ class _Timer:
         return times
 
 
-def _quantile(values: list[float], q: float) -> float:
+def quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     pos = (len(ordered) - 1) * q
     lo, hi = math.floor(pos), math.ceil(pos)
@@ -127,7 +127,7 @@ def measure(step: Callable[[], Any], device: str, settings: MeasureSettings, *,
     the NVML sampling window, so energy and power are those of the steps whose time is reported."""
     if setup_steps < 0:
         raise ValueError(f"setup_steps must not be negative, got {setup_steps}")
-    timer = _Timer(device)
+    timer = Timer(device)
     compile_s = 0.0
     if setup_steps:
         start = time.perf_counter()
@@ -169,7 +169,7 @@ def measure(step: Callable[[], Any], device: str, settings: MeasureSettings, *,
             times = timer.run(step, num_steps)
             timed_total += num_steps
             med = statistics.median(times)
-            spread = (_quantile(times, 0.9) - _quantile(times, 0.1)) / med
+            spread = (quantile(times, 0.9) - quantile(times, 0.1)) / med
             if spread < best_spread:
                 best, best_spread = times, spread
             if spread <= settings.spread_tolerance:
@@ -180,8 +180,8 @@ def measure(step: Callable[[], Any], device: str, settings: MeasureSettings, *,
     med = statistics.median(best)
     return Measurement(
         step_time_ms=med,
-        step_time_p10_ms=_quantile(best, 0.1),
-        step_time_p90_ms=_quantile(best, 0.9),
+        step_time_p10_ms=quantile(best, 0.1),
+        step_time_p90_ms=quantile(best, 0.9),
         spread=best_spread,
         num_steps=len(best),
         num_warmup_steps=num_warmup,
@@ -217,3 +217,20 @@ def memory_figures(device: str) -> dict[str, int]:
     import resource
 
     return {"peak_memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+# when a DataLoader-fed step counts as data-bound (its findings: autotune.search.findings)
+DATA_BOUND_RATIO = 0.90
+"""Loader-fed throughput below this share of the same step fed from memory is data-bound ..."""
+DATA_WAIT_SHARE = 0.05
+"""... when the step waited for its batches at least this share of the time, or ..."""
+DATA_BOUND_CLEAR_RATIO = 0.75
+"""... when the loss is this large even without waits (the loader's workers taking the CPU the
+step needs). A smaller loss without waits is within the noise of two separate windows."""
+
+
+def is_data_bound(loader_fed: float, compute_only: float, wait_share: float) -> bool:
+    """Whether a DataLoader-fed step is held back by its data pipeline (see the thresholds above)."""
+    if loader_fed >= DATA_BOUND_RATIO * compute_only:
+        return False
+    return wait_share >= DATA_WAIT_SHARE or loader_fed < DATA_BOUND_CLEAR_RATIO * compute_only

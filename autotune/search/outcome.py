@@ -34,7 +34,7 @@ def _common_reason(trials: list[optuna.trial.FrozenTrial]) -> tuple[str, int]:
 def explain(study: optuna.Study, *, min_batch_size: int | None = None) -> list[str]:
     """Lines that say why ``study`` has nothing to recommend, most telling first (called when it
     has none)."""
-    from autotune.accuracy import accuracy_of, failed
+    from autotune.accuracy.gate import accuracy_of, failed
 
     trials = [t for t in study.get_trials(deepcopy=False) if "status" in t.user_attrs]
     if not trials:

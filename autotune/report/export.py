@@ -12,16 +12,16 @@ import pandas as pd
 
 import autotune
 import strategies
-from autotune.accuracy import SETTINGS_ATTR, UNAVAILABLE_ATTR, accuracy_of
-from autotune.config import TunedConfig
-from autotune.objective import describe
-from autotune.space import SearchSpace
-from autotune.study import baseline_trial, best_trial, counted_trials
+from autotune.accuracy.gate import SETTINGS_ATTR, UNAVAILABLE_ATTR, accuracy_of
+from autotune.deploy.config import TunedConfig
+from autotune.deploy.space import SearchSpace
+from autotune.search.objective import describe
+from autotune.search.trials import baseline_trial, best_trial, counted_trials
 
 
 def describe_trial(knobs: dict[str, Any]) -> str:
     """``describe`` with the DDP settings of a --ddp search appended."""
-    from autotune.ddp import describe as describe_ddp
+    from autotune.trial.ddp_launch import describe as describe_ddp
 
     return ", ".join(x for x in (describe(knobs), describe_ddp(knobs)) if x)
 
@@ -107,7 +107,7 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
 
 def baseline_batch(base: optuna.trial.FrozenTrial, space: SearchSpace) -> dict[str, Any]:
     """The FP32 baseline's batch, and why it is not --base-batch-size when it is not: the baseline
-    backed off to the largest batch that fits (autotune.memory)."""
+    backed off to the largest batch that fits (autotune.search.memory)."""
     knob = base.user_attrs["knobs"]["batch_size"]
     batch, steps = knob["batch_size"], knob.get("accumulation_steps", 1)
     out: dict[str, Any] = {"batch_size": batch, "accumulation_steps": steps, "base_batch_size": space.base_batch_size}
@@ -134,7 +134,7 @@ def export(study: optuna.Study, out_dir: Path, *, config, space: SearchSpace, pr
     def total(key: str) -> float:
         return round(sum(x.get(key) or 0.0 for x in timing), 2)
 
-    from autotune.study import mask_url
+    from autotune.search.storage import mask_url
 
     url = mask_url(config.storage) if config.storage else f"sqlite:///{out_dir.resolve() / 'study.db'}"
     info: dict[str, Any] = {
@@ -176,8 +176,8 @@ def export(study: optuna.Study, out_dir: Path, *, config, space: SearchSpace, pr
         info["speedup_vs_baseline"] = f["samples_per_s"] / b["samples_per_s"]
         info["memory_vs_baseline"] = f["peak_memory_bytes"] / b["peak_memory_bytes"]
     # what the best was ranked by (the study's objective), and the knobs the search stopped exploring
-    from autotune.goal import goal_of
-    from autotune.knob_effects import fixed_knobs
+    from autotune.search.goal import goal_of
+    from autotune.search.knob_effects import fixed_knobs
 
     target = goal_of(study)
     info["objective"] = {"name": target.name, "direction": target.direction, "unit": target.unit,

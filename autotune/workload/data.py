@@ -209,7 +209,7 @@ def from_factory(target: str, *, input_shape: tuple[int, ...], num_classes: int,
         train, held = made, None
     else:
         raise ConfigError(f"--data {target!r} returned {type(made).__name__}; the factory must return "
-                          "(train, held_out) datasets, one train dataset, or an autotune.data.Datasets")
+                          "(train, held_out) datasets, one train dataset, or an autotune.workload.data.Datasets")
     for name, dataset in (("train", train), ("held-out", held)):
         if dataset is not None and len(dataset) == 0:
             raise ConfigError(f"--data {target!r}: its {name} dataset is empty")
@@ -222,7 +222,7 @@ def _is_dataset(obj: Any) -> bool:
 
 def load_factory(target: str) -> Callable[..., Any]:
     """Import ``package.module:factory``; a clear error for each way that fails."""
-    from autotune.workloads import import_factory
+    from autotune.workload.models import import_factory
 
     return import_factory(target, option="--data", error=ConfigError, returns="datasets",
                           example="mypkg.data:make_datasets, or give a folder of images")

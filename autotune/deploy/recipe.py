@@ -1,7 +1,7 @@
 """The training recipe: what the strategies decide, in one object the runtime executes.
 
 Strategies never touch a model or a global switch directly while they are sampled; they write
-into a :class:`Recipe`. The runtime (``autotune.runtime``) turns a recipe into a prepared model,
+into a :class:`Recipe`. The runtime (``autotune.deploy.runtime``) turns a recipe into a prepared model,
 an autocast context, a GradScaler and an input pipeline. The study's worker and a user's
 training code (``autotune.load(...)``) both go through it, so what is exported is what was measured.
 """

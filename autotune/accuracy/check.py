@@ -1,0 +1,267 @@
+"""The worker side of an accuracy check (worker mode "accuracy"): train the FP32 reference and a
+configuration on the same data in the same order, and compare one step's numerics. Returns raw
+results; the study side (autotune.accuracy.gate) judges them."""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from typing import Any, Mapping
+
+from autotune.accuracy.settings import AccuracySettings, numerics_key, numerics_knobs
+
+
+def run_check(request: Mapping[str, Any]) -> dict[str, Any]:
+    """Worker mode "accuracy": train the FP32 reference (unless given) and the configuration,
+    compare one step's numerics; return the raw results (judged by the study)."""
+    from autotune.deploy.space import SearchSpace
+    from autotune.workload.models import WorkloadSpec
+
+    settings = AccuracySettings.from_dict(request["settings"])
+    space = SearchSpace.from_dict(request["space"])
+    spec = WorkloadSpec.from_dict(request["workload"])
+    knobs = numerics_knobs(request["knobs"])
+    reference = request.get("reference")
+    data = _datasets(spec, settings, space.device)
+    if reference is None:
+        reference = train_run(spec, {}, space, settings, data)
+        reference["numerics"] = step_numerics(spec, {}, space, settings, data)
+        # FP32 again with the data in another order: how much a short run's result moves for
+        # reasons that have nothing to do with precision; a drop within that is not a loss
+        reshuffled = train_run(spec, {}, space, settings, data, order_seed=settings.seed + 1)
+        reference["reshuffled"] = {k: reshuffled.get(k) for k in ("final_loss", "held_out_accuracy", "wall_s")}
+    if numerics_key(knobs) == numerics_key({}):
+        run = dict(reference)
+    else:
+        run = train_run(spec, knobs, space, settings, data)
+        run["numerics"] = step_numerics(spec, knobs, space, settings, data)
+    run["numerics_key"] = numerics_key(knobs)
+    return {"status": "ok", "reference": reference, "run": run}
+
+
+def _datasets(spec, settings: AccuracySettings, device: str):
+    import torch
+
+    from autotune.workload.data import load_data
+    from autotune.workload.models import build
+
+    torch.manual_seed(settings.seed)
+    workload = build(spec)
+    if workload.make_batch is not None and settings.data is None:
+        return _workload_batches(workload, settings)
+    return load_data(settings.data, input_shape=tuple(workload.input_shape), num_classes=workload.num_classes,
+                     train_size=settings.steps * settings.batch_size, held_out_size=settings.held_out_size,
+                     seed=settings.seed, device=device)
+
+
+def _workload_batches(workload, settings: AccuracySettings):
+    """A model with its own batch maker (non-image inputs) and no --data: memorise a fixed set of
+    its batches. There is no held-out set (random labels do not generalise), so the check
+    compares training loss."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from autotune.errors import ConfigError
+    from autotune.workload.data import Datasets
+
+    g = torch.Generator().manual_seed(settings.seed)
+    x, y = workload.make_batch(settings.batch_size * 4, g)
+    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+        raise ConfigError("the workload's make_batch returns inputs that are not one tensor, so the accuracy "
+                          "check cannot build data from it; pass --data package.module:factory")
+    return Datasets(train=TensorDataset(x, y), held_out=None, num_classes=None,
+                    source=f"{len(x)} fixed batches of the workload's make_batch (memorised; no held-out set)")
+
+
+def _build(spec, knobs: Mapping[str, Any], space, settings: AccuracySettings):
+    """The model from the seed (same initial weights every time), its recipe and loss."""
+    import torch
+
+    import strategies
+    from autotune.workload.models import build
+
+    torch.manual_seed(settings.seed)
+    workload = build(spec)
+    recipe = strategies.build_recipe(strategies.knobs_from_dict(dict(knobs)), space.device)
+    return workload, recipe
+
+
+def train_run(spec, knobs: Mapping[str, Any], space, settings: AccuracySettings, data, *,
+              order_seed: int | None = None) -> dict[str, Any]:
+    """``settings.steps`` optimizer steps of the configuration, then the held-out evaluation.
+    ``order_seed`` draws another data order (same initial weights): the FP32 noise run."""
+    import torch
+
+    from autotune.deploy import runtime
+    from autotune.deploy.recipe import backend_flags
+    from autotune.workload.data import batch_order, collate
+    from autotune.workload.models import logits
+
+    started = time.perf_counter()
+    workload, recipe = _build(spec, knobs, space, settings)
+    device = space.device
+    with backend_flags(recipe.backend_flags):
+        model = runtime.prepare_model(workload.model, recipe, set_flags=False)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
+        warmup = max(1, settings.steps // 10)
+        total = settings.steps
+
+        def lr_factor(step: int) -> float:
+            # linear warm-up, then cosine decay to zero: the run ends on a settled model, so its final
+            # loss and held-out accuracy do not depend on where in a loss spike the last step fell
+            if step < warmup:
+                return (step + 1) / warmup
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+        scaler = runtime.grad_scaler(recipe)
+        losses, skipped = [], 0
+        for indices in batch_order(len(data.train), settings.batch_size, settings.steps,
+                                   settings.seed if order_seed is None else order_seed):
+            x, y = _to(collate(data.train, indices), device, recipe)
+            optimizer.zero_grad(set_to_none=True)
+            with runtime.autocast(recipe):
+                loss = workload.loss_fn(logits(model(x)), y)
+            scaler.scale(loss).backward()
+            scale_before = scaler.get_scale() if scaler.is_enabled() else None
+            scaler.step(optimizer)
+            scaler.update()
+            with warnings.catch_warnings():
+                # after a step the GradScaler skipped, torch warns that the schedule moved first
+                warnings.simplefilter("ignore", UserWarning)
+                schedule.step()
+            if scale_before is not None and scaler.get_scale() < scale_before:
+                skipped += 1  # the scaler found inf/NaN gradients and skipped this step
+            losses.append(loss.detach().float())
+        curve = torch.stack(losses).cpu()
+        params_finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+        held = _evaluate(model, workload, recipe, data.held_out, settings, device) if data.held_out is not None else {}
+    finite = torch.isfinite(curve)
+    head = curve[: max(1, len(curve) // 10)]
+    tail = curve[-max(1, len(curve) // 10):]
+    result = {
+        "steps": settings.steps,
+        "batch_size": settings.batch_size,
+        "data": data.source,
+        "initial_loss": _mean_finite(head),
+        "final_loss": float(tail.mean()),  # NaN/Inf when the end of the run is not finite
+        "nonfinite_losses": int((~finite).sum()),
+        "params_finite": params_finite,
+        "skipped_steps": skipped,
+        "final_scale": scaler.get_scale() if scaler.is_enabled() else None,
+        "loss_curve": [float(v) for v in curve[:: max(1, len(curve) // 20)]],
+        "wall_s": round(time.perf_counter() - started, 3),
+    }
+    result.update(held)
+    return result
+
+
+def _mean_finite(values) -> float:
+    import torch
+
+    ok = values[torch.isfinite(values)]
+    return float(ok.mean()) if len(ok) else float("nan")
+
+
+def _to(batch, device: str, recipe):
+    import torch
+
+    x, y = batch
+    x = x.to(device)
+    if x.dim() == 4 and recipe.memory_format is not torch.contiguous_format:
+        x = x.contiguous(memory_format=recipe.memory_format)
+    return x, y.to(device)
+
+
+def _evaluate(model, workload, recipe, dataset, settings: AccuracySettings, device: str) -> dict[str, Any]:
+    """Held-out accuracy (percent) and loss, in eval mode under the configuration's autocast."""
+    import torch
+
+    from autotune.deploy import runtime
+    from autotune.workload.data import eval_batches
+    from autotune.workload.models import logits
+
+    model.eval()
+    correct, total, loss_sum = 0, 0, 0.0
+    with torch.no_grad(), runtime.autocast(recipe):
+        for batch in eval_batches(dataset, settings.batch_size):  # a batch the training run showed fits
+            x, y = _to(batch, device, recipe)
+            out = logits(model(x))
+            loss_sum += float(workload.loss_fn(out, y).float()) * len(y)
+            correct += int((out.argmax(dim=-1) == y).sum())
+            total += len(y)
+    model.train()
+    return {"held_out_accuracy": 100.0 * correct / total, "held_out_loss": loss_sum / total,
+            "held_out_size": total}
+
+
+def step_numerics(spec, knobs: Mapping[str, Any], space, settings: AccuracySettings, data) -> dict[str, Any]:
+    """One step from the same weights on the same batch: the configuration's loss and (unscaled)
+    gradients against true FP32 and, where cheap, FP64."""
+    import torch
+
+    from autotune.workload.data import batch_order, collate
+
+    indices = next(batch_order(len(data.train), settings.batch_size, 1, settings.seed))
+    batch = collate(data.train, indices)
+    loss, grads = _one_step(spec, knobs, space, settings, batch, torch.float32)
+    ref_loss, ref_grads = _one_step(spec, {}, space, settings, batch, torch.float32)
+    out = {"loss": loss, **_compare(loss, grads, ref_loss, ref_grads, "fp32")}
+    if settings.fp64:
+        loss64, grads64 = _one_step(spec, {}, space, settings, batch, torch.float64)
+        out.update(_compare(loss, grads, loss64, grads64, "fp64"))
+    return out
+
+
+def _one_step(spec, knobs, space, settings, batch, dtype) -> tuple[float, Any]:
+    """Loss and flattened gradients of one forward/backward (GradScaler applied, then unscaled)."""
+    import torch
+
+    from autotune.deploy import runtime
+    from autotune.deploy.recipe import backend_flags
+    from autotune.workload.models import logits
+
+    workload, recipe = _build(spec, knobs, space, settings)
+    device = space.device
+    with backend_flags(recipe.backend_flags):
+        model = runtime.prepare_model(workload.model, recipe, set_flags=False)
+        if dtype is torch.float64:
+            model = model.double()
+        x, y = _to(batch, device, recipe)
+        if x.is_floating_point():
+            x = x.to(dtype)
+        params = [p for p in model.parameters() if p.requires_grad]
+        # loss scaling as the GradScaler does it: scale, backward, unscale; on overflow the scaler
+        # skips the step and backs off, so here the scale is halved until the gradients are finite
+        # (the gradients of the step the configuration really takes, not of the skipped one)
+        scale = float((recipe.grad_scaler or {}).get("init_scale", 1.0)) if recipe.grad_scaler else 1.0
+        for _ in range(64):
+            for p in params:
+                p.grad = None
+            torch.manual_seed(settings.seed)  # dropout draws the same masks in every run
+            with runtime.autocast(recipe):
+                loss = workload.loss_fn(logits(model(x)), y)
+            (loss * scale if scale != 1.0 else loss).backward()
+            grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().flatten()
+                               for p in params]) / scale
+            if scale <= 1.0 or bool(torch.isfinite(grads).all()):
+                break
+            scale /= 2
+    return float(loss.detach().double()), grads.cpu()
+
+
+def _compare(loss: float, grads, ref_loss: float, ref_grads, name: str) -> dict[str, Any]:
+    import torch
+
+    ref_norm = float(ref_grads.norm())
+    norm = float(grads.norm())
+    finite = bool(torch.isfinite(grads).all())
+    cosine = float(torch.nn.functional.cosine_similarity(grads, ref_grads, dim=0)) if finite and norm and ref_norm \
+        else (1.0 if norm == ref_norm == 0 else float("nan"))
+    return {
+        f"loss_rel_error_vs_{name}": abs(loss - ref_loss) / max(abs(ref_loss), 1e-12),
+        f"grad_norm_ratio_vs_{name}": norm / ref_norm if ref_norm else float("nan"),
+        f"grad_cosine_vs_{name}": cosine,
+        f"grad_rel_error_vs_{name}": float((grads - ref_grads).norm()) / ref_norm if ref_norm else float("nan"),
+    }
