@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 from autotune.deploy.recipe import Recipe
 from autotune.deploy.space import SearchSpace
-from strategies.base import Strategy
+from strategies.base import ReportKnob, Strategy
 from strategies.batch_size import BatchSize
 from strategies.channel_alignment import ChannelAlignment
 from strategies.compile import Compile
@@ -51,6 +51,52 @@ REGISTRY: list[Strategy] = [
 
 BY_NAME: dict[str, Strategy] = {s.name: s for s in REGISTRY}
 
+# How a configuration is shown: the order of its words in a one-line description, and of the knobs
+# in the report. A knob left out of a list comes after the listed ones, in registry order.
+DESCRIBED = ["precision", "memory_format", "batch_size", "cudnn", "channel_alignment", "streams", "dataloader",
+             "threads", "fp32_layers", "optimizer", "compile", "cuda_graphs", "ddp"]
+REPORTED = ["precision", "memory_format", "batch_size", "channel_alignment", "cudnn", "streams", "threads",
+            "grad_scaler", "ddp"]
+
+
+def _in_order(names: list[str]) -> list[Strategy]:
+    return [BY_NAME[n] for n in names] + [s for s in REGISTRY if s.name not in names]
+
+
+def offer(options: Any, device: str, probe: Mapping[str, Any]) -> SearchSpace:
+    """The search space: every knob's choices on ``device`` for a search with ``options``
+    (autotune.search.options.SearchConfig), given what the probe found."""
+    offered: dict[str, Any] = {"device": device, "choices": {}}
+    for strategy in REGISTRY:
+        fields = strategy.offer(options, device, probe, offered)
+        offered["choices"].update(fields.pop("choices", {}))
+        offered.update(fields)
+    return SearchSpace(**offered)
+
+
+def seed_params(space: SearchSpace, *, tuned: bool, fixed: Mapping[str, Any] = {}) -> dict[str, Any]:
+    """Optuna parameters of a seed configuration, each knob's own (``Strategy.seed``) under the
+    ones ``fixed`` sets (the precision and batch of a known-good configuration, say), for the
+    knobs that exist in ``space``."""
+    params: dict[str, Any] = {}
+    for strategy in REGISTRY:
+        if not strategy.applies(space):
+            continue
+        own = {k: v for k, v in fixed.items() if k.startswith(strategy.name + ".")}
+        params.update({**strategy.seed(space, tuned=tuned, chosen=fixed), **own})
+    return params
+
+
+def describe(knobs: Mapping[str, Mapping[str, Any]]) -> str:
+    """A configuration in one line, from its recorded knob values: "bf16, channels_last, batch 256,
+    cudnn.benchmark, fused optimizer, compile default"."""
+    return ", ".join(w for s in _in_order(DESCRIBED) if (w := s.words(knobs.get(s.name) or {})))
+
+
+def report_knobs() -> list[ReportKnob]:
+    """The dimensions whose effect the report shows, in the report's order."""
+    return [knob for s in _in_order(REPORTED) for knob in s.report_knobs()]
+
 
 def sample(trial, space: SearchSpace) -> dict[str, Any]:
     """Sample every knob from an Optuna trial (or replay a FixedTrial): name -> Config."""
@@ -83,4 +129,5 @@ def knobs_from_dict(data: Mapping[str, Mapping[str, Any]], *, fill_missing: bool
     return knobs
 
 
-__all__ = ["REGISTRY", "BY_NAME", "Strategy", "sample", "build_recipe", "knobs_to_dict", "knobs_from_dict"]
+__all__ = ["REGISTRY", "BY_NAME", "DESCRIBED", "REPORTED", "ReportKnob", "Strategy", "sample", "build_recipe",
+           "knobs_to_dict", "knobs_from_dict", "offer", "seed_params", "describe", "report_knobs"]

@@ -1,12 +1,24 @@
 """The Strategy contract: every knob samples its Optuna parameters and applies its value.
 
-A strategy does two things and nothing else:
+A strategy owns its knob. It must do two things:
 
 * ``suggest(trial, space, chosen)``: sample its parameters, named ``"<name>.<field>"``, only
   when they mean something (``chosen`` holds the configs of the strategies before it, so
   GradScaler settings are sampled only when precision is fp16), and return its typed ``Config``.
 * ``apply(config, recipe)``: write that value into the :class:`~autotune.deploy.recipe.Recipe`: the
   model transforms, the backend switches, the autocast dtype, the step's input pipeline.
+
+and it may say, where the defaults below do not fit:
+
+* ``offer(options, device, probe, offered)``: its choices on this device for this search (the
+  SearchSpace fields it owns, or its own entry in ``SearchSpace.choices``);
+* ``seed(space, tuned=..., chosen=...)``: its Optuna parameters in the FP32 baseline
+  (``tuned=False``) and in the known-good configurations the search measures first;
+* ``words(values)``: its part of a configuration's one-line description;
+* ``report_knobs()``: the dimensions the report shows the effect of (``label`` names the knob).
+
+The search space, the seeds, the descriptions and the report's list of knobs are all derived
+from ``strategies.REGISTRY``: a new knob is one module here plus one line there.
 
 Because sampling goes through an Optuna trial, replaying a stored trial's parameters with
 ``optuna.trial.FixedTrial`` through the same ``suggest`` gives back the same configs; that is how
@@ -17,12 +29,31 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 import optuna
 
 from autotune.deploy.recipe import Recipe
 from autotune.deploy.space import SearchSpace
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportKnob:
+    """One dimension the report shows the effect of: a field of a strategy's recorded values."""
+
+    key: str
+    """Its column in the report's data: "precision", "grad_scaler.init_scale"."""
+    label: str
+    strategy: str
+    field: str
+    default: Any = None
+    """The value of a trial recorded before the field existed."""
+    only: Callable[[Mapping[str, Any]], bool] = lambda knobs: True
+    """Which trials (by their recorded knobs) the field means something for (GradScaler settings
+    only with fp16)."""
+
+    def get(self, knobs: Mapping[str, Any]) -> Any:
+        return (knobs.get(self.strategy) or {}).get(self.field, self.default)
 
 
 class Strategy(abc.ABC):
@@ -31,6 +62,8 @@ class Strategy(abc.ABC):
 
     name: ClassVar[str]
     Config: ClassVar[type]
+    label: ClassVar[str] = ""
+    """The knob in the report's words ("CUDA streams"); the name when empty."""
 
     def applies(self, space: SearchSpace) -> bool:
         """Whether this knob exists at all on this space (threads only on a CPU, say)."""
@@ -44,6 +77,34 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def apply(self, config: Any, recipe: Recipe) -> None:
         """Write ``config`` into ``recipe``."""
+
+    def offer(self, options: Any, device: str, probe: Mapping[str, Any], offered: Mapping[str, Any]) -> dict[str, Any]:
+        """This knob's choices for a search: keyword arguments of SearchSpace (the fields it owns,
+        or ``{"choices": {self.name: ...}}`` for a knob without fields there), from the search's
+        options (autotune.search.options.SearchConfig), the device, the probe's findings about the
+        model and device, and what the strategies before it offered. Raise ConfigError for options
+        this device cannot honour. Default: nothing (the knob samples from its own constants)."""
+        return {}
+
+    def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
+        """This knob's Optuna parameters in a seed configuration: the FP32 baseline as a user
+        writes it (``tuned=False``), or a known-good configuration (``tuned=True``), given the
+        parameters fixed so far (``chosen``: precision, batch). Default: none (Optuna samples)."""
+        return {}
+
+    def words(self, values: Mapping[str, Any]) -> str:
+        """This knob's part of a configuration's one-line description, from its recorded values
+        (of any autotune version: missing fields take their defaults); "" says nothing."""
+        return ""
+
+    def report_knobs(self) -> list[ReportKnob]:
+        """The fields whose effect the report shows. Default: each field of Config, labelled
+        "<label> <field>" when the knob has several fields."""
+        fields = [f.name for f in dataclasses.fields(self.Config)]
+        label = self.label or self.name
+        return [ReportKnob(key=self.name if len(fields) == 1 else f"{self.name}.{f}",
+                           label=label if len(fields) == 1 else f"{label} {f}", strategy=self.name, field=f,
+                           default=getattr(self.Config(), f)) for f in fields]
 
     # helpers shared by every strategy -------------------------------------------------------
 

@@ -18,7 +18,8 @@ from typing import Any, Mapping
 
 from autotune.deploy.recipe import Recipe
 from autotune.deploy.space import SearchSpace
-from strategies.base import Strategy
+from autotune.errors import ConfigError
+from strategies.base import ReportKnob, Strategy
 
 # multiples of 8 (Tensor-Core friendly), roughly geometric
 CANDIDATES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096]
@@ -28,6 +29,11 @@ def candidates(low: int, high: int) -> list[int]:
     """Candidate batch sizes in [low, high]; the bounds themselves are always included."""
     values = sorted({v for v in CANDIDATES if low <= v <= high} | {low, high})
     return values
+
+
+def nearest(values: list[int], target: int) -> int:
+    """The value closest to ``target`` (the smaller one on a tie)."""
+    return min(values, key=lambda v: (abs(v - target), v))
 
 
 class BatchSize(Strategy):
@@ -53,6 +59,43 @@ class BatchSize(Strategy):
 
     def default(self) -> Config:
         return self.Config()
+
+    def offer(self, options, device: str, probe: Mapping[str, Any], offered: Mapping[str, Any]) -> dict[str, Any]:
+        cuda = device == "cuda"
+        low = options.min_batch_size or (16 if cuda else 4)
+        high = options.max_batch_size or (1024 if cuda else 32)
+        if options.batch_size:
+            batches = [options.batch_size]
+        else:
+            if low > high:
+                raise ConfigError(f"batch range {low}..{high} is empty; set --min-batch-size/--max-batch-size")
+            batches = candidates(low, high)
+        wanted = options.global_batch_size
+        if wanted:
+            # micro-batches that divide the global batch; the baseline is one plain step over all of it
+            # when that fits (else the largest micro-batch, after the out-of-memory back-off)
+            batches = sorted({b for b in batches if wanted % b == 0} | ({wanted} if low <= wanted <= high else set()))
+            if not batches:
+                raise ConfigError(f"no batch in {low}..{high} divides --global-batch-size {wanted}; give a global "
+                                  "batch with small divisors (a power of two, say) or widen --min/--max-batch-size")
+        base = wanted or options.base_batch_size or options.batch_size or (256 if cuda else 16)
+        if not wanted and base not in batches:  # the global batch itself need not be a micro-batch
+            base = min(max(base, batches[0]), batches[-1])
+            if base not in batches:
+                batches = sorted(set(batches) | {base})
+        return {"batch_sizes": batches, "base_batch_size": base, "global_batch_size": wanted}
+
+    def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
+        # the known-good ones name their batch; the baseline runs the user's (under
+        # --global-batch-size: the global batch's largest micro-batch)
+        return {} if tuned else {"batch_size.batch_size": nearest(space.batch_sizes, space.base_batch_size)}
+
+    def words(self, values: Mapping[str, Any]) -> str:
+        steps = values.get("accumulation_steps", 1)
+        return f"batch {values.get('batch_size')}" + (f" x {steps} accumulated" if steps > 1 else "")
+
+    def report_knobs(self) -> list[ReportKnob]:
+        return [ReportKnob("batch_size", "batch size", self.name, "batch_size")]
 
     def suggest(self, trial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
         value = self.choose(trial, "batch_size", space.batch_sizes)

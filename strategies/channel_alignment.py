@@ -20,7 +20,7 @@ from torch.nn.modules.conv import _ConvNd
 
 from autotune.deploy.recipe import Recipe
 from autotune.deploy.space import SearchSpace
-from strategies.base import Strategy
+from strategies.base import ReportKnob, Strategy
 
 __all__ = [
     "AlignedConv1d",
@@ -194,6 +194,20 @@ class ChannelAlignment(Strategy):
     class Config:
         multiple: int = 1
         """Pad layer widths up to a multiple of this (1 = no padding)."""
+
+    def offer(self, options, device: str, probe: Mapping[str, Any], offered: Mapping[str, Any]) -> dict[str, Any]:
+        # padding pays on Tensor Cores only, and only for the multiples the probe found layers off
+        misaligned = probe.get("misaligned", {})
+        return {"alignments": [1] + ([m for m in (8, 16) if misaligned.get(str(m))] if device == "cuda" else [])}
+
+    def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
+        return {"channel_alignment.multiple": 1}
+
+    def words(self, values: Mapping[str, Any]) -> str:
+        return f"pad x{values['multiple']}" if values.get("multiple", 1) > 1 else ""
+
+    def report_knobs(self) -> list[ReportKnob]:
+        return [ReportKnob("channel_alignment", "channel padding (multiple)", self.name, "multiple", 1)]
 
     def suggest(self, trial: optuna.trial.BaseTrial, space: SearchSpace,
                 chosen: Mapping[str, Any]) -> Config:

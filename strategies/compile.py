@@ -25,6 +25,7 @@ a tiny model there takes tens of seconds per trial.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -32,7 +33,7 @@ import torch
 
 from autotune.deploy.recipe import Recipe
 from autotune.deploy.space import SearchSpace
-from strategies.base import Strategy
+from strategies.base import ReportKnob, Strategy
 
 MODES = ("off", "default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
 CUDAGRAPH_MODES = frozenset({"reduce-overhead", "max-autotune"})
@@ -56,11 +57,35 @@ class Compile(Strategy):
             if self.mode not in MODES:
                 raise ValueError(f"compile.mode {self.mode!r}: choose from {', '.join(MODES)}")
 
+    def offer(self, options, device: str, probe: Mapping[str, Any], offered: Mapping[str, Any]) -> dict[str, Any]:
+        if not wanted(options, device):
+            return {"compile_modes": ["off"]}
+        check = probe.get("compile") or {"works": False, "reason": "the probe did not check it"}
+        if not check.get("works"):
+            warnings.warn(f"torch.compile is not searched: it does not work on this {device} "
+                          f"({check.get('reason')}); the search goes on without it", stacklevel=4)
+            return {"compile_modes": ["off"]}
+        return {"compile_modes": candidates(device)}
+
+    def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
+        return {"compile.mode": "off"}  # eager; the known-good ones that compile say so
+
+    def words(self, values: Mapping[str, Any]) -> str:
+        return f"compile {values['mode']}" if values.get("mode", "off") != "off" else ""
+
+    def report_knobs(self) -> list[ReportKnob]:
+        return []  # named in each configuration's description
+
     def suggest(self, trial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
         return self.Config(mode=self.choose(trial, "mode", space.compile_modes))
 
     def apply(self, config: Config, recipe: Recipe) -> None:
         recipe.compile_mode = None if config.mode == "off" else config.mode
+
+
+def wanted(options, device: str) -> bool:
+    """Whether to search torch.compile: on a GPU unless refused, on a CPU only when asked for."""
+    return options.compile if options.compile is not None else device == "cuda"
 
 
 def candidates(device: str) -> list[str]:

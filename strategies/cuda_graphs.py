@@ -28,7 +28,7 @@ from typing import Any, Mapping
 
 from autotune.deploy.recipe import Recipe
 from autotune.deploy.space import SearchSpace
-from strategies.base import Strategy
+from strategies.base import ReportKnob, Strategy
 from strategies.compile import CUDAGRAPH_MODES
 
 
@@ -53,6 +53,22 @@ class CudaGraphs(Strategy):
     class Config:
         enabled: bool = False
         """Capture the whole step in one CUDA graph and replay it."""
+
+    def offer(self, options, device: str, probe: Mapping[str, Any], offered: Mapping[str, Any]) -> dict[str, Any]:
+        # not under DDP: its all-reduces run from autograd hooks on NCCL's own stream, outside a
+        # whole-step capture (the compile modes with CUDA graphs graph only the compiled pieces)
+        # nor with accumulation: a graph replays one optimizer step, not k micro-steps and one step
+        return {"cuda_graphs": [False, True] if device == "cuda" and not options.ddp
+                and not options.global_batch_size else [False]}
+
+    def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
+        return {"cuda_graphs.enabled": False}
+
+    def words(self, values: Mapping[str, Any]) -> str:
+        return "CUDA graphs" if values.get("enabled") else ""
+
+    def report_knobs(self) -> list[ReportKnob]:
+        return []  # named in each configuration's description
 
     def suggest(self, trial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
         if not legal(space, chosen):

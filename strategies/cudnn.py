@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from autotune.deploy.recipe import Recipe
 from autotune.deploy.space import SearchSpace
-from strategies.base import Strategy
+from strategies.base import ReportKnob, Strategy
 
 
 class Cudnn(Strategy):
@@ -22,6 +22,18 @@ class Cudnn(Strategy):
     class Config:
         benchmark: bool = False
         """torch.backends.cudnn.benchmark."""
+
+    def offer(self, options, device: str, probe: Mapping[str, Any], offered: Mapping[str, Any]) -> dict[str, Any]:
+        return {"cudnn_benchmark": [False, True] if device == "cuda" else [False]}
+
+    def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
+        return {"cudnn.benchmark": tuned}
+
+    def words(self, values: Mapping[str, Any]) -> str:
+        return "cudnn.benchmark" if values.get("benchmark") else ""
+
+    def report_knobs(self) -> list[ReportKnob]:
+        return [ReportKnob("cudnn", "cudnn.benchmark", self.name, "benchmark", False)]
 
     def suggest(self, trial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
         return self.Config(benchmark=self.choose(trial, "benchmark", space.cudnn_benchmark))

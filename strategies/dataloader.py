@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from autotune.deploy.recipe import Recipe
 from autotune.deploy.space import SearchSpace
-from strategies.base import Strategy
+from strategies.base import ReportKnob, Strategy
 
 PREFETCH_FACTORS = [2, 4]
 """2 is the DataLoader's default."""
@@ -72,6 +72,24 @@ class DataLoaderStrategy(Strategy):
 
     def applies(self, space: SearchSpace) -> bool:
         return bool(space.dataloader_workers)
+
+    def offer(self, options, device: str, probe: Mapping[str, Any], offered: Mapping[str, Any]) -> dict[str, Any]:
+        # with real data the timed steps are fed by a DataLoader, whose settings are searched too
+        data = bool(options.data)
+        return {"dataloader_workers": candidates() if data else [],
+                "dataloader_pin_memory": [False, True] if device == "cuda" and data else [False],
+                "dataloader_prefetch_factors": PREFETCH_FACTORS if data else [2]}
+
+    def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
+        return seed_params(space, tuned=tuned)
+
+    def words(self, values: Mapping[str, Any]) -> str:
+        if not (values.get("num_workers") or values.get("pin_memory")):
+            return ""
+        return f"{values.get('num_workers', 0)} loader workers" + (", pinned" if values.get("pin_memory") else "")
+
+    def report_knobs(self) -> list[ReportKnob]:
+        return []  # named in each configuration's description
 
     def suggest(self, trial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
         workers = self.choose(trial, "num_workers", space.dataloader_workers)

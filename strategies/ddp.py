@@ -31,7 +31,7 @@ from typing import Any, Mapping
 
 from autotune.deploy.recipe import Recipe
 from autotune.deploy.space import SearchSpace
-from strategies.base import Strategy
+from strategies.base import ReportKnob, Strategy
 
 BUCKET_CAPS_MB = [10, 25, 50, 100]
 """The bucket sizes ``--ddp`` searches; 25 MB is PyTorch's default."""
@@ -41,6 +41,10 @@ def candidates() -> dict[str, list[Any]]:
     """The SearchSpace choices of a ``--ddp`` search, by field."""
     return {"ddp_bucket_caps_mb": list(BUCKET_CAPS_MB), "ddp_gradient_as_bucket_view": [False, True],
             "ddp_static_graph": [False, True]}
+
+
+def _ddp_on(knobs: Mapping[str, Any]) -> bool:
+    return (knobs.get("ddp") or {}).get("world_size", 1) > 1
 
 
 class DDP(Strategy):
@@ -65,6 +69,28 @@ class DDP(Strategy):
 
     def applies(self, space: SearchSpace) -> bool:
         return space.ddp_world_size > 1
+
+    def offer(self, options, device: str, probe: Mapping[str, Any], offered: Mapping[str, Any]) -> dict[str, Any]:
+        return {"ddp_world_size": options.ddp or 1, **(candidates() if options.ddp else {})}
+
+    def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
+        # DistributedDataParallel as a user builds it, with PyTorch's defaults
+        return {"ddp.bucket_cap_mb": self.Config.bucket_cap_mb, "ddp.gradient_as_bucket_view": False,
+                "ddp.static_graph": False}
+
+    def words(self, values: Mapping[str, Any]) -> str:
+        if values.get("world_size", 1) <= 1:
+            return ""
+        parts = [f"DDP x{values['world_size']}", f"bucket {values.get('bucket_cap_mb', 25)} MB"]
+        if values.get("gradient_as_bucket_view"):
+            parts.append("grads as bucket views")
+        if values.get("static_graph"):
+            parts.append("static graph")
+        return ", ".join(parts)
+
+    def report_knobs(self) -> list[ReportKnob]:
+        return [ReportKnob(f"ddp.{f}", f"DDP {f}", self.name, f, None, _ddp_on)
+                for f in ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph")]
 
     def suggest(self, trial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
         compile_config = chosen.get("compile")

@@ -23,7 +23,7 @@ from torch import nn
 
 from autotune.deploy.recipe import Recipe
 from autotune.deploy.space import SearchSpace
-from strategies.base import Strategy
+from strategies.base import ReportKnob, Strategy
 
 KINDS = ("norm", "attention", "head")
 """Layer kinds, in the order a combination is written ("norm+head")."""
@@ -45,6 +45,22 @@ class FP32Layers(Strategy):
 
     def applies(self, space: SearchSpace) -> bool:
         return len(space.fp32_layer_sets) > 1
+
+    def offer(self, options, device: str, probe: Mapping[str, Any], offered: Mapping[str, Any]) -> dict[str, Any]:
+        # keeping layers in FP32 only trades speed for accuracy: offered where the accuracy check
+        # can tell whether it is needed, under autocast, for the kinds the model has
+        autocast = {"fp16", "bf16"} & set(offered["precisions"])
+        return {"fp32_layer_sets": combinations(probe.get("fp32_layer_kinds") or [])
+                if options.accuracy_check and autocast else ["none"]}
+
+    def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
+        return {"fp32_layers.layers": "none"} if tuned else {}  # not a parameter of the FP32 baseline
+
+    def words(self, values: Mapping[str, Any]) -> str:
+        return f"fp32 {values['layers']}" if values.get("layers", "none") != "none" else ""
+
+    def report_knobs(self) -> list[ReportKnob]:
+        return []  # named in each configuration's description; its effect is on accuracy
 
     def suggest(self, trial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
         precision = chosen.get("precision")

@@ -12,7 +12,11 @@ from typing import Any, Mapping
 
 from autotune.deploy.recipe import Recipe
 from autotune.deploy.space import SearchSpace
-from strategies.base import Strategy
+from strategies.base import ReportKnob, Strategy
+
+
+def _scaler_on(knobs: Mapping[str, Any]) -> bool:
+    return bool((knobs.get("grad_scaler") or {}).get("enabled"))
 
 
 class GradScalerStrategy(Strategy):
@@ -30,6 +34,18 @@ class GradScalerStrategy(Strategy):
         """Scale multiplier when a step overflows (that step is skipped)."""
         growth_interval: int = 2000
         """Overflow-free steps before the scale grows."""
+
+    def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
+        if not tuned or chosen.get("precision.mode") != "fp16":
+            return {}
+        # torch.amp.GradScaler's defaults: what the guides' fp16 recipe uses
+        defaults = self.Config()
+        return {self.param(f): getattr(defaults, f)
+                for f in ("init_scale", "growth_factor", "backoff_factor", "growth_interval")}
+
+    def report_knobs(self) -> list[ReportKnob]:
+        return [ReportKnob(f"grad_scaler.{f}", f"GradScaler {f}", self.name, f, None, _scaler_on)
+                for f in ("init_scale", "growth_factor", "backoff_factor", "growth_interval")]
 
     def suggest(self, trial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
         precision = chosen.get("precision")

@@ -13,7 +13,7 @@ import torch
 
 from autotune.deploy.recipe import Recipe
 from autotune.deploy.space import SearchSpace
-from strategies.base import Strategy
+from strategies.base import ReportKnob, Strategy
 
 FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last}
 
@@ -25,6 +25,20 @@ class MemoryFormat(Strategy):
     class Config:
         format: str = "contiguous"
         """contiguous | channels_last."""
+
+    def offer(self, options, device: str, probe: Mapping[str, Any], offered: Mapping[str, Any]) -> dict[str, Any]:
+        image_like = probe.get("input_dim") == 4  # channels_last is a layout of 4-D tensors
+        return {"memory_formats": ["contiguous", "channels_last"] if image_like else ["contiguous"]}
+
+    def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
+        fast = "channels_last" if "channels_last" in space.memory_formats else "contiguous"
+        return {"memory_format.format": fast if tuned else "contiguous"}
+
+    def words(self, values: Mapping[str, Any]) -> str:
+        return values.get("format", "contiguous")
+
+    def report_knobs(self) -> list[ReportKnob]:
+        return [ReportKnob("memory_format", "memory format", self.name, "format", "contiguous")]
 
     def suggest(self, trial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
         return self.Config(format=self.choose(trial, "format", space.memory_formats))

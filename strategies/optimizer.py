@@ -31,7 +31,7 @@ import torch
 from autotune.deploy.recipe import Recipe
 from autotune.deploy.space import SearchSpace
 from autotune.errors import ConfigError
-from strategies.base import Strategy
+from strategies.base import ReportKnob, Strategy
 
 IMPLEMENTATIONS = ("default", "plain", "foreach", "fused")
 
@@ -58,6 +58,29 @@ class Optimizer(Strategy):
             if self.implementation not in IMPLEMENTATIONS:
                 raise ValueError(f"optimizer.implementation {self.implementation!r}: choose from "
                                  f"{', '.join(IMPLEMENTATIONS)}")
+
+    def offer(self, options, device: str, probe: Mapping[str, Any], offered: Mapping[str, Any]) -> dict[str, Any]:
+        # zeroing in place keeps gradient memory allocated; on a CPU the difference is noise
+        return {"optimizer_implementations": candidates(device),
+                "zero_grad_set_to_none": [True, False] if device == "cuda" else [True]}
+
+    def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
+        # the optimizer as a user builds it with default arguments (the known-good ones that want
+        # the fused one say so)
+        implementations = space.optimizer_implementations
+        untuned = UNTUNED[space.device] if UNTUNED[space.device] in implementations else implementations[0]
+        return {"optimizer.implementation": untuned, "optimizer.set_to_none": True}
+
+    def words(self, values: Mapping[str, Any]) -> str:
+        parts = []
+        if values.get("implementation", "default") != "default":
+            parts.append(f"{values['implementation']} optimizer")
+        if not values.get("set_to_none", True):
+            parts.append("zero_grad in place")
+        return ", ".join(parts)
+
+    def report_knobs(self) -> list[ReportKnob]:
+        return []  # named in each configuration's description
 
     def suggest(self, trial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
         return self.Config(implementation=self.choose(trial, "implementation", space.optimizer_implementations),

@@ -15,9 +15,13 @@ import torch
 
 from autotune.deploy.recipe import Recipe
 from autotune.deploy.space import SearchSpace
-from strategies.base import Strategy
+from autotune.errors import ConfigError
+from strategies.base import ReportKnob, Strategy
 
 AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+MODES = ("fp32", "tf32", "fp16", "bf16")
 
 
 class Precision(Strategy):
@@ -27,6 +31,27 @@ class Precision(Strategy):
     class Config:
         mode: str = "fp32"
         """fp32 | tf32 | fp16 | bf16 (the last two are autocast modes)."""
+
+    def offer(self, options, device: str, probe: Mapping[str, Any], offered: Mapping[str, Any]) -> dict[str, Any]:
+        precisions = probe["precisions"]
+        if options.precisions is not None:
+            # bf16 on a CPU without native bf16 is emulated: slow, but the user may want to see it
+            unsupported = [m for m in options.precisions
+                           if m not in precisions and not (m == "bf16" and device != "cuda")]
+            if unsupported:
+                raise ConfigError(f"--precisions {','.join(options.precisions)}: this device does not support "
+                                  f"{', '.join(unsupported)} (it supports {', '.join(precisions)})")
+            precisions = [m for m in MODES if m in options.precisions]
+        return {"precisions": precisions}
+
+    def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
+        return {} if tuned else {"precision.mode": "fp32"}  # the known-good ones name their mode
+
+    def words(self, values: Mapping[str, Any]) -> str:
+        return values.get("mode", "fp32")
+
+    def report_knobs(self) -> list[ReportKnob]:
+        return [ReportKnob("precision", "precision", self.name, "mode", "fp32")]
 
     def suggest(self, trial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
         return self.Config(mode=self.choose(trial, "mode", space.precisions))

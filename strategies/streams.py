@@ -16,7 +16,7 @@ import torch
 
 from autotune.deploy.recipe import Recipe
 from autotune.deploy.space import SearchSpace
-from strategies.base import Strategy
+from strategies.base import ReportKnob, Strategy
 
 
 class Streams(Strategy):
@@ -26,6 +26,19 @@ class Streams(Strategy):
     class Config:
         num_streams: int = 1
         """1: copies on the compute stream; 2: the next batch is copied on a side stream."""
+
+    def offer(self, options, device: str, probe: Mapping[str, Any], offered: Mapping[str, Any]) -> dict[str, Any]:
+        # inputs made on the device have no copy to overlap
+        return {"stream_counts": [1, 2] if device == "cuda" and not options.input_on_device else [1]}
+
+    def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
+        return {"streams.num_streams": max(space.stream_counts) if tuned else 1}
+
+    def words(self, values: Mapping[str, Any]) -> str:
+        return f"{values['num_streams']} streams" if values.get("num_streams", 1) > 1 else ""
+
+    def report_knobs(self) -> list[ReportKnob]:
+        return [ReportKnob("streams", "CUDA streams", self.name, "num_streams", 1)]
 
     def suggest(self, trial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
         return self.Config(num_streams=self.choose(trial, "num_streams", space.stream_counts))

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from autotune.deploy.recipe import Recipe
 from autotune.deploy.space import SearchSpace
-from strategies.base import Strategy
+from strategies.base import ReportKnob, Strategy
 
 
 def candidates(num_cpus: int | None = None) -> list[int]:
@@ -38,6 +38,25 @@ class Threads(Strategy):
 
     def applies(self, space: SearchSpace) -> bool:
         return bool(space.thread_counts)
+
+    def offer(self, options, device: str, probe: Mapping[str, Any], offered: Mapping[str, Any]) -> dict[str, Any]:
+        if device == "cuda":
+            return {"thread_counts": []}
+        # under --ddp on a CPU the ranks run at once, each on its share of the cores
+        cpus = None
+        if options.ddp:
+            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            cpus = max(1, cpus // options.ddp)
+        return {"thread_counts": candidates(cpus)}
+
+    def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
+        return {"threads.num_threads": max(space.thread_counts) if space.thread_counts else 0}
+
+    def words(self, values: Mapping[str, Any]) -> str:
+        return f"{values['num_threads']} threads" if values.get("num_threads") else ""
+
+    def report_knobs(self) -> list[ReportKnob]:
+        return [ReportKnob("threads", "CPU threads", self.name, "num_threads", 0)]
 
     def suggest(self, trial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
         return self.Config(num_threads=self.choose(trial, "num_threads", space.thread_counts))

@@ -19,10 +19,10 @@ class SearchSpace:
     precisions: list[str] = field(default_factory=lambda: ["fp32"])
     """Precision modes the device supports, fp32 first."""
     batch_sizes: list[int] = field(default_factory=lambda: [32])
+    """Candidate batch sizes (one entry when the user pins --batch-size)."""
     global_batch_size: int | None = None
     """--global-batch-size: the samples of one optimizer step, kept whatever the batch (then the
     micro-batch, a divisor of it) is: the rest is made up by gradient accumulation."""
-    """Candidate batch sizes (one entry when the user pins --batch-size)."""
     base_batch_size: int = 32
     """The batch size the baseline runs with: the user's own, for learning-rate scaling."""
     alignments: list[int] = field(default_factory=lambda: [1])
@@ -63,6 +63,10 @@ class SearchSpace:
     """DistributedDataParallel(gradient_as_bucket_view=...) choices."""
     ddp_static_graph: list[bool] = field(default_factory=lambda: [False])
     """DistributedDataParallel(static_graph=...) choices (sampled for eager steps only)."""
+
+    choices: dict[str, Any] = field(default_factory=dict)
+    """The choices of knobs that keep them here rather than in a field of their own (a knob added
+    as one module in strategies/), by strategy name; see ``Strategy.offer``."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
