@@ -277,7 +277,7 @@ def test_no_completed_trial_still_reports(tmp_path):
     (0.004, 0, "more loader workers, DALI or a faster decode would help"),
 ])
 def test_the_data_pipeline_line_names_the_remedy_that_fits_the_wait(wait, workers, remedy):
-    from autotune.report.render import _data_text
+    from autotune.report.summary import data_text as _data_text
 
     best = pd.Series({"loader_fed_samples_per_s": 3211.4, "compute_only_samples_per_s": 5484.7,
                       "loader_wait_share": wait, "data_bound": True, "param.dataloader.num_workers": workers})

@@ -118,7 +118,8 @@ def baseline_batch(base: optuna.trial.FrozenTrial, space: SearchSpace) -> dict[s
 
 
 def export(study: optuna.Study, out_dir: Path, *, config, space: SearchSpace, probe: dict[str, Any]) -> dict[str, Path]:
-
+    """Write trials.csv and, when a trial completed, config.json (the best configuration, with the
+    evidence for it) into ``out_dir``; returns the paths by file name."""
     out_dir = Path(out_dir)
     files = {}
     frame = trials_frame(study)
@@ -127,6 +128,21 @@ def export(study: optuna.Study, out_dir: Path, *, config, space: SearchSpace, pr
     best = best_trial(study)
     if best is None:
         return files
+    info = _config_info(study, out_dir, best, config=config, space=space, probe=probe)
+    cfg = TunedConfig.from_params(best.params, space, info=info)
+    # a study resumed by a newer autotune: its older trials ran knobs added since at their defaults
+    recorded = strategies.knobs_from_dict(best.user_attrs["knobs"], fill_missing=True)
+    if cfg.knobs != recorded:
+        raise AssertionError(f"replaying trial {best.number}'s params gives {cfg.knobs}, not {recorded}")
+    files["config.json"] = out_dir / "config.json"
+    cfg.save(files["config.json"])
+    return files
+
+
+def _config_info(study: optuna.Study, out_dir: Path, best: optuna.trial.FrozenTrial, *, config, space: SearchSpace,
+                 probe: dict[str, Any]) -> dict[str, Any]:
+    """What config.json records besides the knobs: how the search ran, the best and baseline
+    figures, where it ran, the search's cost, the objective and the accuracy evidence."""
     base = baseline_trial(study)
     counted = counted_trials(study)
     timing = [t.user_attrs.get("timing", {}) for t in counted if "duplicate_of" not in t.user_attrs]
@@ -175,7 +191,14 @@ def export(study: optuna.Study, out_dir: Path, *, config, space: SearchSpace, pr
         b, f = base.user_attrs["figures"], best.user_attrs["figures"]
         info["speedup_vs_baseline"] = f["samples_per_s"] / b["samples_per_s"]
         info["memory_vs_baseline"] = f["peak_memory_bytes"] / b["peak_memory_bytes"]
-    # what the best was ranked by (the study's objective), and the knobs the search stopped exploring
+    _add_objective_and_accuracy(info, study, best, base)
+    return info
+
+
+def _add_objective_and_accuracy(info: dict[str, Any], study: optuna.Study, best: optuna.trial.FrozenTrial,
+                                base: optuna.trial.FrozenTrial | None) -> None:
+    """Add to ``info`` what the best was ranked by (the study's objective), the knobs the search
+    stopped exploring, and the accuracy evidence for the best (or why there is none)."""
     from autotune.search.goal import goal_of
     from autotune.search.knob_effects import fixed_knobs
 
@@ -196,12 +219,3 @@ def export(study: optuna.Study, out_dir: Path, *, config, space: SearchSpace, pr
         info["accuracy"] = {"verdict": "not checked", "reason": (
             "the search budget ran out before this configuration's numerics were checked against FP32; "
             "give a longer --budget, or check it with `autotune accuracy`")}
-    cfg = TunedConfig.from_params(best.params, space, info=info)
-    # a study resumed by a newer autotune: its older trials ran knobs added since at their defaults
-    recorded = strategies.knobs_from_dict(best.user_attrs["knobs"], fill_missing=True)
-    if cfg.knobs != recorded:
-        raise AssertionError(f"replaying trial {best.number}'s params gives {cfg.knobs}, not {recorded}")
-    files["config.json"] = out_dir / "config.json"
-    cfg.save(files["config.json"])
-    return files
-

@@ -1,0 +1,167 @@
+"""The data the report shows, collected once from the study (and its exported config.json): one
+row per trial with its figures and knob values, the best and baseline rows, and the search's cost."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import optuna
+import pandas as pd
+
+from autotune.report.export import trials_frame
+from autotune.search.trials import baseline_trial, best_trial, counted_trials
+
+
+@dataclass
+class _Knob:
+    """One dimension of the search, read from the recorded knobs of each trial."""
+
+    key: str
+    label: str
+    get: Callable[[dict[str, Any]], Any]
+    only: Callable[[dict[str, Any]], bool] = lambda knobs: True
+    """Trials this knob means something for (GradScaler settings only with fp16)."""
+
+
+def _knob_value(strategy: str, name: str, default: Any = None) -> Callable[[dict[str, Any]], Any]:
+    return lambda knobs: (knobs.get(strategy) or {}).get(name, default)
+
+
+def _ddp_on(knobs: dict[str, Any]) -> bool:
+    return (knobs.get("ddp") or {}).get("world_size", 1) > 1
+
+
+def _scaler_on(knobs: dict[str, Any]) -> bool:
+    return bool((knobs.get("grad_scaler") or {}).get("enabled"))
+
+
+KNOBS = [
+    _Knob("precision", "precision", _knob_value("precision", "mode", "fp32")),
+    _Knob("memory_format", "memory format", _knob_value("memory_format", "format", "contiguous")),
+    _Knob("batch_size", "batch size", _knob_value("batch_size", "batch_size")),
+    _Knob("channel_alignment", "channel padding (multiple)", _knob_value("channel_alignment", "multiple", 1)),
+    _Knob("cudnn", "cudnn.benchmark", _knob_value("cudnn", "benchmark", False)),
+    _Knob("streams", "CUDA streams", _knob_value("streams", "num_streams", 1)),
+    _Knob("threads", "CPU threads", _knob_value("threads", "num_threads", 0)),
+    _Knob("grad_scaler.init_scale", "GradScaler init_scale", _knob_value("grad_scaler", "init_scale"), _scaler_on),
+    _Knob("grad_scaler.growth_factor", "GradScaler growth_factor", _knob_value("grad_scaler", "growth_factor"),
+          _scaler_on),
+    _Knob("grad_scaler.backoff_factor", "GradScaler backoff_factor", _knob_value("grad_scaler", "backoff_factor"),
+          _scaler_on),
+    _Knob("grad_scaler.growth_interval", "GradScaler growth_interval", _knob_value("grad_scaler", "growth_interval"),
+          _scaler_on),
+    _Knob("ddp.bucket_cap_mb", "DDP bucket_cap_mb", _knob_value("ddp", "bucket_cap_mb"), lambda k: _ddp_on(k)),
+    _Knob("ddp.gradient_as_bucket_view", "DDP gradient_as_bucket_view", _knob_value("ddp", "gradient_as_bucket_view"),
+          lambda k: _ddp_on(k)),
+    _Knob("ddp.static_graph", "DDP static_graph", _knob_value("ddp", "static_graph"), lambda k: _ddp_on(k)),
+]
+
+
+@dataclass
+class ReportData:
+    """Everything both renderings need, computed once."""
+
+    study_name: str
+    out_dir: Path
+    config: dict[str, Any] | None
+    workload: dict[str, Any]
+    device: str
+    provenance: dict[str, Any]
+    frame: pd.DataFrame
+    """trials_frame(study) plus the optional figures and knob columns, one row per trial."""
+    measured: pd.DataFrame
+    """The rows plots use: completed, measured, not a repeat of another trial."""
+    best: pd.Series | None
+    baseline: pd.Series | None
+    attrs: dict[int, dict[str, Any]]
+    """Each trial's user attributes, by number."""
+    cost: dict[str, Any]
+    has: dict[str, bool] = field(default_factory=dict)
+    """Which optional sections some trial has: energy, profile, findings, accuracy."""
+
+
+_FRAME_COLUMNS = ["number", "role", "state", "status", "reason", "duplicate_of", "config", "samples_per_s",
+                  "ddp_world_size", "per_gpu_samples_per_s", "single_gpu_samples_per_s", "scaling_efficiency",
+                  "loader_fed_samples_per_s", "compute_only_samples_per_s", "loader_wait_share", "data_bound",
+                  "step_time_ms", "spread", "noisy", "peak_memory_gb", "worker_start_s", "build_s", "warmup_s",
+                  "measure_s", "trial_wall_s", "compile_s", "joules_per_sample", "avg_power_w", "accuracy",
+                  "accuracy_drop"]
+
+
+def collect(study: optuna.Study, out_dir: Path, config: dict[str, Any] | None) -> ReportData:
+    """The report's data for ``study``, written into ``out_dir``; ``config`` is its config.json, or None."""
+    from autotune.accuracy.gate import accuracy_of
+
+    trials = study.get_trials(deepcopy=False)
+    attrs = {t.number: dict(t.user_attrs) for t in trials}
+    for t in trials:  # a trial checked after it finished (at export) has its evidence in the study
+        if "accuracy" not in attrs[t.number] and (accuracy := accuracy_of(study, t)) is not None:
+            attrs[t.number]["accuracy"] = accuracy
+    # trials_frame reads energy and accuracy from the same evidence (accuracy_of included)
+    frame = trials_frame(study)
+    for column in _FRAME_COLUMNS:  # a study without trials gives a frame without columns
+        if column not in frame:
+            frame[column] = pd.Series(dtype=object)
+    by_number = {t.number: t for t in trials}
+    extra = []
+    for number in frame["number"]:
+        t = by_number[number]
+        a = attrs[number]
+        row = {
+            "unstable": bool(a.get("unstable")),
+            "note": _trial_note(t),
+        }
+        knobs = a.get("knobs") or {}
+        for knob in KNOBS:
+            row[f"knob.{knob.key}"] = knob.get(knobs) if knobs and knob.only(knobs) else None
+        extra.append(row)
+    extra_columns = ["unstable", "note", *(f"knob.{knob.key}" for knob in KNOBS)]
+    extra_frame = pd.DataFrame(extra, index=range(len(extra)), columns=extra_columns)
+    frame = pd.concat([frame.reset_index(drop=True), extra_frame], axis=1)
+    measured = frame[(frame["state"] == "COMPLETE") & frame["samples_per_s"].notna() & frame["duplicate_of"].isna()]
+
+    best_t, base_t = best_trial(study), baseline_trial(study)
+    if config and "study" in config and config["study"].get("trial_number") in by_number:
+        best_t = by_number[config["study"]["trial_number"]]
+    row_of = {n: frame.loc[i] for i, n in enumerate(frame["number"])}
+    best = row_of.get(best_t.number) if best_t is not None else None
+    baseline = row_of.get(base_t.number) if base_t is not None else None
+
+    workload = (config or {}).get("workload") or study.user_attrs.get("workload") or {}
+    device = (config or {}).get("device") or study.user_attrs.get("device") or "unknown"
+    provenance = (config or {}).get("provenance") or study.user_attrs.get("provenance") or {}
+    data = ReportData(study_name=study.study_name, out_dir=Path(out_dir), config=config, workload=workload,
+                 device=device, provenance=provenance, frame=frame, measured=measured, best=best,
+                 baseline=baseline, attrs=attrs, cost=_search_cost(study, config))
+    data.has = {key: any(a.get(key) for a in attrs.values()) for key in ("energy", "profile", "findings", "accuracy")}
+    return data
+
+
+def _trial_note(t: optuna.trial.FrozenTrial) -> str:
+    a = t.user_attrs
+    notes = []
+    if not a.get("reason") and t.system_attrs.get("fail_reason"):
+        notes.append(str(t.system_attrs["fail_reason"]))
+    if a.get("duplicate_of") is not None:
+        notes.append(f"same configuration as #{a['duplicate_of']}, not measured again")
+    if a.get("retry_of") is not None:
+        notes.append(f"re-run of #{a['retry_of']}")
+    if a.get("unstable"):
+        notes.append("loss not finite: never chosen as best")
+    return "; ".join(notes)
+
+
+def _search_cost(study: optuna.Study, config: dict[str, Any] | None) -> dict[str, Any]:
+    """The search's own cost: from config.json when exported, else added up as export does."""
+    if config and config.get("search"):
+        return dict(config["search"])
+    counted = counted_trials(study)
+    timing = [t.user_attrs.get("timing", {}) for t in counted if "duplicate_of" not in t.user_attrs]
+    cost: dict[str, Any] = {"num_trials": len(counted), "num_measured": len(timing)}
+    for key, name in (("worker_start_s", "worker_start_s"), ("build_s", "build_s"), ("warmup_s", "warmup_s"),
+                      ("measure_s", "measure_s"), ("wall_s", "trial_wall_s"), ("compile_s", "compile_s")):
+        cost[name] = round(sum(x.get(key) or 0.0 for x in timing), 2)
+    return cost
+

@@ -1,0 +1,320 @@
+"""The report's plots: matplotlib figures of the measured trials, rendered to SVG that inlines in
+one HTML page (inline_svg, which the comparison page uses too)."""
+
+from __future__ import annotations
+
+import html
+import io
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import matplotlib
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import PercentFormatter
+
+from autotune.report.data import ReportData
+from autotune.report.format import sort_key
+
+PRECISION_COLORS = {"fp32": "#5b6b7f", "tf32": "#1b9e77", "fp16": "#d95f02", "bf16": "#7570b3"}
+FORMAT_MARKERS = {"contiguous": "o", "channels_last": "s"}
+FORMAT_COLORS = {"contiguous": "#8da0cb", "channels_last": "#fc8d62"}
+
+
+@dataclass
+class Plot:
+    """One figure of the page: its name (the figure's data-plot), title, inline SVG and caption."""
+
+    name: str
+    title: str
+    svg: str
+    caption: str = ""
+
+
+def _figure(width: float, height: float, ncols: int = 1) -> tuple[Figure, Any]:
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, ncols, squeeze=True)
+    for ax in (axes if ncols > 1 else [axes]):
+        ax.grid(True, color="#e5e5e5", linewidth=0.6)
+        ax.set_axisbelow(True)
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+    return fig, axes
+
+
+_RC = {"font.size": 9, "axes.titlesize": 10, "axes.labelsize": 9, "legend.fontsize": 8,
+       "xtick.labelsize": 8, "ytick.labelsize": 8, "svg.fonttype": "path"}
+
+
+def inline_svg(fig: Figure, name: str) -> str:
+    """The figure as an <svg> element fit to inline in HTML: no XML prolog, DOCTYPE, namespace
+    URLs or metadata, and ids unique to this plot (several SVGs share one document)."""
+    buf = io.StringIO()
+    with matplotlib.rc_context({"svg.hashsalt": f"autotune-{name}"}):
+        fig.savefig(buf, format="svg", metadata={"Creator": None, "Date": None, "Format": None, "Type": None})
+    text = buf.getvalue()
+    text = text[text.index("<svg"):]
+    text = re.sub(r'\s+xmlns(:xlink)?="[^"]*"', "", text, count=2)
+    text = re.sub(r"<metadata>.*?</metadata>", "", text, flags=re.S)
+    text = re.sub(r"<style[^>]*>.*?</style>", "", text, flags=re.S)  # moved to the page's CSS
+    text = re.sub(r'<g id="[^"]*"', "<g", text)  # figure_1, axes_1, ... would repeat in every plot
+    text = text.replace("<svg ", f'<svg role="img" aria-label="{html.escape(name)}" ', 1)
+    return text.strip()
+
+
+def _pareto(xs: list[float], ys: list[float], x_low: bool, y_high: bool = True) -> list[int]:
+    """Indices of the points no other point beats on both axes."""
+    def better_eq(a: float, b: float, low: bool) -> bool:
+        return a <= b if low else a >= b
+
+    front = []
+    for i in range(len(xs)):
+        dominated = any(
+            better_eq(xs[j], xs[i], x_low) and better_eq(ys[j], ys[i], not y_high)
+            and (xs[j] != xs[i] or ys[j] != ys[i])
+            for j in range(len(xs)))
+        if not dominated:
+            front.append(i)
+    return sorted(front, key=lambda i: xs[i])
+
+
+def _scatter(ax, m: pd.DataFrame, x: str, y: str) -> None:
+    """Measured trials, coloured by precision, shaped by memory format."""
+    for (mode, fmt), group in m.groupby(["knob.precision", "knob.memory_format"], sort=False, dropna=False):
+        flagged = group["unstable"].astype(bool)
+        stable, unstable = group[~flagged], group[flagged]
+        ax.scatter(stable[x], stable[y], s=34, color=PRECISION_COLORS.get(mode, "#333333"),
+                   marker=FORMAT_MARKERS.get(fmt, "D"), alpha=0.85, edgecolors="white", linewidths=0.6,
+                   label=f"{mode}, {fmt}", zorder=3)
+        if not unstable.empty:
+            ax.scatter(unstable[x], unstable[y], s=34, color=PRECISION_COLORS.get(mode, "#333333"), marker="x",
+                       label=f"{mode}, {fmt} (unstable)", zorder=3)
+
+
+def _label_points(ax, d: ReportData, m: pd.DataFrame, x: str, y: str) -> None:
+    """Mark best and baseline, with text placed away from the data's edge."""
+    xs, ys = m[x].astype(float), m[y].astype(float)
+    x_mid = (xs.min() + xs.max()) / 2
+    y_mid = (ys.min() + ys.max()) / 2
+    best_n = int(d.best["number"]) if d.best is not None else None
+    base_n = int(d.baseline["number"]) if d.baseline is not None else None
+    for n, text, color in ((best_n, "best", "#b30000"), (base_n, "baseline", "#222222")):
+        if n is None or n not in set(m["number"]):
+            continue
+        row = m[m["number"] == n].iloc[0]
+        if n == best_n and n == base_n:
+            text = "best = baseline"
+        elif n == base_n and best_n is not None and best_n in set(m["number"]):
+            other = m[m["number"] == best_n].iloc[0]
+            if other[x] == row[x] and other[y] == row[y]:
+                continue
+        px, py = float(row[x]), float(row[y])
+        dx = -14 if px > x_mid else 14
+        dy = -16 if py > y_mid else 14
+        if text == "baseline":
+            dy = -dy if best_n is not None and abs(py - float(d.best[y] if d.best is not None else py)) < 1e-9 else dy
+        ax.scatter([px], [py], s=110, facecolors="none", edgecolors=color, linewidths=1.4, zorder=4)
+        ax.annotate(f"{text} #{n}", (px, py), xytext=(dx, dy), textcoords="offset points",
+                    ha="right" if dx < 0 else "left", va="top" if dy < 0 else "bottom", fontsize=8,
+                    color=color, fontweight="bold", zorder=5,
+                    bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none", "alpha": 0.8},
+                    arrowprops={"arrowstyle": "-", "color": color, "lw": 0.8})
+
+
+def _front_line(ax, m: pd.DataFrame, x: str, y: str, x_low: bool) -> int:
+    stable = m[~m["unstable"].astype(bool)]
+    xs, ys = stable[x].astype(float).tolist(), stable[y].astype(float).tolist()
+    idx = _pareto(xs, ys, x_low=x_low)
+    if idx:
+        fx, fy = [xs[i] for i in idx], [ys[i] for i in idx]
+        ax.plot(fx, fy, color="#b30000", linewidth=1.2, linestyle="--", alpha=0.8, zorder=2,
+                drawstyle="steps-post" if x_low else "steps-pre", label="Pareto front")
+        ax.scatter(fx, fy, s=70, facecolors="none", edgecolors="#b30000", linewidths=0.9, zorder=2)
+    return len(idx)
+
+
+def _legend(ax) -> None:
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:  # outside the axes, so it never hides a point
+        ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, borderaxespad=0.0)
+
+
+def _front_plot(d: ReportData, column: str, xlabel: str, name: str, height: float) -> tuple[str, int, int] | None:
+    """samples/s against a cost to minimise (memory, energy), with the Pareto front dashed:
+    (svg, configurations on the front, configurations plotted)."""
+    m = d.measured[d.measured[column].notna()]
+    if m.empty:
+        return None
+    with matplotlib.rc_context(_RC):
+        fig, ax = _figure(7.2, height)
+        n = _front_line(ax, m, column, "samples_per_s", x_low=True)
+        _scatter(ax, m, column, "samples_per_s")
+        _label_points(ax, d, m, column, "samples_per_s")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("samples/s")
+        ax.ticklabel_format(axis="both", useOffset=False, style="plain")
+        ax.margins(x=0.15, y=0.15)
+        _legend(ax)
+        return inline_svg(fig, name), n, len(m)
+
+
+def plot_throughput_memory(d: ReportData) -> Plot | None:
+    made = _front_plot(d, "peak_memory_gb", "peak memory (GiB)", "throughput-memory", 4.2)
+    if made is None:
+        return None
+    svg, n, count = made
+    return Plot("throughput-memory", "Throughput versus peak memory", svg,
+                 f"{count} measured configurations; the dashed line is the Pareto front ({n} configurations "
+                 "no other one beats on both speed and memory).")
+
+
+def plot_speed_accuracy(d: ReportData) -> Plot | None:
+    m = d.measured
+    use_drop = "accuracy_drop" in m and m["accuracy_drop"].notna().any()
+    col = "accuracy_drop" if use_drop else "accuracy"
+    m = m[m[col].notna()] if col in m else m.iloc[0:0]
+    if m.empty:
+        return None
+    with matplotlib.rc_context(_RC):
+        fig, ax = _figure(7.2, 4.2)
+        n = _front_line(ax, m, col, "samples_per_s", x_low=use_drop)
+        _scatter(ax, m, col, "samples_per_s")
+        _label_points(ax, d, m, col, "samples_per_s")
+        ax.set_xlabel("accuracy drop vs FP32 (lower is better)" if use_drop else "accuracy (higher is better)")
+        ax.set_ylabel("samples/s")
+        ax.margins(x=0.15, y=0.15)
+        _legend(ax)
+        svg = inline_svg(fig, "speed-accuracy")
+    return Plot("speed-accuracy", "Speed versus accuracy", svg,
+                 f"{len(m)} configurations with an accuracy check; the dashed line is the Pareto front ({n}).")
+
+
+def _bars(ax, labels: list[str], best: list[float], median: list[float], counts: list[int], colors: list[str],
+          offset: float = 0.0, width: float = 0.8, legend: str | None = None) -> None:
+    xs = [i + offset for i in range(len(labels))]
+    ax.bar(xs, best, width=width, color=colors, edgecolor="white", linewidth=0.5, label=legend, zorder=2)
+    ax.scatter(xs, median, marker="_", s=220 * width, color="#111111", linewidths=1.6, zorder=3)
+    for x, b, n in zip(xs, best, counts):
+        ax.annotate(f"n={n}" if n else "not run", (x, b), xytext=(0, 2), textcoords="offset points",
+                    ha="center", va="bottom", fontsize=7, color="#444444")
+
+
+def plot_precision_format(d: ReportData) -> Plot | None:
+    m = d.measured
+    if m.empty:
+        return None
+    modes = sorted(m["knob.precision"].dropna().unique(), key=sort_key)
+    formats = [f for f in ("contiguous", "channels_last") if f in set(m["knob.memory_format"])]
+    formats += sorted(set(m["knob.memory_format"].dropna()) - set(formats))
+    with matplotlib.rc_context(_RC):
+        fig, ax = _figure(max(4.2, 1.3 + 1.2 * len(modes) * max(1, len(formats)) * 0.6), 3.4)
+        width = 0.8 / max(1, len(formats))
+        for j, fmt in enumerate(formats):
+            best, median, counts, labels = [], [], [], []
+            for mode in modes:
+                rates = m.loc[(m["knob.precision"] == mode) & (m["knob.memory_format"] == fmt), "samples_per_s"]
+                labels.append(mode)
+                best.append(float(rates.max()) if len(rates) else 0.0)
+                median.append(float(rates.median()) if len(rates) else float("nan"))
+                counts.append(int(len(rates)))
+            offset = (j - (len(formats) - 1) / 2) * width
+            _bars(ax, labels, best, median, counts, [FORMAT_COLORS.get(fmt, "#999999")] * len(labels),
+                  offset=offset, width=width * 0.95, legend=fmt)
+        ax.set_ylim(0, 1.15 * float(m["samples_per_s"].max()))  # room for the n= labels
+        ax.set_xticks(range(len(modes)), modes)
+        ax.set_xlim(-0.6, len(modes) - 0.4)
+        ax.set_ylabel("samples/s (bar: best, line: median)")
+        ax.legend(title="memory format", loc="lower left", bbox_to_anchor=(0.0, 1.02), ncols=len(formats),
+                  frameon=False, borderaxespad=0.0)
+        svg = inline_svg(fig, "knob-precision-memory_format")
+    return Plot("knob-precision-memory_format", "Precision × memory format", svg,
+                 "Best (bar) and median (black line) samples/s of the measured configurations; n: how many.")
+
+
+def plot_knob(effect: dict[str, Any]) -> Plot:
+    rows = effect["rows"]
+    name = f"knob-{effect['key']}"
+    with matplotlib.rc_context(_RC):
+        fig, ax = _figure(3.3, 2.5)
+        _bars(ax, [r["label"] for r in rows], [r["best"] for r in rows], [r["median"] for r in rows],
+              [r["n"] for r in rows], ["#4c78a8"] * len(rows))
+        ax.set_ylim(0, 1.15 * max(r["best"] for r in rows))  # room for the n= labels
+        ax.set_xticks(range(len(rows)), [r["label"] for r in rows])
+        ax.set_title(effect["label"])
+        ax.set_ylabel("samples/s")
+        svg = inline_svg(fig, name)
+    return Plot(name, effect["label"], svg)
+
+
+def plot_batch(d: ReportData) -> Plot | None:
+    m = d.measured[d.measured["knob.batch_size"].notna()]
+    if m.empty:
+        return None
+    with matplotlib.rc_context(_RC):
+        fig, (ax_rate, ax_mem) = _figure(8.0, 3.4, ncols=2)
+        batches = sorted({int(b) for b in m["knob.batch_size"]})
+        for mode in sorted(m["knob.precision"].dropna().unique(), key=sort_key):
+            sub = m[m["knob.precision"] == mode]
+            # the fastest configuration at each batch size, and the memory that one needed
+            top = sub.loc[sub.groupby("knob.batch_size")["samples_per_s"].idxmax()].sort_values("knob.batch_size")
+            color = PRECISION_COLORS.get(mode, "#333333")
+            ax_rate.plot(top["knob.batch_size"], top["samples_per_s"], marker="o", color=color, label=mode)
+            ax_mem.plot(top["knob.batch_size"], top["peak_memory_gb"], marker="o", color=color, label=mode)
+        for ax in (ax_rate, ax_mem):
+            if len(batches) > 1 and batches[0] > 0:
+                ax.set_xscale("log", base=2)
+            ax.set_xticks(batches, [str(b) for b in batches])
+            ax.minorticks_off()
+            ax.set_xlabel("batch size")
+            ax.margins(y=0.15)
+            ax.ticklabel_format(axis="y", useOffset=False, style="plain")
+        if len(batches) > 8:
+            for ax in (ax_rate, ax_mem):
+                ax.tick_params(axis="x", labelrotation=45)
+        ax_rate.set_ylabel("samples/s")
+        ax_mem.set_ylabel("peak memory (GiB)")
+        ax_rate.set_title("throughput")
+        ax_mem.set_title("memory")
+        ax_rate.legend(title="precision", frameon=False)
+        svg = inline_svg(fig, "batch-size")
+    return Plot("batch-size", "Throughput and memory versus batch size", svg,
+                 "One line per precision: the fastest configuration measured at each batch size.")
+
+
+def plot_energy(d: ReportData) -> Plot | None:
+    made = _front_plot(d, "joules_per_sample", "energy per sample (J)", "energy", 3.8)
+    if made is None:
+        return None
+    svg, n, count = made
+    return Plot("energy", "Throughput versus energy per sample", svg,
+                 f"{count} configurations with energy measured; dashed: Pareto front ({n}).")
+
+
+def plot_profile(profiles: list[dict[str, Any]]) -> Plot | None:
+    if not profiles:
+        return None
+    with matplotlib.rc_context(_RC):
+        fig, ax = _figure(7.2, 1.0 + 0.55 * len(profiles))
+        ax.grid(False)
+        labels = [p["label"] for p in profiles]
+        for i, p in enumerate(profiles):
+            left = 0.0
+            for part in p["parts"]:
+                share = part["share"] or 0.0
+                ax.barh(i, share, left=left, color=part["color"], edgecolor="white", linewidth=0.6,
+                        label=part["label"] if i == 0 else None)
+                if share >= 0.06:
+                    ax.text(left + share / 2, i, f"{100 * share:.0f}%", ha="center", va="center", fontsize=7)
+                left += share
+        ax.set_yticks(range(len(labels)), labels)
+        ax.invert_yaxis()
+        ax.set_xlim(0, 1)
+        ax.xaxis.set_major_formatter(PercentFormatter(1.0))
+        ax.set_xlabel("share of GPU time per step")
+        handles, names = ax.get_legend_handles_labels()
+        fig.legend(handles, names, loc="outside lower center", ncols=4, frameon=False)
+        svg = inline_svg(fig, "profile")
+    return Plot("profile", "Where the step time goes", svg)

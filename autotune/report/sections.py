@@ -1,0 +1,233 @@
+"""The report's tables and lists, as plain data both renderings share: every trial, the failed
+ones, each knob's effect, the findings, the profiled step and the snippet that reproduces the search."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pandas as pd
+
+from autotune.report.data import KNOBS, ReportData
+from autotune.report.format import as_float, fmt_g, fmt_gib, fmt_ms, fmt_pct, fmt_rate, fmt_s, sort_key, value_label
+from autotune.search.objective import describe
+
+PROFILE_PARTS = [  # (key in the profile attribute, label, colour)
+    ("tensor_core_share", "Tensor Core GEMM/conv", "#1b9e77"),
+    ("other_gemm_conv_share", "other GEMM/conv", "#66a61e"),
+    ("elementwise_share", "elementwise", "#7570b3"),
+    ("layout_share", "layout (transpose/copy)", "#e7298a"),
+    ("memcpy_share", "memcpy", "#e6ab02"),
+    ("idle_share", "GPU idle", "#bbbbbb"),
+]
+
+
+_STATE_WORDS = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed", "RUNNING": "running",
+                "WAITING": "waiting"}
+
+
+def is_ddp(d: ReportData) -> bool:
+    """Whether the study measured DDP steps (--ddp): its rates are then totals over its GPUs."""
+    return bool(pd.to_numeric(d.frame["ddp_world_size"], errors="coerce").fillna(0).gt(1).any())
+
+
+def trial_rows(d: ReportData) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The table of all trials: (columns, rows); each cell has its text and a sort value."""
+    cols = [("number", "#", "number"), ("role", "role", "text"), ("state", "state", "text"),
+            ("config", "configuration", "text"), ("samples_per_s", "samples/s", "number"),
+            ("step_time_ms", "step ms", "number"), ("spread", "spread", "number"),
+            ("peak_memory_gb", "peak GiB", "number")]
+    if is_ddp(d):
+        cols[5:5] = [("per_gpu_samples_per_s", "samples/s per GPU", "number"),
+                     ("scaling_efficiency", "scaling efficiency", "number")]
+    if d.has["energy"]:
+        cols.append(("joules_per_sample", "J/sample", "number"))
+    if d.has["accuracy"]:
+        cols.append(("accuracy_drop", "accuracy drop", "number"))
+    if (pd.to_numeric(d.frame["compile_s"], errors="coerce").fillna(0) > 0).any():
+        cols.append(("compile_s", "compile s", "number"))
+    cols += [("reason", "reason", "text"), ("trial_wall_s", "time s", "number")]
+    formats = {"samples_per_s": fmt_rate, "per_gpu_samples_per_s": fmt_rate,
+               "scaling_efficiency": lambda v: fmt_pct(v, 0), "step_time_ms": fmt_ms, "spread": lambda v: fmt_pct(v, 1),
+               "peak_memory_gb": fmt_gib, "joules_per_sample": lambda v: fmt_g(v, 3),
+               "accuracy_drop": lambda v: fmt_g(v, 3), "trial_wall_s": lambda v: fmt_g(v, 3),
+               "compile_s": lambda v: fmt_g(v, 3)}
+    best_n = int(d.best["number"]) if d.best is not None else None
+    rows = []
+    for _, r in d.frame.sort_values("number").iterrows():
+        cells = []
+        for key, _, kind in cols:
+            v = r.get(key)
+            if key == "state":
+                text = _STATE_WORDS.get(r["state"], r["state"].lower())
+                if r.get("status") and r["status"] != "ok":
+                    text += f" ({r['status']})"
+                if r.get("unstable"):
+                    text += " (unstable)"
+            elif key == "reason":
+                text = "; ".join(x for x in (str(r.get("reason") or ""), r.get("note") or "") if x)
+            elif key == "number":
+                text = str(int(v))
+            elif key in formats:
+                text = formats[key](v)
+            else:
+                text = "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
+            if kind == "number":
+                value = "" if as_float(v) is None else repr(as_float(v))
+            else:
+                value = text
+            cell = {"key": key, "text": text, "value": value}
+            if key == "trial_wall_s" and as_float(v) is not None:
+                compiled = (as_float(r.get("compile_s")) or 0) > 0
+                cell["title"] = (f"worker start {fmt_s(r.get('worker_start_s'))}, build {fmt_s(r.get('build_s'))}, "
+                                 + (f"compiling {fmt_s(r['compile_s'])}, " if compiled else "")
+                                 + f"warm-up {fmt_s(r.get('warmup_s'))}, measuring {fmt_s(r.get('measure_s'))}")
+            if key == "spread" and r.get("noisy") is True:
+                cell["title"] = "noisy: p90-p10 above the tolerance after re-measuring"
+                cell["text"] += " ⚠"
+            cells.append(cell)
+        css = {"COMPLETE": "ok", "PRUNED": "pruned", "FAIL": "failed"}.get(r["state"], "other")
+        if int(r["number"]) == best_n:
+            css += " best"
+        if r.get("role") == "baseline":
+            css += " baseline"
+        rows.append({"number": int(r["number"]), "css": css, "cells": cells})
+    return [{"key": k, "label": label, "type": kind} for k, label, kind in cols], rows
+
+
+def failed_rows(d: ReportData) -> list[dict[str, Any]]:
+    rows = []
+    for _, r in d.frame.sort_values("number").iterrows():
+        if r["state"] in ("PRUNED", "FAIL"):
+            reason = "; ".join(x for x in (str(r.get("reason") or ""), r.get("note") or "") if x)
+            rows.append({"number": int(r["number"]), "state": _STATE_WORDS[r["state"]], "status": r.get("status") or "",
+                         "config": r.get("config") or "", "reason": reason or "no reason recorded"})
+    return rows
+
+
+# knobs that exist only on the other kind of device: not worth listing as "fixed"
+_IRRELEVANT = {"cuda": ("threads",), "cpu": ("channel_alignment", "cudnn", "streams")}
+
+
+def knob_effects(d: ReportData) -> tuple[list[dict[str, Any]], list[str]]:
+    """Per knob with more than one value among the measured trials: median and best samples/s
+    by value. Knobs that took one value are listed as fixed."""
+    effects, fixed = [], []
+    m = d.measured
+    for knob in KNOBS:
+        col = f"knob.{knob.key}"
+        if m.empty or col not in m or m[col].isna().all():
+            continue
+        values = m[col].dropna()
+        distinct = sorted(set(values), key=sort_key)
+        if len(distinct) < 2:
+            if knob.key in _IRRELEVANT.get(d.device, ()):
+                continue
+            fixed.append(f"{knob.label} = {value_label(distinct[0])}")
+            continue
+        rows = []
+        for value in distinct:
+            rates = m.loc[m[col] == value, "samples_per_s"].astype(float)
+            rows.append({"value": value, "label": value_label(value), "n": int(rates.size),
+                         "median": float(rates.median()), "best": float(rates.max())})
+        effects.append({"key": knob.key, "label": knob.label, "rows": rows})
+    return effects, fixed
+
+
+def finding_rows(d: ReportData) -> list[dict[str, Any]]:
+    """Each distinct finding once, with the trials that report it; the best trial's first."""
+    order = [int(d.best["number"])] if d.best is not None else []
+    if d.baseline is not None:
+        order.append(int(d.baseline["number"]))
+    order += sorted(n for n in d.attrs if n not in order)
+    seen: dict[str, list[int]] = {}
+    for n in order:
+        for text in d.attrs[n].get("findings") or []:
+            seen.setdefault(str(text), []).append(n)
+    reporting = sum(1 for a in d.attrs.values() if a.get("findings"))
+
+    def which(numbers: list[int]) -> str:
+        if len(numbers) == reporting > 3:
+            return f"all {reporting} trials that report findings"
+        shown = ", ".join(f"#{n}" for n in sorted(numbers)[:8])
+        return shown + (f" and {len(numbers) - 8} more" if len(numbers) > 8 else "")
+
+    return [{"text": text, "trials": which(ns)} for text, ns in seen.items()]
+
+
+def profile_rows(d: ReportData) -> list[dict[str, Any]]:
+    """The profiled trials to compare: the baseline and the best when profiled, else the fastest profiled."""
+    chosen = []
+    for label, row in (("baseline", d.baseline), ("best", d.best)):
+        if row is not None and d.attrs[int(row["number"])].get("profile"):
+            chosen.append((label, int(row["number"])))
+    if not chosen:
+        profiled = [n for n, a in d.attrs.items() if a.get("profile")]
+        rates = {n: (d.attrs[n].get("figures") or {}).get("samples_per_s") or 0 for n in profiled}
+        chosen = [("fastest profiled", max(profiled, key=lambda n: rates[n]))] if profiled else []
+    out = []
+    for label, n in chosen:
+        p = d.attrs[n]["profile"]
+        parts = [{"label": name, "share": as_float(p.get(key)), "color": color} for key, name, color in PROFILE_PARTS]
+        known = sum(x["share"] or 0 for x in parts)
+        if known < 0.995:
+            parts.append({"label": "other", "share": max(0.0, 1 - known), "color": "#eeeeee"})
+        out.append({
+            "label": f"{label} (#{n})", "number": n,
+            "config": describe(d.attrs[n]["knobs"]) if d.attrs[n].get("knobs") else "",
+            "parts": parts,
+            "kernels_per_step": p.get("kernels_per_step"),
+            "copy_overlap": p.get("copy_overlap"),
+            "top_kernels": [{"name": str(k.get("name", "")), "share": fmt_pct(k.get("share"))}
+                            for k in (p.get("top_kernels") or [])[:10]],
+        })
+    return out
+
+
+def snippet(d: ReportData) -> str:
+    """The README's training loop, with this report's config path and model."""
+    model = str(d.workload.get("model", "your_model"))
+    path = d.out_dir / "config.json"
+    if ":" in model:
+        module, factory = model.split(":", 1)
+        imports = f"import torch\nimport autotune\nfrom {module} import {factory}\n"
+        build = f"model = {factory}()  # the model you tuned (--model {model})"
+    else:
+        imports = "import torch, torchvision\nimport autotune\n"
+        build = f"model = torchvision.models.{model}(num_classes={d.workload.get('num_classes', 1000)})"
+    if is_ddp(d):
+        # --ddp N: the script runs once per GPU under torchrun, in a process group, each rank on its shard
+        n = int(pd.to_numeric(d.frame["ddp_world_size"], errors="coerce").max())
+        backend = "nccl" if d.device == "cuda" else "gloo"
+        imports = imports.replace("import torch", "import torch, torch.distributed as dist", 1)
+        group = f'dist.init_process_group("{backend}")  # launch: torchrun --nproc-per-node {n} train.py\n'
+        done = "padding, memory format, flags, device, DDP wrap"
+        feed = ("sampler = torch.utils.data.distributed.DistributedSampler(dataset)"
+                "  # your dataset, a shard per rank\n"
+                "loader = torch.utils.data.DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler,"
+                "  # per GPU\n")
+    else:
+        group, done = "", "padding, memory format, backend flags, device"
+        feed = ("loader = torch.utils.data.DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True,"
+                "  # your dataset\n")
+    return (
+        f"{imports}\n"
+        f"{group}"
+        f"cfg = autotune.load({json.dumps(str(path))})\n"
+        f"{build}\n"
+        "optimizer = torch.optim.SGD(model.parameters(), lr=cfg.scaled_lr(0.1), momentum=0.9)\n"
+        f"model, optimizer = cfg.prepare(model, optimizer)  # {done}\n"
+        "scaler = cfg.grad_scaler()                        # a GradScaler, disabled unless fp16 needs it\n"
+        "loss_fn = torch.nn.CrossEntropyLoss()\n"
+        f"{feed}"
+        "                                     **cfg.dataloader_kwargs(num_workers=4))"
+        "  # workers, pinning: tuned with --data\n"
+        "for x, y in cfg.loader(loader):               # to the device, in the tuned memory format and streams\n"
+        "    optimizer.zero_grad(set_to_none=True)\n"
+        "    with cfg.autocast():\n"
+        "        loss = loss_fn(model(x), y)\n"
+        "    scaler.scale(loss).backward()\n"
+        "    scaler.step(optimizer)\n"
+        "    scaler.update()\n"
+    )

@@ -1,0 +1,216 @@
+"""The report's headline, as plain data both renderings share: the summary items (device, model,
+objective, best configuration, throughput, memory, energy, accuracy, search cost) and the KPIs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from autotune.report.data import ReportData
+from autotune.report.format import as_float, fmt_g, fmt_gib, fmt_pct, fmt_rate, fmt_ratio, fmt_s
+
+NOT_MEASURED = "not measured in this search"
+
+
+def _device_text(d: ReportData) -> str:
+    p = d.provenance
+    if d.device not in ("cuda", "cpu") and not p:
+        return "not recorded"
+    if d.device == "cuda" or p.get("gpu"):
+        parts = [p.get("gpu", "CUDA GPU")]
+        extra = [f"{k} {p[k]}" for k in ("driver", "cuda", "cudnn") if p.get(k)]
+        text = f"{parts[0]} ({', '.join(extra)})" if extra else parts[0]
+    else:
+        cores = f", {p['num_cpus']} cores" if p.get("num_cpus") else ""
+        text = f"CPU ({p.get('cpu', 'unknown')}{cores})"
+    if p.get("torch"):
+        text += f", torch {p['torch']}"
+    return text
+
+
+def device_title(d: ReportData) -> str:
+    if d.device == "cuda":
+        return d.provenance.get("gpu") or "CUDA GPU"
+    return "CPU" if d.device == "cpu" else d.device
+
+
+def _model_text(d: ReportData) -> str:
+    w = d.workload
+    text = str(w.get("model", "unknown model"))
+    shape = w.get("input_shape")
+    details = []
+    if shape:
+        details.append("input " + "x".join(str(s) for s in shape))
+    if w.get("num_classes"):
+        details.append(f"{w['num_classes']} classes")
+    return f"{text} ({', '.join(details)})" if details else text
+
+
+def _energy_of(d: ReportData, row: pd.Series | None) -> dict[str, Any]:
+    return (d.attrs.get(int(row["number"]), {}).get("energy") or {}) if row is not None else {}
+
+
+def summary_items(d: ReportData) -> list[dict[str, str]]:
+    """The summary, as (label, text) items shared by HTML and Markdown."""
+    items = [{"label": "Device", "text": _device_text(d)}, {"label": "Model", "text": _model_text(d)}]
+    best, base, cfg = d.best, d.baseline, d.config or {}
+    from autotune.search.goal import goal_of_config
+
+    items.append({"label": "Objective", "text": goal_of_config(cfg).text + ": the best configuration is ranked by it"})
+    fixed = cfg.get("fixed_knobs") or {}
+    if fixed:
+        items.append({"label": "Knobs no longer explored", "text": "; ".join(
+            f"{param} = {entry['value']!r} ({entry['reason']})" for param, entry in fixed.items())})
+    if best is None:
+        items.append({"label": "Best configuration", "text": "none: no configuration completed"})
+    else:
+        items.append({"label": "Best configuration", "text": f"{best['config']} (trial #{int(best['number'])})"})
+        rate = f"{fmt_rate(best['samples_per_s'])} samples/s"
+        rate += f" (FP32 baseline: {fmt_rate(base['samples_per_s'])} samples/s)" if base is not None else \
+            " (the FP32 baseline did not complete)"
+        items.append({"label": "Throughput", "text": rate})
+        if as_float(best.get("ddp_world_size")):
+            items.append({"label": "Data parallel (DDP)", "text": _ddp_text(best, d.device)})
+        if best.get("data_bound") is not None and not pd.isna(best.get("data_bound")):
+            items.append({"label": "Data pipeline", "text": data_text(best, d.device)})
+        if (as_float(best.get("compile_s")) or 0.0) > 0:
+            # paid once per training run, before the first step; not in the step time above
+            items.append({"label": "Compile time", "text": (
+                f"{fmt_s(best['compile_s'])} once, in the first steps (compiling and/or capturing the "
+                "CUDA graph), before the throughput above is reached")})
+        speedup = cfg.get("speedup_vs_baseline")
+        if speedup is None and base is not None:
+            speedup = best["samples_per_s"] / base["samples_per_s"]
+        items.append({"label": "Speed-up over the FP32 baseline",
+                      "text": fmt_ratio(speedup) if speedup is not None else "no baseline to compare with"})
+        items.append({"label": "Peak memory", "text": _memory_text(best, base)})
+        note = (cfg.get("baseline") or {}).get("note")
+        if note:
+            items.append({"label": "FP32 baseline", "text": note})
+        limit = (cfg.get("memory") or {}).get("limit_bytes")
+        if limit:
+            items.append({"label": "Memory limit", "text": (
+                f"every trial capped at {fmt_gib(limit / 2**30)} GiB (--memory-limit), "
+                "what lives outside PyTorch's allocator included")})
+    if d.has["energy"]:
+        e_best, e_base = _energy_of(d, best), _energy_of(d, base)
+        if e_best.get("joules_per_sample") is not None:
+            text = f"{fmt_g(e_best['joules_per_sample'], 3)} J/sample"
+            if e_best.get("avg_power_w") is not None:
+                text += f" at {e_best['avg_power_w']:.0f} W"
+            if e_base.get("joules_per_sample") is not None:
+                text += f" (baseline {fmt_g(e_base['joules_per_sample'], 3)} J/sample)"
+        else:
+            text = "measured on some trials, not on the best one"
+        items.append({"label": "Energy", "text": text})
+    else:
+        items.append({"label": "Energy", "text": f"{NOT_MEASURED}"})
+    if d.has["accuracy"]:
+        acc = (d.attrs.get(int(best["number"]), {}).get("accuracy") or {}) if best is not None else {}
+        if acc.get("accuracy_drop") is not None:
+            text = f"accuracy drop {fmt_g(acc['accuracy_drop'], 3)} vs FP32"
+            if acc.get("accuracy") is not None:
+                text += f" (accuracy {fmt_g(acc['accuracy'])})"
+            if acc.get("stable") is False:
+                text += ", training was not stable"
+        elif acc.get("accuracy") is not None:
+            text = f"accuracy {fmt_g(acc['accuracy'])}"
+        else:
+            text = "measured on some trials, not on the best one"
+        items.append({"label": "Accuracy", "text": text})
+    else:
+        items.append({"label": "Accuracy", "text": NOT_MEASURED})
+    c = d.cost
+    items.append({"label": "Search cost", "text": (
+        f"{c.get('num_trials', 0)} trials ({c.get('num_measured', 0)} measured), "
+        f"{fmt_s(c.get('trial_wall_s'))} of trials: worker start {fmt_s(c.get('worker_start_s'))}, "
+        f"build {fmt_s(c.get('build_s'))}, "
+        + (f"compiling {fmt_s(c['compile_s'])}, " if c.get("compile_s") else "")
+        + f"warm-up {fmt_s(c.get('warmup_s'))}, measuring {fmt_s(c.get('measure_s'))}")})
+    return items
+
+
+def _ddp_text(best: pd.Series, device: str) -> str:
+    """With --ddp N: the best trial's throughput per GPU and its scaling efficiency."""
+    n = int(as_float(best["ddp_world_size"]))
+    unit, units = ("GPU", "GPUs") if device == "cuda" else ("process", "processes")
+    return (f"{n} processes" + (", one GPU each" if device == "cuda" else " on the CPU")
+            + f": {fmt_rate(best['samples_per_s'])} samples/s in total, "
+            f"{fmt_rate(best['per_gpu_samples_per_s'])} per {unit}; the same configuration alone on one {unit} "
+            f"(measured in the same trial) runs {fmt_rate(best['single_gpu_samples_per_s'])} samples/s, so the "
+            f"scaling efficiency is {fmt_pct(best['scaling_efficiency'], 0)} ({n} {units} train "
+            f"{fmt_ratio(as_float(best['scaling_efficiency']) * n)} as fast as one); batch sizes are per {unit}")
+
+
+def data_text(best: pd.Series, device: str) -> str:
+    """With --data: whether the DataLoader keeps the device busy, from the best trial's two rates."""
+    fed, compute = fmt_rate(best["loader_fed_samples_per_s"]), fmt_rate(best["compute_only_samples_per_s"])
+    unit = "GPU" if device == "cuda" else "CPU"
+    wait = as_float(best.get("loader_wait_share"))
+    waited = f"; the step waited for data {fmt_pct(wait, 0)} of the time" if wait is not None else ""
+    if str(best["data_bound"]).lower() == "true":
+        workers = as_float(best.get("param.dataloader.num_workers"))
+        from autotune.search.findings import CONTENTION_WAIT_SHARE
+
+        if wait is not None and wait < CONTENTION_WAIT_SHARE and workers:
+            # the step seldom waited, yet ran slower than fed from memory: the workers' decoding
+            # took CPU time from the training process itself (the data-bound finding says the same)
+            remedy = (f"the {workers:.0f} loader workers compete with the training process for the CPUs, so a "
+                      "cheaper decode (DALI, smaller or pre-resized images) or fewer workers would help")
+        else:
+            remedy = "more loader workers, DALI or a faster decode would help"
+        return (f"data-bound: the data pipeline delivers {fed} samples/s, the {unit} could train {compute} "
+                f"samples/s{waited}; {remedy}")
+    return f"the data pipeline keeps the {unit} busy (loader-fed {fed} samples/s vs {compute} compute-only{waited})"
+
+
+def kpis(d: ReportData) -> list[dict[str, str]]:
+    """The headline figures, large at the top of the page."""
+    best, base, cfg = d.best, d.baseline, d.config or {}
+    if best is None:
+        return []
+    out = []
+    speedup = cfg.get("speedup_vs_baseline")
+    if speedup is None and base is not None:
+        speedup = best["samples_per_s"] / base["samples_per_s"]
+    if speedup is not None:
+        out.append({"key": "speedup", "value": repr(float(speedup)), "text": fmt_ratio(speedup),
+                    "label": "speed-up over the FP32 baseline"})
+    out.append({"key": "best-rate", "value": repr(float(best["samples_per_s"])),
+                "text": fmt_rate(best["samples_per_s"]), "label": "samples/s, best"})
+    if base is not None:
+        out.append({"key": "baseline-rate", "value": repr(float(base["samples_per_s"])),
+                    "text": fmt_rate(base["samples_per_s"]), "label": "samples/s, FP32 baseline"})
+        b, r = as_float(best.get("peak_memory_gb")), as_float(base.get("peak_memory_gb"))
+        if b is not None and r:
+            out.append({"key": "memory-ratio", "value": repr(b / r), "text": fmt_ratio(b / r),
+                        "label": f"peak memory vs baseline ({fmt_gib(b)} GiB)"})
+    joules = _energy_of(d, best).get("joules_per_sample")
+    if joules is not None:
+        out.append({"key": "joules", "value": repr(float(joules)), "text": fmt_g(joules, 3),
+                    "label": "J/sample, best"})
+    drop = ((d.attrs.get(int(best["number"]), {}).get("accuracy") or {}).get("accuracy_drop"))
+    if drop is not None:
+        out.append({"key": "accuracy-drop", "value": repr(float(drop)), "text": fmt_g(drop, 3),
+                    "label": "accuracy drop, best"})
+    c = d.cost
+    out.append({"key": "trials", "value": str(c.get("num_trials", 0)), "text": str(c.get("num_trials", 0)),
+                "label": f"trials, {fmt_s(c.get('trial_wall_s'))}"})
+    return out
+
+
+def _memory_text(best: pd.Series, base: pd.Series | None) -> str:
+    b = as_float(best.get("peak_memory_gb"))
+    if b is None:
+        return "not recorded"
+    text = f"{fmt_gib(b)} GiB"
+    if base is None or as_float(base.get("peak_memory_gb")) is None:
+        return text
+    r = as_float(base["peak_memory_gb"])
+    diff = r - b
+    if abs(diff) < 0.005:
+        return text + f", the same as the baseline ({fmt_gib(r)} GiB)"
+    if diff > 0:
+        return text + f", {fmt_gib(diff)} GiB less than the baseline's {fmt_gib(r)} GiB ({fmt_pct(diff / r, 0)} saved)"
+    return text + f", {fmt_gib(-diff)} GiB more than the baseline's {fmt_gib(r)} GiB ({b / r:.2f}× the memory)"
