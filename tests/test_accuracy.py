@@ -15,7 +15,7 @@ from autotune.accuracy.gate import AccuracyGate, accuracy_of, judge
 from autotune.accuracy.settings import AccuracySettings, numerics_key
 from autotune.errors import ConfigError
 from autotune.deploy.space import SearchSpace
-from autotune.search.study import SearchConfig
+from autotune.search.options import SearchConfig
 from autotune.search.trials import best_trial
 from autotune.workload.models import WorkloadSpec
 from conftest import run_cli

@@ -20,7 +20,9 @@ from autotune.report.render import write_report
 from autotune.report.export import trials_frame
 from autotune.trial.runner import run_worker
 from autotune.deploy.space import SearchSpace
-from autotune.search.study import SearchConfig, build_space, estimate_next_wall
+from autotune.search.budget import estimate_next_wall
+from autotune.search.options import SearchConfig
+from autotune.search.space import build_space
 from autotune.workload.models import WorkloadSpec
 from conftest import TESTS
 from strategies import compile as compile_strategy

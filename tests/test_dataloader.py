@@ -22,7 +22,10 @@ from autotune.trial.measure import is_data_bound
 from autotune.trial.measure import MeasureSettings
 from autotune.deploy.space import SearchSpace
 from autotune.search.steering import complete_params
-from autotune.search.study import SearchConfig, _same_space, build_space, run_search, seed_configurations
+from autotune.search.options import SearchConfig
+from autotune.search.run import run_search
+from autotune.search.seeds import seed_configurations
+from autotune.search.space import build_space, same_space
 from autotune.workload.models import WorkloadSpec
 from conftest import ROOT
 from strategies import dataloader as dataloader_strategy
@@ -83,7 +86,7 @@ def test_offered_only_with_data_and_bounded_by_the_cpus(tmp_path):
     # an old config.json's space has no dataloader fields: same as not offered
     old = {k: v for k, v in without.to_dict().items() if not k.startswith("dataloader")}
     assert SearchSpace.from_dict(old) == without
-    assert _same_space(old, without)  # so a study made before the knob existed resumes
+    assert same_space(old, without)  # so a study made before the knob existed resumes
 
     (tmp_path / "imgs" / "a").mkdir(parents=True)
     torch.save(torch.zeros(1), tmp_path / "imgs" / "a" / "not-an-image.pt")
@@ -93,7 +96,7 @@ def test_offered_only_with_data_and_bounded_by_the_cpus(tmp_path):
         SearchConfig(workload=SPEC, accuracy_check=False, data="test_dataloader:fast_data", input_on_device=True)
     config = SearchConfig(workload=SPEC, device="cpu", accuracy_check=False, data="test_dataloader:fast_data")
     space = build_space(config, "cpu", INFO)
-    assert not _same_space(old, space)  # ... but not as a search with --data
+    assert not same_space(old, space)  # ... but not as a search with --data
     cpus = dataloader_strategy.num_cpus()
     assert space.dataloader_workers[0] == 0 and max(space.dataloader_workers) == cpus
     assert space.dataloader_pin_memory == [False]  # nothing to pin for on a CPU

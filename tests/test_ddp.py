@@ -28,7 +28,9 @@ from autotune.errors import ConfigError
 from autotune.trial.measure import MeasureSettings
 from autotune.trial.runner import run_worker
 from autotune.deploy.space import SearchSpace
-from autotune.search.study import SearchConfig, build_space, check_ddp, seed_configurations
+from autotune.search.options import SearchConfig
+from autotune.search.seeds import seed_configurations
+from autotune.search.space import build_space, check_ddp
 from autotune.workload.models import WorkloadSpec
 from conftest import run_cli, subprocess_env
 from strategies.ddp import DDP

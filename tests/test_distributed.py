@@ -332,7 +332,7 @@ def test_the_probe_sees_the_requested_gpus_and_names_them(monkeypatch):
 
 
 def test_gpus_on_a_cpu_are_refused_with_what_to_do():
-    from autotune.search.study import SearchConfig
+    from autotune.search.options import SearchConfig
     from autotune.workload.models import WorkloadSpec
 
     with pytest.raises(ConfigError, match="--gpus .* --device cpu"):
@@ -390,12 +390,12 @@ def test_the_nvml_index_is_found_by_pci_bus_id(monkeypatch):
 
 
 def test_a_second_search_on_the_same_folder_is_told_how_to_share_a_study(tmp_path):
-    from autotune.search.study import _Lock
+    from autotune.search.study import SearchLock
 
-    first = _Lock(tmp_path / ".search.lock")
+    first = SearchLock(tmp_path / ".search.lock")
     try:
         with pytest.raises(ConfigError, match=r"same --storage postgresql://USER@HOST/DB --study-name NAME"):
-            _Lock(tmp_path / ".search.lock")
+            SearchLock(tmp_path / ".search.lock")
     finally:
         first.release()
-    _Lock(tmp_path / ".search.lock").release()  # free again once the first search ends
+    SearchLock(tmp_path / ".search.lock").release()  # free again once the first search ends

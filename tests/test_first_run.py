@@ -18,7 +18,7 @@ from autotune.errors import ConfigError
 from autotune.search.machine import MACHINE_ATTR, check_resume, same_machine
 from autotune.search.outcome import explain
 from autotune.trial.process import crash_reason
-from autotune.search.study import DEFAULT_OUT
+from autotune.search.options import DEFAULT_OUT
 from conftest import ROOT, run_cli, subprocess_env
 
 HERE = {"host": "here", "machine_id": "m-here", "gpu_uuid": "GPU-1111"}

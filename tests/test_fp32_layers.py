@@ -10,7 +10,8 @@ from torch import nn
 import strategies
 from autotune.deploy import runtime
 from autotune.deploy.space import SearchSpace
-from autotune.search.study import SearchConfig, build_space
+from autotune.search.options import SearchConfig
+from autotune.search.space import build_space
 from autotune.workload.models import WorkloadSpec
 from fake_models import tiny_cnn
 from strategies.channel_alignment import align_channels

@@ -14,7 +14,8 @@ import strategies
 from autotune.deploy.config import TunedConfig
 from autotune.errors import ConfigError
 from autotune.deploy.space import SearchSpace
-from autotune.search.study import SearchConfig, build_space
+from autotune.search.options import SearchConfig
+from autotune.search.space import build_space
 from autotune.workload.models import WorkloadSpec
 from conftest import run_cli
 

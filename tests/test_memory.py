@@ -18,7 +18,7 @@ from autotune.errors import ConfigError
 from autotune.search.memory import MemoryModel, family, parse_size
 from autotune.search.objective import Objective
 from autotune.deploy.space import SearchSpace
-from autotune.search.study import SearchConfig, memory_limit_bytes
+from autotune.search.options import SearchConfig, memory_limit_bytes
 from autotune.workload.models import WorkloadSpec
 from conftest import ROOT, run_cli
 

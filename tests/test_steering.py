@@ -14,7 +14,7 @@ from autotune.search.objective import Objective
 from autotune.trial.profile import analyze, load_fixture
 from autotune.deploy.space import SearchSpace
 from autotune.search.steering import complete_params, steer
-from autotune.search.study import keep_traces
+from autotune.search.outputs import keep_traces
 from conftest import ROOT
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from autotune.trial.measure import DATA_WAIT_SHARE
 
@@ -51,6 +51,236 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
 
+@dataclass(frozen=True)
+class Evidence:
+    """What the rules read of one trial (see ``derive`` for each field); every rule takes it."""
+
+    profile: Mapping[str, Any]
+    energy: Mapping[str, Any]
+    knobs: Mapping[str, Any]
+    misaligned: list[str] | None
+    offered: Mapping[str, list[Any]]
+    figures: Mapping[str, Any]
+
+    def can(self, param: str, value: Any) -> bool:
+        """Whether a suggestion may name ``value``: the space offers it, or the parameter is not offered at all."""
+        return param not in self.offered or value in self.offered[param]
+
+    def knob(self, strategy: str, key: str, default: Any = None) -> Any:
+        return (self.knobs.get(strategy) or {}).get(key, default)
+
+
+def compile_inert(x: Evidence) -> list[Finding]:
+    compile_mode = x.knob("compile", "mode", "off")
+    if compile_mode != "off" and x.figures.get("compiled_graphs") == 0:
+        return [Finding("compile-inert", f"torch.compile ({compile_mode}) compiled no graph in this trial: the "
+                                         "model ran eagerly, so these are eager figures "
+                                         "(TORCH_LOGS=graph_breaks,recompiles says why)")]
+    return []
+
+
+def data_bound(x: Evidence) -> list[Finding]:
+    # first after compile-inert: while the loader starves the step, no other remedy shows in the throughput
+    f, offered = x.figures, x.offered
+    if not f.get("data_bound"):
+        return []
+    workers = x.knob("dataloader", "num_workers", 0)
+    fed, compute = f.get("loader_fed_samples_per_s"), f.get("compute_only_samples_per_s")
+    more = sorted(w for w in offered.get("dataloader.num_workers", []) if w > workers)
+    if more and fed and compute:
+        # each process decodes about fed / max(workers, 1) samples/s: enough of them for the
+        # compute-only rate, or as many as the space offers
+        needed = math.ceil(max(workers, 1) * compute / fed)
+        more = [next((w for w in more if w >= needed), more[-1])]
+    rates = (f" ({fed:,.0f} samples/s delivered, {compute:,.0f} samples/s possible)"
+             if fed is not None and compute is not None else "")
+    wait = f.get("loader_wait_share")
+    waited = ""
+    if wait is not None:
+        waited = f"; the step waits for its next batch {_pct(wait)} of the time"
+        if wait < 0.5 and workers:
+            # the rest of the loss is CPU time the loader's processes take from the step itself
+            waited += ", and the loader's workers compete with it for the CPUs"
+    fewer = sorted(w for w in offered.get("dataloader.num_workers", []) if 0 < w < workers)
+    if workers and wait is not None and wait < CONTENTION_WAIT_SHARE and fewer:
+        # batches were ready, yet the step ran slower than fed from memory: the workers' decoding
+        # takes the CPU time the training process needs (on the H200 host, 32 workers on 32 cores
+        # waited 0.4% and delivered 3,211 of 5,485 samples/s); try half as many
+        half = next((w for w in reversed(fewer) if w <= workers // 2), fewer[0])
+        return [Finding("data-bound", f"data-bound: the DataLoader slows the step{rates}; the step waits "
+                                      f"for its next batch {_pct(wait)} of the time, so its {workers} "
+                                      "workers take CPU time from the training process: "
+                                      f"{half} workers would leave it more",
+                        {"dataloader.num_workers": half})]
+    if more:
+        return [Finding("data-bound", f"data-bound: the DataLoader slows the step{rates}{waited}; "
+                                      f"{more[0]} loader workers would decode more in parallel",
+                        {"dataloader.num_workers": more[0]})]
+    return [Finding("data-bound", f"data-bound: the DataLoader slows the step{rates}{waited}, "
+                                  f"even with {workers} workers: a faster decode (DALI, smaller or "
+                                  "pre-resized images) would help")]
+
+
+def ddp_scaling(x: Evidence) -> list[Finding]:
+    f, offered = x.figures, x.offered
+    efficiency = f.get("scaling_efficiency")
+    if not (efficiency is not None and (f.get("ddp_world_size") or 1) > 1 and efficiency < DDP_EFFICIENCY):
+        return []
+    # the all-reduces are not hidden behind the backward pass: DDP's own settings cut their cost
+    suggest = {}
+    buckets = sorted(offered.get("ddp.bucket_cap_mb", []))
+    if buckets and x.knob("ddp", "bucket_cap_mb", 25) < buckets[-1]:
+        suggest["ddp.bucket_cap_mb"] = buckets[-1]  # fewer, larger all-reduces
+    if not x.knob("ddp", "gradient_as_bucket_view", False) and True in offered.get("ddp.gradient_as_bucket_view", []):
+        suggest["ddp.gradient_as_bucket_view"] = True  # no gradient copy into the buckets
+    if (not x.knob("ddp", "static_graph", False) and x.knob("compile", "mode", "off") == "off"
+            and True in offered.get("ddp.static_graph", [])):
+        suggest["ddp.static_graph"] = True  # no per-step search for unused parameters
+    words = {"ddp.bucket_cap_mb": f"{suggest.get('ddp.bucket_cap_mb')} MB buckets",
+             "ddp.gradient_as_bucket_view": "gradient_as_bucket_view", "ddp.static_graph": "static_graph"}
+    per, single = f.get("per_gpu_samples_per_s"), f.get("single_gpu_samples_per_s")
+    rates = f" ({per:,.0f} vs {single:,.0f} samples/s)" if per and single else ""
+    return [Finding("ddp-scaling", f"each GPU trains at {_pct(efficiency)} of its speed alone under DDP"
+                                   f"{rates}: the gradient all-reduces are not hidden behind the backward "
+                                   "pass" + (f"; {', '.join(words[k] for k in suggest)} would cut DDP's "
+                                             "overhead" if suggest else
+                                             "; a larger batch per GPU would hide more of them"),
+                    suggest)]
+
+
+# the profile's rules (layout to elementwise) read a profiled window: nothing without its steps
+
+
+def layout(x: Evidence) -> list[Finding]:
+    p = x.profile
+    if not p.get("steps"):
+        return []
+    share = p.get("layout_share") or 0.0
+    if not share >= LAYOUT_SHARE:  # `not >=`, not `<` (here and below): a NaN share fires no rule
+        return []
+    memory_format = x.knob("memory_format", "format", "contiguous")
+    if memory_format == "contiguous" and x.can("memory_format.format", "channels_last"):
+        return [Finding("layout", f"{_pct(share)} of GPU time is in layout conversions (NCHW<->NHWC, "
+                                  "transposes): channels_last removes most of them",
+                        {"memory_format.format": "channels_last"})]
+    return [Finding("layout", f"{_pct(share)} of GPU time is still in layout conversions with "
+                              f"{memory_format}: some layers take the other layout")]
+
+
+def idle(x: Evidence) -> list[Finding]:
+    p, offered = x.profile, x.offered
+    if not p.get("steps"):
+        return []
+    share = p.get("idle_share") or 0.0
+    if not share >= IDLE_SHARE:
+        return []
+    batch = x.knob("batch_size", "batch_size")
+    suggest: dict[str, Any] = {}
+    remedies = []
+    if batch and x.can("batch_size.batch_size", batch * 2) and "batch_size.batch_size" in offered:
+        suggest["batch_size.batch_size"] = batch * 2
+        remedies.append(f"batch {batch * 2}")
+    if (not x.knob("cuda_graphs", "enabled", False) and x.knob("compile", "mode", "off") == "off"
+            and x.can("cuda_graphs.enabled", True) and "cuda_graphs.enabled" in offered):
+        suggest["cuda_graphs.enabled"] = True
+        remedies.append("CUDA graphs")
+    launches = p.get("launches_per_step")
+    per = f" ({launches:.0f} launches per step)" if launches else ""
+    return [Finding("idle", f"the GPU is idle {_pct(share)} of each step{per}: the host cannot keep it "
+                            "fed (launch or CPU bound)" + (f"; {' or '.join(remedies)} would help"
+                                                           if remedies else ""), suggest)]
+
+
+def copies(x: Evidence) -> list[Finding]:
+    p = x.profile
+    if not p.get("steps"):
+        return []
+    streams = x.knob("streams", "num_streams", 1)
+    exposed = p.get("memcpy_share") or 0.0
+    overlap = p.get("copy_overlap")
+    if exposed >= EXPOSED_COPY_SHARE:
+        if streams == 1 and x.can("streams.num_streams", 2) and "streams.num_streams" in x.offered:
+            return [Finding("copies", f"host-to-device copies take {_pct(exposed)} of the step in series with "
+                                      "compute: a side stream (2 streams) would overlap them",
+                            {"streams.num_streams": 2})]
+        shown = f", {_pct(overlap)} of them overlapped" if overlap is not None else ""
+        return [Finding("copies", f"host-to-device copies still cost {_pct(exposed)} of the step{shown}: "
+                                  "time the side stream does not hide; smaller inputs (uint8 images, "
+                                  "normalised on the GPU) would cut it")]
+    if streams > 1 and overlap is not None and overlap >= 0.5:
+        return [Finding("copies-hidden", f"{_pct(overlap)} of the host-to-device copy time runs under "
+                                         "compute on the side stream")]
+    return []
+
+
+def without_tensor_cores(x: Evidence) -> list[Finding]:
+    p, misaligned = x.profile, x.misaligned
+    if not p.get("steps"):
+        return []
+    simt = p.get("other_gemm_conv_share") or 0.0
+    if not simt >= NON_TENSOR_CORE_SHARE:
+        return []
+    precision = x.knob("precision", "mode", "fp32")
+    if precision == "fp32":
+        mode = next((m for m in ("bf16", "fp16", "tf32") if x.can("precision.mode", m)), None)
+        return [Finding("no-tensor-cores", f"{_pct(simt)} of GPU time is in FP32 GEMM/conv kernels "
+                                           "without Tensor Cores" + (f": {mode} would use them" if mode else ""),
+                        {"precision.mode": mode} if mode else {})]
+    if misaligned:
+        shown = ", ".join(misaligned[:3]) + (f" and {len(misaligned) - 3} more" if len(misaligned) > 3 else "")
+        suggest = {"channel_alignment.multiple": 8} if x.can("channel_alignment.multiple", 8) else {}
+        return [Finding("misaligned", f"{_pct(simt)} of GPU time is in GEMM/conv kernels without Tensor "
+                                      f"Cores under {precision}: {shown} have widths that are not multiples "
+                                      "of 8; padding them lets Tensor Cores run", suggest)]
+    return []
+
+
+def elementwise(x: Evidence) -> list[Finding]:
+    p = x.profile
+    if not p.get("steps"):
+        return []
+    share = p.get("elementwise_share") or 0.0
+    if not (share >= ELEMENTWISE_SHARE and x.knob("compile", "mode", "off") == "off"):
+        return []
+    suggest = {"compile.mode": "default"} if x.can("compile.mode", "default") and "compile.mode" in x.offered else {}
+    return [Finding("elementwise", f"{_pct(share)} of GPU time is in elementwise and normalization "
+                                   "kernels (memory bound)" + ("; torch.compile fuses them" if suggest else ""),
+                    suggest)]
+
+
+def power_cap(x: Evidence) -> list[Finding]:
+    e = x.energy
+    throttle = e.get("throttle") or {}
+    cap = throttle.get("power_cap", 0.0)
+    if not cap >= POWER_CAP_SHARE:
+        return []
+    watts = e.get("avg_power_w")
+    at = f" at {watts:.0f} W" if watts else ""
+    clocks = e.get("avg_sm_clock_mhz")
+    clock = f" (SM clock {clocks:,.0f} MHz on average)" if clocks else ""
+    return [Finding("power-cap", f"power-capped{at} for {_pct(cap)} of the measured window{clock}: the GPU "
+                                 "runs at its power limit, so work that moves or computes less per sample "
+                                 "(lower precision, fused kernels) is what speeds it up and saves energy")]
+
+
+def thermal(x: Evidence) -> list[Finding]:
+    e = x.energy
+    throttle = e.get("throttle") or {}
+    share = max(throttle.get(k, 0.0) for k in ("hw_thermal", "sw_thermal", "hw_slowdown")) if throttle else 0.0
+    if not share >= THERMAL_SHARE:
+        return []
+    temp = e.get("max_temperature_c")
+    return [Finding("thermal", f"thermally throttled for {_pct(share)} of the measured window"
+                               + (f" (up to {temp:.0f} C)" if temp else "") + ": the figures of this trial "
+                               "understate what a cool GPU does")]
+
+
+RULES: list[Callable[[Evidence], list[Finding]]] = [
+    compile_inert, data_bound, ddp_scaling, layout, idle, copies, without_tensor_cores, elementwise, power_cap, thermal,
+]
+"""The rules in the order their findings are listed (the report's order, and the steering's)."""
+
+
 def derive(profile: Mapping[str, Any] | None, energy: Mapping[str, Any] | None, knobs: Mapping[str, Any],
            *, misaligned: list[str] | None = None, offered: Mapping[str, list[Any]] | None = None,
            figures: Mapping[str, Any] | None = None) -> list[Finding]:
@@ -62,161 +292,6 @@ def derive(profile: Mapping[str, Any] | None, energy: Mapping[str, Any] | None, 
     offers, so a suggestion never names a value the space does not have; ``figures``: the
     worker's figures (with --data, the loader-fed and compute-only rates).
     """
-    offered = offered or {}
-
-    def can(param: str, value: Any) -> bool:
-        return param not in offered or value in offered[param]
-
-    def knob(strategy: str, key: str, default: Any = None) -> Any:
-        return (knobs.get(strategy) or {}).get(key, default)
-
-    precision = knob("precision", "mode", "fp32")
-    memory_format = knob("memory_format", "format", "contiguous")
-    streams = knob("streams", "num_streams", 1)
-    batch = knob("batch_size", "batch_size")
-    graphs = knob("cuda_graphs", "enabled", False)
-    compile_mode = knob("compile", "mode", "off")
-    out: list[Finding] = []
-    f = figures or {}
-    if compile_mode != "off" and f.get("compiled_graphs") == 0:
-        out.append(Finding("compile-inert", f"torch.compile ({compile_mode}) compiled no graph in this trial: the "
-                                            "model ran eagerly, so these are eager figures "
-                                            "(TORCH_LOGS=graph_breaks,recompiles says why)"))
-    if f.get("data_bound"):
-        # first: while the loader starves the step, no other remedy shows in the throughput
-        workers = knob("dataloader", "num_workers", 0)
-        fed, compute = f.get("loader_fed_samples_per_s"), f.get("compute_only_samples_per_s")
-        more = sorted(w for w in offered.get("dataloader.num_workers", []) if w > workers)
-        if more and fed and compute:
-            # each process decodes about fed / max(workers, 1) samples/s: enough of them for the
-            # compute-only rate, or as many as the space offers
-            needed = math.ceil(max(workers, 1) * compute / fed)
-            more = [next((w for w in more if w >= needed), more[-1])]
-        rates = (f" ({fed:,.0f} samples/s delivered, {compute:,.0f} samples/s possible)"
-                 if fed is not None and compute is not None else "")
-        wait = f.get("loader_wait_share")
-        waited = ""
-        if wait is not None:
-            waited = f"; the step waits for its next batch {_pct(wait)} of the time"
-            if wait < 0.5 and workers:
-                # the rest of the loss is CPU time the loader's processes take from the step itself
-                waited += ", and the loader's workers compete with it for the CPUs"
-        fewer = sorted(w for w in offered.get("dataloader.num_workers", []) if 0 < w < workers)
-        if workers and wait is not None and wait < CONTENTION_WAIT_SHARE and fewer:
-            # batches were ready, yet the step ran slower than fed from memory: the workers' decoding
-            # takes the CPU time the training process needs (on the H200 host, 32 workers on 32 cores
-            # waited 0.4% and delivered 3,211 of 5,485 samples/s); try half as many
-            half = next((w for w in reversed(fewer) if w <= workers // 2), fewer[0])
-            out.append(Finding("data-bound", f"data-bound: the DataLoader slows the step{rates}; the step waits "
-                                             f"for its next batch {_pct(wait)} of the time, so its {workers} "
-                                             "workers take CPU time from the training process: "
-                                             f"{half} workers would leave it more",
-                               {"dataloader.num_workers": half}))
-        elif more:
-            out.append(Finding("data-bound", f"data-bound: the DataLoader slows the step{rates}{waited}; "
-                                             f"{more[0]} loader workers would decode more in parallel",
-                               {"dataloader.num_workers": more[0]}))
-        else:
-            out.append(Finding("data-bound", f"data-bound: the DataLoader slows the step{rates}{waited}, "
-                                             f"even with {workers} workers: a faster decode (DALI, smaller or "
-                                             "pre-resized images) would help"))
-    efficiency = f.get("scaling_efficiency")
-    if efficiency is not None and (f.get("ddp_world_size") or 1) > 1 and efficiency < DDP_EFFICIENCY:
-        # the all-reduces are not hidden behind the backward pass: DDP's own settings cut their cost
-        suggest = {}
-        buckets = sorted(offered.get("ddp.bucket_cap_mb", []))
-        if buckets and knob("ddp", "bucket_cap_mb", 25) < buckets[-1]:
-            suggest["ddp.bucket_cap_mb"] = buckets[-1]  # fewer, larger all-reduces
-        if not knob("ddp", "gradient_as_bucket_view", False) and True in offered.get("ddp.gradient_as_bucket_view", []):
-            suggest["ddp.gradient_as_bucket_view"] = True  # no gradient copy into the buckets
-        if (not knob("ddp", "static_graph", False) and compile_mode == "off"
-                and True in offered.get("ddp.static_graph", [])):
-            suggest["ddp.static_graph"] = True  # no per-step search for unused parameters
-        words = {"ddp.bucket_cap_mb": f"{suggest.get('ddp.bucket_cap_mb')} MB buckets",
-                 "ddp.gradient_as_bucket_view": "gradient_as_bucket_view", "ddp.static_graph": "static_graph"}
-        per, single = f.get("per_gpu_samples_per_s"), f.get("single_gpu_samples_per_s")
-        rates = f" ({per:,.0f} vs {single:,.0f} samples/s)" if per and single else ""
-        out.append(Finding("ddp-scaling", f"each GPU trains at {_pct(efficiency)} of its speed alone under DDP"
-                                          f"{rates}: the gradient all-reduces are not hidden behind the backward "
-                                          "pass" + (f"; {', '.join(words[k] for k in suggest)} would cut DDP's "
-                                                    "overhead" if suggest else
-                                                    "; a larger batch per GPU would hide more of them"),
-                           suggest))
-    p = profile or {}
-    if p.get("steps"):
-        layout = p.get("layout_share") or 0.0
-        if layout >= LAYOUT_SHARE:
-            if memory_format == "contiguous" and can("memory_format.format", "channels_last"):
-                out.append(Finding("layout", f"{_pct(layout)} of GPU time is in layout conversions (NCHW<->NHWC, "
-                                             "transposes): channels_last removes most of them",
-                                   {"memory_format.format": "channels_last"}))
-            else:
-                out.append(Finding("layout", f"{_pct(layout)} of GPU time is still in layout conversions with "
-                                             f"{memory_format}: some layers take the other layout"))
-        idle = p.get("idle_share") or 0.0
-        if idle >= IDLE_SHARE:
-            suggest: dict[str, Any] = {}
-            remedies = []
-            if batch and can("batch_size.batch_size", batch * 2) and "batch_size.batch_size" in offered:
-                suggest["batch_size.batch_size"] = batch * 2
-                remedies.append(f"batch {batch * 2}")
-            if not graphs and compile_mode == "off" and can("cuda_graphs.enabled", True) and "cuda_graphs.enabled" in offered:
-                suggest["cuda_graphs.enabled"] = True
-                remedies.append("CUDA graphs")
-            launches = p.get("launches_per_step")
-            per = f" ({launches:.0f} launches per step)" if launches else ""
-            out.append(Finding("idle", f"the GPU is idle {_pct(idle)} of each step{per}: the host cannot keep it "
-                                       "fed (launch or CPU bound)" + (f"; {' or '.join(remedies)} would help"
-                                                                      if remedies else ""), suggest))
-        exposed = p.get("memcpy_share") or 0.0
-        overlap = p.get("copy_overlap")
-        if exposed >= EXPOSED_COPY_SHARE:
-            if streams == 1 and can("streams.num_streams", 2) and "streams.num_streams" in offered:
-                out.append(Finding("copies", f"host-to-device copies take {_pct(exposed)} of the step in series with "
-                                             "compute: a side stream (2 streams) would overlap them",
-                                   {"streams.num_streams": 2}))
-            else:
-                shown = f", {_pct(overlap)} of them overlapped" if overlap is not None else ""
-                out.append(Finding("copies", f"host-to-device copies still cost {_pct(exposed)} of the step{shown}: "
-                                             "time the side stream does not hide; smaller inputs (uint8 images, "
-                                             "normalised on the GPU) would cut it"))
-        elif streams > 1 and overlap is not None and overlap >= 0.5:
-            out.append(Finding("copies-hidden", f"{_pct(overlap)} of the host-to-device copy time runs under "
-                                                "compute on the side stream"))
-        simt = p.get("other_gemm_conv_share") or 0.0
-        if simt >= NON_TENSOR_CORE_SHARE:
-            if precision == "fp32":
-                mode = next((m for m in ("bf16", "fp16", "tf32") if can("precision.mode", m)), None)
-                out.append(Finding("no-tensor-cores", f"{_pct(simt)} of GPU time is in FP32 GEMM/conv kernels "
-                                                      "without Tensor Cores" + (f": {mode} would use them" if mode else ""),
-                                   {"precision.mode": mode} if mode else {}))
-            elif misaligned:
-                shown = ", ".join(misaligned[:3]) + (f" and {len(misaligned) - 3} more" if len(misaligned) > 3 else "")
-                suggest = {"channel_alignment.multiple": 8} if can("channel_alignment.multiple", 8) else {}
-                out.append(Finding("misaligned", f"{_pct(simt)} of GPU time is in GEMM/conv kernels without Tensor "
-                                                 f"Cores under {precision}: {shown} have widths that are not multiples "
-                                                 "of 8; padding them lets Tensor Cores run", suggest))
-        elementwise = p.get("elementwise_share") or 0.0
-        if elementwise >= ELEMENTWISE_SHARE and compile_mode == "off":
-            suggest = {"compile.mode": "default"} if can("compile.mode", "default") and "compile.mode" in offered else {}
-            out.append(Finding("elementwise", f"{_pct(elementwise)} of GPU time is in elementwise and normalization "
-                                              "kernels (memory bound)" + ("; torch.compile fuses them" if suggest else ""),
-                               suggest))
-    e = energy or {}
-    throttle = e.get("throttle") or {}
-    cap = throttle.get("power_cap", 0.0)
-    if cap >= POWER_CAP_SHARE:
-        watts = e.get("avg_power_w")
-        at = f" at {watts:.0f} W" if watts else ""
-        clocks = e.get("avg_sm_clock_mhz")
-        clock = f" (SM clock {clocks:,.0f} MHz on average)" if clocks else ""
-        out.append(Finding("power-cap", f"power-capped{at} for {_pct(cap)} of the measured window{clock}: the GPU "
-                                        "runs at its power limit, so work that moves or computes less per sample "
-                                        "(lower precision, fused kernels) is what speeds it up and saves energy"))
-    thermal = max(throttle.get(k, 0.0) for k in ("hw_thermal", "sw_thermal", "hw_slowdown")) if throttle else 0.0
-    if thermal >= THERMAL_SHARE:
-        temp = e.get("max_temperature_c")
-        out.append(Finding("thermal", f"thermally throttled for {_pct(thermal)} of the measured window"
-                                      + (f" (up to {temp:.0f} C)" if temp else "") + ": the figures of this trial "
-                                      "understate what a cool GPU does"))
-    return out
+    evidence = Evidence(profile=profile or {}, energy=energy or {}, knobs=knobs, misaligned=misaligned,
+                        offered=offered or {}, figures=figures or {})
+    return [finding for rule in RULES for finding in rule(evidence)]

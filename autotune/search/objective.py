@@ -110,14 +110,47 @@ class Objective:
         trial.set_user_attr("knobs", strategies.knobs_to_dict(knobs))
         previous = self._same_params(trial)
         if previous is not None:
-            # Optuna may propose a configuration again (small categorical spaces): re-measuring
-            # costs time and, for a failing one, repeats the failure; reuse the measured result
-            for key in RESULT_ATTRS:
-                if key in previous.user_attrs:
-                    trial.set_user_attr(key, previous.user_attrs[key])
-            trial.set_user_attr("duplicate_of", previous.number)
-            return self._conclude(trial, previous.user_attrs.get("status"), previous.user_attrs.get("reason"),
-                                  previous.user_attrs.get("figures"))
+            return self._reuse(trial, previous)
+        self._prune_if_it_cannot_fit(trial)
+        request = self._request(trial, knobs)
+        log_path = self.log_dir / f"trial-{trial.number:04d}.log" if self.log_dir else None
+        # a compile trial spends minutes compiling before its first step: not a hang
+        timeout = self.trial_timeout_s + COMPILE_ALLOWANCE_S[knobs["compile"].mode]
+        cut_by_budget = self.deadline is not None and self.deadline - time.time() < timeout
+        if cut_by_budget:
+            timeout = max(1.0, self.deadline - time.time())
+        try:
+            result = run_worker(request, timeout_s=timeout, log_path=log_path, spare=self.prestart_workers)
+        except KeyboardInterrupt:
+            # the search was stopped (Ctrl-C, SIGTERM): this configuration is not at fault and
+            # the next run measures it again
+            trial.set_user_attr("reason", "the search was interrupted during this trial; re-queued for the next run")
+            requeue(trial.study, trial)
+            raise
+        if result["status"] == "timeout" and cut_by_budget:
+            # not the configuration's fault: no "status", so it is not counted, and a resumed
+            # search may measure it again
+            trial.set_user_attr("reason", f"the search budget ran out {timeout:.0f} s into this trial; "
+                                          "re-queued for the next run")
+            requeue(trial.study, trial)
+            raise TrialFailed(f"trial {trial.number} stopped at the end of the search budget")
+        self._record(trial, result)
+        return self._conclude(trial, result["status"], result.get("reason"), result.get("figures"),
+                              traceback=result.get("traceback") or result.get("log_tail"))
+
+    def _reuse(self, trial: optuna.Trial, previous: optuna.trial.FrozenTrial) -> float:
+        """Conclude ``trial`` with the result of ``previous``, an earlier trial of the same parameters."""
+        # Optuna may propose a configuration again (small categorical spaces): re-measuring
+        # costs time and, for a failing one, repeats the failure; reuse the measured result
+        for key in RESULT_ATTRS:
+            if key in previous.user_attrs:
+                trial.set_user_attr(key, previous.user_attrs[key])
+        trial.set_user_attr("duplicate_of", previous.number)
+        return self._conclude(trial, previous.user_attrs.get("status"), previous.user_attrs.get("reason"),
+                              previous.user_attrs.get("figures"))
+
+    def _prune_if_it_cannot_fit(self, trial: optuna.Trial) -> None:
+        """Prune, unmeasured, a configuration the memory model says does not fit, and back it off."""
         from autotune.search.memory import MemoryModel
 
         verdict = MemoryModel.from_study(trial.study, self.fit_limit_bytes).verdict(trial.user_attrs["knobs"])
@@ -128,6 +161,9 @@ class Objective:
             trial.set_user_attr("predicted_oom", True)
             self._back_off(trial)
             raise optuna.TrialPruned(verdict)
+
+    def _request(self, trial: optuna.Trial, knobs: dict[str, Any]) -> dict[str, Any]:
+        """The trial worker's request: the configuration, what to measure, where to write its trace."""
         request = {
             "mode": "trial",
             "space": self.space.to_dict(),
@@ -150,27 +186,10 @@ class Objective:
             request["fit_probe"] = [b for b in self.space.batch_sizes if b < batch]
         if self.profile and self.log_dir:
             request["trace_path"] = str(self.log_dir / f"trace-{trial.number:04d}.json")
-        log_path = self.log_dir / f"trial-{trial.number:04d}.log" if self.log_dir else None
-        # a compile trial spends minutes compiling before its first step: not a hang
-        timeout = self.trial_timeout_s + COMPILE_ALLOWANCE_S[knobs["compile"].mode]
-        cut_by_budget = self.deadline is not None and self.deadline - time.time() < timeout
-        if cut_by_budget:
-            timeout = max(1.0, self.deadline - time.time())
-        try:
-            result = run_worker(request, timeout_s=timeout, log_path=log_path, spare=self.prestart_workers)
-        except KeyboardInterrupt:
-            # the search was stopped (Ctrl-C, SIGTERM): this configuration is not at fault and
-            # the next run measures it again
-            trial.set_user_attr("reason", "the search was interrupted during this trial; re-queued for the next run")
-            requeue(trial.study, trial)
-            raise
-        if result["status"] == "timeout" and cut_by_budget:
-            # not the configuration's fault: no "status", so it is not counted, and a resumed
-            # search may measure it again
-            trial.set_user_attr("reason", f"the search budget ran out {timeout:.0f} s into this trial; "
-                                          "re-queued for the next run")
-            requeue(trial.study, trial)
-            raise TrialFailed(f"trial {trial.number} stopped at the end of the search budget")
+        return request
+
+    def _record(self, trial: optuna.Trial, result: dict[str, Any]) -> None:
+        """Store what the worker measured on the trial; back off one that did not fit, explain one that ran."""
         figures = result.get("figures")
         timing = {"worker_start_s": result.get("worker_start_s"), "wall_s": result["wall_s"]}
         if figures:
@@ -191,8 +210,6 @@ class Objective:
             self._back_off(trial, fits_at=fit.get("fits_at"))
         if result["status"] == "ok":
             self._explain(trial, result)
-        return self._conclude(trial, result["status"], result.get("reason"), figures,
-                              traceback=result.get("traceback") or result.get("log_tail"))
 
     def _back_off(self, trial: optuna.Trial, fits_at: int | None = None) -> None:
         """Queue this configuration at the largest batch that can fit (``fits_at``, as the worker

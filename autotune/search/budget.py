@@ -1,0 +1,80 @@
+"""When a search stops: the expected wall time of the next trial against the budget, the trial
+count across every process of the study (StopRule, Optuna's callback after each trial)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import optuna
+from optuna.trial import TrialState
+
+from autotune.search.distributed import SharedStudy
+from autotune.search.knob_effects import fix_no_effect_knobs
+from autotune.search.options import SearchConfig
+
+
+def _compiles(trial: optuna.trial.FrozenTrial) -> bool:
+    return trial.user_attrs.get("knobs", {}).get("compile", {}).get("mode", "off") != "off"
+
+
+def estimate_next_wall(study: optuna.Study, walls: list[tuple[float, bool]]) -> float:
+    """Expected seconds of the next trial, from past trials' walls ``(seconds, compiled)``.
+
+    A trial that compiles takes minutes where an eager one takes seconds, so the two kinds are
+    estimated apart: the next queued configuration's own kind when one is queued (the seeds),
+    otherwise both kinds weighted by how often they came so far.
+    """
+    if not walls:
+        return 0.0
+    by_kind = {kind: [w for w, c in walls if c == kind] for kind in (False, True)}
+    median = {kind: statistics.median(v) for kind, v in by_kind.items() if v}
+
+    def kind_median(kind: bool) -> float:
+        return median.get(kind, median.get(not kind, 0.0))
+
+    waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+    if waiting:
+        fixed = waiting[0].params or waiting[0].system_attrs.get("fixed_params", {})
+        return kind_median(fixed.get("compile.mode", "off") != "off")
+    share = len(by_kind[True]) / len(walls)
+    return share * kind_median(True) + (1 - share) * kind_median(False)
+
+
+class StopRule:
+    """Optuna's callback after each trial: counts the trials this run measured, fixes the knobs shown
+    to have no effect (with --steer), reports the trial, and stops the study once its trials are
+    done (--trials, across every process of the study) or the next one would end past the budget."""
+
+    def __init__(self, config: SearchConfig, shared: SharedStudy, started: float,
+                 emit: Callable[[str, Any], None]) -> None:
+        self.config = config
+        self.shared = shared
+        self.started = started
+        self.emit = emit
+        self.walls: list[tuple[float, bool]] = []  # (wall seconds, compiled) of each measured trial
+        self.new_trials = 0
+
+    def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        config, started = self.config, self.started
+        if "status" in trial.user_attrs:
+            self.new_trials += 1
+            if "duplicate_of" not in trial.user_attrs:
+                self.walls.append((trial.user_attrs.get("timing", {}).get("wall_s", 0.0), _compiles(trial)))
+        if config.steer and "status" in trial.user_attrs:
+            # knobs whose measured effect is below noise stop being explored
+            newly = fix_no_effect_knobs(study)
+            if newly:
+                self.emit("fixed", newly)
+        self.emit("trial", trial)
+        # other processes of the study (and other GPUs' threads) count: finished, or running
+        # and waited for (a process that dies has its trial re-run here)
+        if config.trials is not None and self.shared.has_its_trials(
+                deadline=None if config.budget_s is None else started + config.budget_s):
+            study.stop()
+        if config.budget_s is not None:
+            elapsed = time.time() - started
+            expected = estimate_next_wall(study, self.walls)
+            if elapsed + expected > config.budget_s:
+                study.stop()

@@ -1,0 +1,229 @@
+"""The options of a search (SearchConfig, checked on creation) and what follows from them alone:
+the budget given as a duration, the device, the memory each trial may use, the default output folder."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from autotune.errors import ConfigError
+from autotune.trial.gpus import parse_gpus
+from autotune.trial.measure import MeasureSettings
+from autotune.workload.models import WorkloadSpec
+
+DEFAULT_OUT = Path("runs")
+"""Where searches write by default: <model>-<device>/ under it. Never reports/, whose committed
+example studies a search would otherwise resume (ignored by git, so a clone stays clean)."""
+DEFAULT_BUDGET_S = 600.0  # when neither --trials nor --budget is given
+MIN_BUDGET_S = 10.0
+
+
+@dataclass(kw_only=True)
+class SearchConfig:
+    """Everything `autotune search` was asked to do; validated on creation."""
+
+    workload: WorkloadSpec
+    device: str = "auto"
+    """"cuda", "cpu" or "auto" (CUDA when there is a GPU)."""
+    out_dir: Path | None = None
+    """None: runs/<model>-<device>/ (ignored by git; the committed examples live in reports/)."""
+    storage: str | None = None
+    """Optuna storage URL; None: SQLite file study.db in the output folder."""
+    study_name: str | None = None
+    trials: int | None = None
+    """Stop once this many trials are finished (resumed ones included)."""
+    budget_s: float | None = None
+    """Stop starting trials when the next one would end after this many seconds."""
+    batch_size: int | None = None
+    """Pin the batch size (no batch search)."""
+    base_batch_size: int | None = None
+    """The batch size the user trains with (the baseline's); default: the pinned one or 256 (GPU) / 16 (CPU)."""
+    min_batch_size: int | None = None
+    max_batch_size: int | None = None
+    precisions: list[str] | None = None
+    """Restrict (or, for bf16 on a CPU without native bf16, extend) the precision modes searched."""
+    input_on_device: bool = False
+    """Keep synthetic batches on the GPU instead of copying them from pinned host memory each step."""
+    compile: bool | None = None
+    """Search torch.compile modes: None (default) on a GPU only, True on a CPU too (a CPU compile of
+    even a tiny model takes tens of seconds per trial), False never. Only where the probe compiled."""
+    accuracy_check: bool = True
+    """Train configurations near the speed frontier briefly against FP32; never recommend one that
+    loses more than max_accuracy_drop (see autotune.accuracy.gate)."""
+    max_accuracy_drop: float = 0.5
+    """Held-out accuracy drop versus FP32 allowed, in percentage points."""
+    max_loss_drift: float = 0.1
+    """Without held-out accuracy: the share of FP32's training-loss decrease a configuration may lose."""
+    accuracy_steps: int | None = None
+    """Steps of the accuracy check's training run; None: 300 on a GPU, 100 on a CPU."""
+    data: str | None = None
+    """The accuracy check's data: None (synthetic), an ImageFolder folder, or package.module:factory."""
+    profile: bool = True
+    """Profile each GPU trial (torch.profiler and NVML) and derive its findings."""
+    steer: bool = True
+    """Queue the configurations the findings suggest, and stop exploring knobs shown to have no
+    effect (autotune.search.knob_effects)."""
+    objective: str = "throughput"
+    """What the search optimizes: "throughput" (samples/s), "energy" (joules per sample, NVML) or
+    "memory" (peak memory); see autotune.search.goal."""
+    seed: int = 0
+    trial_timeout_s: float = 600.0
+    measure: MeasureSettings | None = None
+    command: str = ""
+    gpus: list[int] | str | None = None
+    """CUDA GPUs to search on in parallel, one trial worker on each ("0,1", [0, 1] or "all");
+    None: the first visible GPU. All must be the same model (autotune.trial.gpus)."""
+    prestart_workers: bool | None = None
+    """Start each trial's worker while the previous trial runs (autotune.trial.runner: spare workers),
+    taking its imports off the trials' path; None: on a GPU without --ddp (on a CPU the spare's
+    imports would compete with the trial measured on the same cores)."""
+    ddp: int | None = None
+    """--ddp N: measure every trial as an N-process DistributedDataParallel step, one GPU per
+    process (autotune.trial.ddp_rank), and search DDP's bucket size, bucket views and static graph; None:
+    single-process trials."""
+    global_batch_size: int | None = None
+    """--global-batch-size: keep this many samples per optimizer step; the batch size searched is
+    then the micro-batch (a divisor of it), and gradient accumulation makes up the rest."""
+    memory_limit: int | str | None = None
+    """--memory-limit: every worker caps its GPU memory at this many bytes ("24GiB" is parsed), what
+    lives outside PyTorch's allocator included, so an H200 tunes for a 24 GB card's memory."""
+    memory_headroom: int | str | None = None
+    """--memory-headroom: leave this much of the GPU's memory free (for other processes)."""
+    resume: bool = False
+    """Add trials to a study another machine wrote (a copied folder, a committed example): refused
+    otherwise, since its figures are not this machine's (autotune.search.machine)."""
+    replay: Path | None = None
+    """An earlier search's output folder: its configurations are measured first, in its order
+    (after this search's FP32 baseline and known-good ones), before the sampler proposes any: the
+    same trials on another GPU, or with more GPUs (see replay_configurations)."""
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ConfigError(f"--device {self.device!r}: use cuda, cpu or auto")
+        if isinstance(self.gpus, str):
+            self.gpus = parse_gpus(self.gpus)
+        if self.gpus is not None and self.device == "cpu":
+            raise ConfigError("--gpus runs one trial worker per CUDA GPU; it cannot go with --device cpu")
+        if self.ddp is not None:
+            if self.ddp < 2:
+                raise ConfigError(f"--ddp {self.ddp}: give the number of processes (GPUs) of the data-parallel "
+                                  "step, at least 2; without --ddp trials run in one process")
+            if self.gpus is not None:
+                raise ConfigError("--ddp N runs each trial on GPUs 0..N-1 together, --gpus runs separate trials on "
+                                  "separate GPUs: give one of them (choose the GPUs of a --ddp search with "
+                                  "CUDA_VISIBLE_DEVICES)")
+            if self.data is not None:
+                raise ConfigError("--data is not measured under --ddp yet (each rank would need its own "
+                                  "DistributedSampler shard); drop --data, the accuracy check then uses "
+                                  "synthetic data")
+        if self.replay is not None:
+            self.replay = Path(self.replay)
+            if not (self.replay / "study.db").is_file():
+                raise ConfigError(f"--replay {self.replay}: no study.db there; give the output folder of an "
+                                  "earlier `autotune search` (the one holding its config.json and study.db)")
+        from autotune.search.memory import parse_size
+
+        if self.memory_limit is not None:
+            self.memory_limit = parse_size(self.memory_limit, "--memory-limit")
+        if self.memory_headroom is not None:
+            self.memory_headroom = parse_size(self.memory_headroom, "--memory-headroom")
+        if (self.memory_limit or self.memory_headroom) and self.device == "cpu":
+            raise ConfigError("--memory-limit and --memory-headroom cap a GPU's memory; a CPU search has none "
+                              "to cap (drop them, or search on --device cuda)")
+        if self.trials is not None and self.trials < 1:
+            raise ConfigError(f"--trials must be at least 1, got {self.trials}")
+        if self.budget_s is not None and self.budget_s < MIN_BUDGET_S:
+            raise ConfigError(f"--budget {self.budget_s:g}s cannot hold a single trial (a worker start, a warm-up "
+                              f"and seconds of timed steps); give at least {MIN_BUDGET_S:.0f}s, typically 10m")
+        if self.global_batch_size is not None:
+            for given, option in ((self.batch_size, "--batch-size"), (self.ddp, "--ddp"), (self.data, "--data")):
+                if given is not None:
+                    raise ConfigError(f"--global-batch-size searches the micro-batch and accumulates to it; it does "
+                                      f"not go with {option} yet (drop one of them)")
+            if self.base_batch_size is not None and self.base_batch_size != self.global_batch_size:
+                raise ConfigError(f"--global-batch-size {self.global_batch_size} is the batch you train with, so "
+                                  f"--base-batch-size {self.base_batch_size} contradicts it: drop --base-batch-size")
+        for name in ("batch_size", "base_batch_size", "min_batch_size", "max_batch_size", "global_batch_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.min_batch_size and self.max_batch_size and self.min_batch_size > self.max_batch_size:
+            raise ConfigError(f"--min-batch-size {self.min_batch_size} is larger than "
+                              f"--max-batch-size {self.max_batch_size}")
+        known = ("fp32", "tf32", "fp16", "bf16")
+        for mode in self.precisions or []:
+            if mode not in known:
+                raise ConfigError(f"--precisions: unknown mode {mode!r}; choose from {', '.join(known)}")
+        if self.precisions is not None and "fp32" not in self.precisions:
+            raise ConfigError("--precisions must include fp32: the FP32 baseline is what every figure is compared with")
+        if self.trial_timeout_s <= 0:
+            raise ConfigError("--trial-timeout must be positive")
+        from autotune.search.goal import goal
+
+        goal(self.objective)  # an unknown name gets the list of objectives
+        if self.accuracy_check:
+            from autotune.accuracy.settings import AccuracySettings
+            from autotune.workload.data import check_data_spec
+
+            self.accuracy_settings("cpu")  # validates the thresholds and the step count
+            check_data_spec(self.data)
+        elif self.data is not None:
+            from autotune.workload.data import check_data_spec
+
+            check_data_spec(self.data)  # it still feeds the timed steps, through a DataLoader
+        if self.data is not None and self.input_on_device:
+            raise ConfigError("--input-on-device keeps synthetic batches on the GPU, but --data feeds the timed "
+                              "steps from a DataLoader; drop one of them")
+
+    def accuracy_settings(self, device: str):
+        """The accuracy check's settings on ``device`` (validated: a bad value raises ConfigError)."""
+        from autotune.accuracy.settings import AccuracySettings
+
+        return AccuracySettings.for_device(device, steps=self.accuracy_steps, seed=self.seed, data=self.data,
+                                           max_accuracy_drop=self.max_accuracy_drop,
+                                           max_loss_drift=self.max_loss_drift)
+
+
+def parse_duration(text: str) -> float:
+    """'10m' -> 600.0; accepts s, m, h and plain seconds."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text)
+    if not match:
+        raise ConfigError(f"--budget {text!r}: write a duration like 90s, 10m or 1.5h")
+    return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[match.group(2)]
+
+
+def device_slug(provenance: dict[str, Any], device: str) -> str:
+    """'NVIDIA H200' -> 'h200'; the CPU -> 'cpu'."""
+    if device != "cuda":
+        return "cpu"
+    name = provenance.get("gpu", "gpu").lower().replace("nvidia", "").replace("geforce", "")
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "gpu"
+
+
+def resolve_device(requested: str) -> str:
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: PyTorch sees no CUDA GPU here (torch.cuda.is_available() is False); "
+                          "use --device cpu, or install a CUDA build of torch")
+    return requested
+
+
+def memory_limit_bytes(config: SearchConfig, device: str, info: dict[str, Any]) -> int | None:
+    """The device memory each trial may use: --memory-limit, and the GPU's memory less
+    --memory-headroom, whichever is less; None when neither is given (or on a CPU)."""
+    if device != "cuda" or not (config.memory_limit or config.memory_headroom):
+        return None
+    total = int(info["provenance"].get("gpu_memory_bytes") or 0)
+    limits = [int(config.memory_limit)] if config.memory_limit else []
+    if config.memory_headroom:
+        limits.append(total - int(config.memory_headroom))
+    limit = min(limits)
+    if limit <= 0:
+        raise ConfigError(f"--memory-headroom {config.memory_headroom / 2**30:.1f} GiB leaves nothing of this GPU's "
+                          f"{total / 2**30:.1f} GiB; give a smaller headroom")
+    return limit

@@ -1,0 +1,209 @@
+"""run_search: one search as a short sequence of named steps, from its options to its exported results
+(checks before any device time, probe, space, study, trials, final accuracy checks, outputs)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import optuna
+
+from autotune.deploy.space import SearchSpace
+from autotune.errors import ConfigError
+from autotune.search.budget import StopRule
+from autotune.search.distributed import SharedStudy
+from autotune.search.goal import Goal, goal, nvml_refusal
+from autotune.search.objective import Objective, TrialFailed
+from autotune.search.options import DEFAULT_BUDGET_S, DEFAULT_OUT, SearchConfig, device_slug, resolve_device
+from autotune.search.outputs import check_writable, write_outputs
+from autotune.search.runlog import run_log
+from autotune.search.space import build_space, check_ddp, probe
+from autotune.search.storage import open_storage
+from autotune.search.study import SearchLock, prepare_study, recover_dead_trials
+from autotune.search.trials import counted_trials
+from autotune.trial.gpus import GpuPool, pinned, probe_view
+from autotune.trial.measure import MeasureSettings
+from autotune.trial.runner import discard_spares, prestart_setting
+from autotune.workload.models import check_spec
+
+
+@dataclass
+class SearchResult:
+    study: optuna.Study
+    out_dir: Path
+    space: SearchSpace
+    probe: dict[str, Any]
+    elapsed_s: float
+    new_trials: int
+    files: dict[str, Path] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds of this run outside its trials: "probe", "final accuracy checks", "export"."""
+
+
+def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | None = None) -> SearchResult:
+    """Run (or resume) a search and export its results. ``on_event(kind, payload)`` reports
+    progress: ("start", info), ("trial", FrozenTrial), ("end", None)."""
+    emit = on_event or (lambda kind, payload: None)
+    device, prestart, storage, target = _check_before_device_time(config)
+    started = time.time()
+    phases: dict[str, float] = {}
+    # --gpus: the probe sees the requested GPUs (its device 0 the first) and names them, which
+    # makes the pool; a mix of GPU models or a missing one is refused here
+    with pinned(probe_view(config.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))):
+        info = probe(config, device, list_devices=config.gpus is not None)
+    phases["probe"] = time.time() - started
+    gpu_pool = GpuPool.for_search(config.gpus, device, probed=info.get("cuda_devices"))
+    if target.needs_nvml and (refusal := nvml_refusal(device, info.get("nvml"))):
+        raise ConfigError(refusal)
+    space = build_space(config, device, info)
+    _warn_without_nvml(config, device, info)
+    slug = _slug(config, device, info)
+    out_dir = Path(config.out_dir or DEFAULT_OUT / f"{config.workload.short_name}-{slug}")
+    check_writable(out_dir)
+    (out_dir / "logs").mkdir(exist_ok=True)
+    lock = SearchLock(out_dir / ".search.lock")
+    logged = contextlib.ExitStack()
+    try:
+        # Optuna's per-trial messages and tracebacks go to logs/search.log, not the terminal
+        logged.enter_context(run_log(out_dir / "logs"))
+        if gpu_pool:
+            gpu_pool.activate()
+        study, storage, limit = prepare_study(config, storage, device, info, space, out_dir, slug)
+        recovered = recover_dead_trials(study) if config.storage is None else []
+        shared = SharedStudy(study, storage, config.storage or f"sqlite:///{out_dir / 'study.db'}", config.trials)
+        config.measure = config.measure or MeasureSettings.for_device(device)
+        gate = _accuracy_gate(config, device, space, out_dir, study)
+        objective = _objective(config, device, info, space, out_dir, started, target=target, gate=gate,
+                               prestart=prestart, limit=limit)
+        emit("start", {"space": space, "probe": info, "out_dir": out_dir, "study": study,
+                       "recovered": recovered, "done": len(counted_trials(study)), "config": config})
+        stop_rule = StopRule(config, shared, started, emit)
+        interrupted = _optimize(config, study, objective, shared, gpu_pool, stop_rule, started)
+        if gate is not None and interrupted is None:
+            # the recommendation must have passing accuracy evidence: check the fastest trials
+            # that have none, fastest first, until one passes
+            t = time.time()
+            # within the budget: a recommendation left unchecked says so (export)
+            gate.ensure_recommendation(study, deadline=_deadline(config, started))
+            phases["final accuracy checks"] = time.time() - t
+        t = time.time()
+        files = write_outputs(study, out_dir, config, space, info)
+        phases["export"] = time.time() - t
+        emit("end", None)
+        if interrupted is not None:
+            raise interrupted
+        return SearchResult(study=study, out_dir=out_dir, space=space, probe=info, elapsed_s=time.time() - started,
+                            new_trials=stop_rule.new_trials, files=files, phases=phases)
+    finally:
+        discard_spares()
+        GpuPool.deactivate()
+        logged.close()
+        lock.release()
+
+
+def _check_before_device_time(config: SearchConfig) -> tuple[str, bool, optuna.storages.BaseStorage | None, Goal]:
+    """Settle the budget and refuse what cannot run, before any device time. Returns the device,
+    whether trial workers prestart, the user's --storage (opened; None: the folder's own) and the
+    objective."""
+    if config.trials is None and config.budget_s is None:
+        config.budget_s = DEFAULT_BUDGET_S
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    check_spec(config.workload)
+    device = resolve_device(config.device)
+    check_ddp(config, device)
+    prestart = _prestart_workers(config, device)
+    GpuPool.check_device(config.gpus, device)  # --gpus on a CPU: refused before any device time
+    # before any device time: the folder (or, by default, runs/) must take the results
+    check_writable(Path(config.out_dir) if config.out_dir else DEFAULT_OUT)
+    # a user's storage URL is checked (and its tables created) before any device time
+    storage = open_storage(config.storage) if config.storage else None
+    target = goal(config.objective)
+    if target.needs_nvml and device != "cuda":  # known before the probe: refuse at once
+        raise ConfigError(nvml_refusal(device, None))
+    return device, prestart, storage, target
+
+
+def _prestart_workers(config: SearchConfig, device: str) -> bool:
+    """Whether each trial's worker starts while the previous trial runs: config.prestart_workers,
+    else $AUTOTUNE_PRESTART (autotune.trial.runner.prestart_setting), else on a GPU without --ddp."""
+    if config.prestart_workers is not None:
+        return config.prestart_workers
+    setting = prestart_setting()
+    return setting if setting is not None else device == "cuda" and not config.ddp
+
+
+def _warn_without_nvml(config: SearchConfig, device: str, info: dict[str, Any]) -> None:
+    """Say so when profiled GPU trials will lack NVML's figures (energy, power, clocks, throttling)."""
+    nvml = info.get("nvml") or {}
+    if device == "cuda" and config.profile and nvml.get("available") is False:
+        # stacklevel: shown at the line that called run_search
+        warnings.warn(f"NVML is not usable here ({nvml.get('reason')}): energy, power, clock and throttling "
+                      "figures are missing; everything else is measured", stacklevel=3)
+
+
+def _slug(config: SearchConfig, device: str, info: dict[str, Any]) -> str:
+    """The device part of the default output folder's and study's names: "h200", "cpu", "h200-ddp2"."""
+    slug = device_slug(info["provenance"], device)
+    if config.ddp:
+        # a study of N-process DDP steps never mixes with single-process ones (nor another N):
+        # its own folder and study name by default, and refused on resume (study.prepare_study)
+        slug = f"{slug}-ddp{config.ddp}"
+    return slug
+
+
+def _deadline(config: SearchConfig, started: float) -> float | None:
+    """When the budget ends (time.time()); None without --budget."""
+    return None if config.budget_s is None else started + config.budget_s
+
+
+def _accuracy_gate(config: SearchConfig, device: str, space: SearchSpace, out_dir: Path, study: optuna.Study):
+    """The accuracy check's gate, attached to the study; None when the check is off."""
+    if not config.accuracy_check:
+        return None
+    from autotune.accuracy.gate import AccuracyGate
+
+    gate = AccuracyGate(settings=config.accuracy_settings(device), space=space,
+                        workload=config.workload.to_dict(), timeout_s=config.trial_timeout_s,
+                        log_dir=out_dir / "logs")
+    gate.attach(study)
+    return gate
+
+
+def _objective(config: SearchConfig, device: str, info: dict[str, Any], space: SearchSpace, out_dir: Path,
+               started: float, *, target: Goal, gate, prestart: bool, limit: int | None) -> Objective:
+    """What each trial runs: its worker's request settings, its deadline, and how its value is judged."""
+    return Objective(accuracy=gate, space=space, workload=config.workload.to_dict(), measure=config.measure.to_dict(),
+                     input_on_device=config.input_on_device, seed=config.seed, data=config.data,
+                     trial_timeout_s=config.trial_timeout_s, log_dir=out_dir / "logs",
+                     deadline=_deadline(config, started),
+                     profile=config.profile, steer=config.steer, goal=target,
+                     misaligned=(info.get("misaligned") or {}).get("8"),
+                     prestart_workers=prestart,
+                     memory_limit_bytes=limit,
+                     device_memory_bytes=info["provenance"].get("gpu_memory_bytes") if device == "cuda" else None)
+
+
+def _optimize(config: SearchConfig, study: optuna.Study, objective: Objective, shared: SharedStudy,
+              gpu_pool: GpuPool | None, stop_rule: StopRule, started: float) -> KeyboardInterrupt | None:
+    """Run trials until the stop rule (or the time left of the budget) ends them; a Ctrl-C or
+    SIGTERM is returned, not raised, so what was measured is still exported."""
+    remaining = None if config.trials is None else config.trials - len(counted_trials(study))
+    interrupted = None
+    if remaining is None or remaining > 0:
+        timeout = None if config.budget_s is None else max(1.0, config.budget_s - (time.time() - started))
+        try:
+            # --gpus: Optuna's own parallel loop, a thread (and a GPU) per trial in flight
+            guarded = shared.guard(objective)
+            study.optimize(gpu_pool.wrap(guarded) if gpu_pool else guarded, n_trials=None, timeout=timeout,
+                           n_jobs=len(gpu_pool) if gpu_pool else 1, callbacks=[stop_rule],
+                           catch=(TrialFailed,), gc_after_trial=False, show_progress_bar=False)
+        except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: what was measured is still exported
+            interrupted = exc
+        finally:
+            discard_spares()  # no more trials: the worker started for the next one is not needed
+    return interrupted
