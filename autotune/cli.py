@@ -8,17 +8,10 @@ import os
 import shlex
 import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Any
-
-from rich.console import Console
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from autotune.errors import AutotuneError
-
-console = Console(stderr=True)
+from autotune.terminal import AccuracyView, SearchView, console, print_summary
 
 
 def _add_search(sub: argparse._SubParsersAction) -> None:
@@ -143,95 +136,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _fmt_rate(x: float | None) -> str:
-    return "-" if x is None else f"{x:,.0f}/s"
-
-
-class _ProgressView:
-    """Trials done, the current best and the time left, on one live line; a line per trial."""
-
-    def __init__(self, config) -> None:
-        self.config = config
-        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                                 TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
-                                 console=console, transient=False)
-        self.task = None
-        self.started = time.time()
-        self.walls: list[float] = []
-
-    def __call__(self, kind: str, payload: Any) -> None:
-        from autotune.report.export import describe_trial
-        from autotune.search.trials import best_trial, counted_trials
-
-        if kind == "start":
-            space = payload["space"]
-            prov = payload["probe"]["provenance"]
-            where = prov.get("gpu", "CPU") if space.device == "cuda" else f"CPU ({prov.get('num_cpus')} cores)"
-            console.print(f"[bold]autotune[/] {self.config.workload.model} on {where}, torch {prov['torch']} "
-                          f"-> {payload['out_dir']}")
-            console.print(f"  space: precision {space.precisions}, batch {space.batch_sizes}, "
-                          f"format {space.memory_formats}, padding {space.alignments}, streams {space.stream_counts}"
-                          + (f", threads {space.thread_counts}" if space.thread_counts else ""))
-            if space.ddp_world_size > 1:
-                console.print(f"  DDP: {space.ddp_world_size} processes per trial, bucket_cap_mb {space.ddp_bucket_caps_mb}, "
-                              f"gradient_as_bucket_view {space.ddp_gradient_as_bucket_view}, "
-                              f"static_graph {space.ddp_static_graph}")
-            if payload["done"]:
-                console.print(f"  resuming: {payload['done']} trials already finished")
-            if payload["recovered"]:
-                console.print(f"  trials {payload['recovered']} were cut off by a killed search: re-queued")
-            self.study = payload["study"]
-            self.out_dir = payload["out_dir"]
-            total = self.config.trials if self.config.trials else self.config.budget_s
-            self.progress.start()
-            self.task = self.progress.add_task("starting", total=total, status="",
-                                               completed=payload["done"] if self.config.trials else 0)
-            return
-        if kind == "end":
-            self.progress.stop()
-            return
-        if kind == "fixed":
-            for param, entry in payload.items():
-                self.progress.console.print(f"  no longer explored: {param} = {entry['value']!r} ({entry['reason']})")
-            return
-        trial = payload
-        attrs = trial.user_attrs
-        fig = attrs.get("figures") or {}
-        if attrs.get("timing", {}).get("wall_s") and "duplicate_of" not in attrs:
-            self.walls.append(attrs["timing"]["wall_s"])
-        outcome = (f"{fig['samples_per_s']:,.0f} samples/s, {fig['step_time_ms']:.1f} ms/step, "
-                   f"{fig['peak_memory_bytes'] / 2**30:.2f} GiB") if fig else attrs.get("reason", trial.state.name)
-        if attrs.get("backed_off_to"):
-            outcome += f"; queued again at batch {attrs['backed_off_to']}"
-        if attrs.get("unstable"):
-            outcome += ", loss not finite (unstable: never recommended)"
-        if fig.get("ddp_world_size"):
-            unit, units = ("GPU", "GPUs") if self.study.user_attrs.get("device") == "cuda" else ("process", "processes")
-            outcome += (f" over {fig['ddp_world_size']} {units} ({fig['per_gpu_samples_per_s']:,.0f} per {unit}, "
-                        f"scaling efficiency {fig['scaling_efficiency']:.0%})")
-        dup = f" (same as #{attrs['duplicate_of']})" if "duplicate_of" in attrs else ""
-        if attrs.get("status") in ("crashed", "error", "timeout") and "duplicate_of" not in attrs:
-            dup += f" (log: {self.out_dir / 'logs' / f'trial-{trial.number:04d}.log'})"
-        role = f"[{attrs['role']}] " if "role" in attrs else ""
-        self.progress.console.print(f"  #{trial.number:<3} {role}{describe_trial(attrs.get('knobs', {}))}: {outcome}{dup}")
-        done = len(counted_trials(self.study))
-        best = best_trial(self.study)
-        elapsed = time.time() - self.started
-        if self.config.trials:
-            left_n = max(0, self.config.trials - done)
-            left_s = left_n * statistics.median(self.walls) if self.walls else 0.0
-            if self.config.budget_s:
-                left_s = min(left_s, max(0.0, self.config.budget_s - elapsed))
-            self.progress.update(self.task, completed=done)
-        else:
-            left_s = max(0.0, self.config.budget_s - elapsed)
-            self.progress.update(self.task, completed=min(elapsed, self.config.budget_s))
-        from autotune.search.goal import goal_of
-
-        best_text = f"best {goal_of(self.study).format(best.value)} (#{best.number})" if best else "no result yet"
-        self.progress.update(self.task, description=f"{done} trials, {best_text}", status=f"~{left_s:,.0f}s left")
-
-
 def _command_line(args: argparse.Namespace) -> str:
     """The command as typed, for config.json and the report, without a storage password."""
     from autotune.search.storage import mask_url
@@ -261,7 +165,8 @@ def _prestart_probe(args: argparse.Namespace) -> None:
 def cmd_search(args: argparse.Namespace) -> int:
     _prestart_probe(args)
     from autotune.errors import ConfigError
-    from autotune.search.study import SearchConfig, parse_duration, run_search
+    from autotune.search.options import SearchConfig, parse_duration
+    from autotune.search.run import run_search
     from autotune.trial.measure import MeasureSettings
     from autotune.workload.models import WorkloadSpec, parse_input_shape
 
@@ -285,7 +190,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     if args.min_measure_time is not None:
         import dataclasses
 
-        from autotune.search.study import resolve_device
+        from autotune.search.options import resolve_device
 
         # replace() validates the new value (a typo like 0 or -1 gets a clear error)
         try:
@@ -293,79 +198,14 @@ def cmd_search(args: argparse.Namespace) -> int:
                                                  min_time_s=args.min_measure_time)
         except ValueError as exc:
             raise ConfigError(f"--min-measure-time {args.min_measure_time:g}: {exc}") from None
-    view = _ProgressView(config)
+    view = SearchView(config)
     try:
         result = run_search(config, on_event=view)
     finally:
         if view.task is not None:
             view.progress.stop()
-    return 0 if _print_summary(result.out_dir, result.elapsed_s, result.phases, study=result.study,
+    return 0 if print_summary(result.out_dir, result.elapsed_s, result.phases, study=result.study,
                                min_batch_size=result.space.batch_sizes[0]) else 1
-
-
-def _print_summary(out_dir: Path, elapsed_s: float | None = None, phases: dict[str, float] | None = None, *,
-                   study=None, min_batch_size: int | None = None) -> bool:
-    """Print the baseline, the best and the search's cost; False when nothing can be recommended,
-    and then why (``study``: the pattern across its trials, autotune.search.outcome)."""
-    path = out_dir / "config.json"
-    if not path.exists():
-        console.print("[red]no configuration to recommend[/]")
-        if study is not None:
-            from autotune.search.outcome import explain
-
-            for line in explain(study, min_batch_size=min_batch_size):
-                console.print(f"  {line}")
-        console.print(f"see {out_dir / 'trials.csv'} and the logs in {out_dir / 'logs'}")
-        return False
-    data = json.loads(path.read_text())
-    table = Table(title=f"{data['workload']['model']} on {data['provenance'].get('gpu', 'CPU')}")
-    for col in ("", "configuration", "samples/s", "step ms", "peak GiB"):
-        table.add_column(col)
-    for label, entry in (("baseline", data.get("baseline")), ("best", data)):
-        if entry:
-            f = entry["figures"]
-            table.add_row(label, entry["summary"], f"{f['samples_per_s']:,.0f}", f"{f['step_time_ms']:.1f}",
-                          f"{f['peak_memory_bytes'] / 2**30:.2f}")
-    console.print(table)
-    best = data.get("figures") or {}
-    if best.get("ddp_world_size"):
-        console.print(f"DDP over {best['ddp_world_size']} processes: {best['samples_per_s']:,.0f} samples/s in total, "
-                      f"{best['per_gpu_samples_per_s']:,.0f} per GPU; one GPU alone: "
-                      f"{best['single_gpu_samples_per_s']:,.0f}; scaling efficiency {best['scaling_efficiency']:.0%}")
-    if (data.get("baseline") or {}).get("note"):
-        console.print(f"note: {data['baseline']['note']}")
-    if (data.get("memory") or {}).get("limit_bytes"):
-        console.print(f"every trial was capped at {data['memory']['limit_bytes'] / 2**30:.1f} GiB of GPU memory "
-                      "(--memory-limit)")
-    if "speedup_vs_baseline" in data:
-        console.print(f"speed-up over the FP32 baseline: {data['speedup_vs_baseline']:.2f}x, "
-                      f"memory {data['memory_vs_baseline']:.2f}x")
-    from autotune.search.goal import goal_of_config
-
-    target, ranked = goal_of_config(data), data.get("objective") or {}
-    line = f"objective: {target.text}"
-    if ranked.get("value") is not None:
-        line += f"; best {target.format(ranked['value'])}"
-        if ranked.get("baseline_value") is not None:
-            line += f", FP32 baseline {target.format(ranked['baseline_value'])}"
-    console.print(line)
-    for param, entry in (data.get("fixed_knobs") or {}).items():
-        console.print(f"no longer explored: {param} = {entry['value']!r} ({entry['reason']})")
-    s = data["search"]
-    console.print(f"search cost over {s['num_trials']} trials ({s['num_measured']} measured): worker start "
-                  f"{s['worker_start_s']:.0f}s, build {s['build_s']:.0f}s, warm-up {s['warmup_s']:.0f}s, "
-                  f"measuring {s['measure_s']:.0f}s, trials in all {s['trial_wall_s']:.0f}s"
-                  + (f"; this run {elapsed_s:.0f}s" if elapsed_s is not None else "")
-                  + (f" ({', '.join(f'{k} {v:.1f}s' for k, v in phases.items())})" if phases else ""))
-    acc = data.get("accuracy")
-    if acc:
-        console.print(f"accuracy: {acc.get('verdict')}: {acc.get('reason')}")
-    else:
-        console.print("accuracy: not checked (--no-accuracy-check, or a config exported before the check existed)")
-    for note in data.get("notes", []):
-        console.print(f"note: {note}")
-    console.print(f"wrote {path} and {out_dir / 'trials.csv'}")
-    return True
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -420,7 +260,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     except (KeyError, ValueError) as exc:
         raise ConfigError(f"cannot load study {name!r} from the storage ({exc}); "
                           "`optuna studies --storage URL` lists the names") from None
-    from autotune.search.study import DEFAULT_OUT
+    from autotune.search.options import DEFAULT_OUT
 
     out = args.out or args.folder or DEFAULT_OUT / study.study_name
     out.mkdir(parents=True, exist_ok=True)
@@ -445,7 +285,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     cfg = load(args.config)
     console.print(cfg.describe())
-    return 0 if _print_summary(args.config if args.config.is_dir() else args.config.parent) else 1
+    return 0 if print_summary(args.config if args.config.is_dir() else args.config.parent) else 1
 
 
 def cmd_accuracy(args: argparse.Namespace) -> int:
@@ -453,7 +293,8 @@ def cmd_accuracy(args: argparse.Namespace) -> int:
     from autotune.accuracy.settings import AccuracySettings
     from autotune.deploy.space import SearchSpace
     from autotune.errors import ConfigError
-    from autotune.search.study import SearchConfig, probe, resolve_device
+    from autotune.search.options import SearchConfig, resolve_device
+    from autotune.search.space import probe
     from autotune.workload.models import WorkloadSpec, check_spec, parse_input_shape
     from strategies.fp32_layers import parse
 
@@ -485,25 +326,10 @@ def cmd_accuracy(args: argparse.Namespace) -> int:
     where = info["provenance"].get("gpu", "CPU")
     console.print(f"[bold]accuracy[/] of {spec.model} on {where}: {settings.steps} steps at batch "
                   f"{settings.batch_size} per configuration, against FP32")
-    table = Table(title=f"{spec.model} on {where}: accuracy versus FP32")
-    columns = ("configuration", "steps", "final loss", "held-out acc %", "drop (points)", "loss drift",
-               "skipped", "loss rel. err", "grad cosine", "verdict")
-    for col in columns:
-        table.add_column(col)
-
-    def fmt(v, spec=".4g"):
-        return "-" if v is None else format(v, spec)
-
-    def on_row(row):
-        console.print(f"  {row['mode']}: {row.get('verdict')}: {row.get('reason')}")
-        table.add_row(row["mode"], fmt(row.get("steps"), "d"), fmt(row.get("final_loss")), fmt(row.get("accuracy"), ".2f"),
-                      fmt(row.get("accuracy_drop"), ".2f"), fmt(row.get("loss_drift"), ".3f"),
-                      fmt(row.get("skipped_steps"), "d"), fmt(row.get("loss_rel_error"), ".2e"),
-                      fmt(row.get("grad_cosine"), ".6f"), str(row.get("verdict")))
-
+    view = AccuracyView(spec.model, where)
     rows = compare_modes(workload=spec.to_dict(), space=space, settings=settings,
-                         configurations=mode_configurations(precisions, layers), timeout_s=args.timeout, on_row=on_row)
-    console.print(table, width=max(console.width, 160))
+                         configurations=mode_configurations(precisions, layers), timeout_s=args.timeout, on_row=view)
+    view.print_table()
     print(json.dumps({"model": spec.model, "device": where, "settings": settings.to_dict(), "rows": rows}, default=str))
     return 0
 

@@ -6,7 +6,7 @@ With it, every trial feeds its steps from a DataLoader over the training split (
 resize, normalise in the loader's workers), built with this knob's settings; the streams knob
 copies its batches to the device (on a side stream with 2 streams, which overlaps compute only
 from pinned memory). A configuration the loader cannot keep busy is "data-bound": the worker
-measures the same step fed from memory too and records both rates (``autotune.trial.worker``).
+measures the same step fed from memory too and records both rates (``autotune.trial.loader_feed``).
 
 * ``num_workers``: 0 decodes in the training process, in series with the step (the untuned
   DataLoader); more overlap decoding with compute, up to the CPUs this process may use.

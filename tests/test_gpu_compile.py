@@ -144,7 +144,7 @@ def test_compile_modes_run_and_record_compile_s(mode: str) -> None:
 
     m = measure(one_step, "cuda", MeasureSettings(min_steps=10, min_time_s=0.5, max_warmup_s=20),
                 setup_steps=step.num_setup_steps)
-    from autotune.trial.worker import compiled_graphs
+    from autotune.trial.instruments import compiled_graphs
 
     assert m.num_setup_steps == step.num_setup_steps >= 1
     print(f"\ncompile {mode}: {compiled_graphs()} graphs compiled in this process so far")

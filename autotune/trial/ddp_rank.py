@@ -58,9 +58,12 @@ import math  # noqa: E402
 import statistics  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Callable  # noqa: E402
+from typing import TYPE_CHECKING, Any, Callable  # noqa: E402
 
 import torch  # noqa: E402,F401  (a rank is ready once torch is imported, as a worker is)
+
+if TYPE_CHECKING:
+    from autotune.trial.request import TrialSetup
 
 READY_AT = time.time()
 
@@ -131,7 +134,7 @@ class _Run:
     def __init__(self, cfg, spec, *, input_on_device: bool, seed: int, rank: int) -> None:
         import torch
 
-        from autotune.trial.worker import input_batches
+        from autotune.trial.batches import input_batches
         from autotune.workload.models import build
 
         torch.manual_seed(seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
@@ -159,25 +162,12 @@ def run_rank(request: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     import strategies
-    from autotune.deploy.config import TunedConfig, load
-    from autotune.deploy.space import SearchSpace
-    from autotune.trial.measure import MeasureSettings, measure, memory_figures
-    from autotune.trial.worker import nvml_monitor
-    from autotune.workload.models import WorkloadSpec
+    from autotune.trial.request import read_request
 
     rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     t0 = time.perf_counter()
-    if request.get("config_path"):
-        cfg = load(request["config_path"])  # `autotune verify`
-        spec = WorkloadSpec.from_dict(cfg.info["workload"])
-        settings = MeasureSettings(**cfg.info["measure"]) if "measure" in cfg.info else MeasureSettings.for_device(cfg.device)
-        input_on_device = cfg.info.get("input_on_device", False)
-    else:
-        space = SearchSpace.from_dict(request["space"])
-        cfg = TunedConfig(strategies.knobs_from_dict(request["knobs"]), space)
-        spec = WorkloadSpec.from_dict(request["workload"])
-        settings = MeasureSettings(**request["measure"])
-        input_on_device = request.get("input_on_device", False)
+    trial = read_request(request)
+    cfg = trial.cfg
     if request.get("data") or cfg.info.get("data"):
         raise ValueError("--data is not measured under --ddp yet: each rank would need its DistributedSampler shard")
     device, seed = cfg.device, int(request.get("seed", 0))
@@ -188,50 +178,12 @@ def run_rank(request: dict[str, Any]) -> dict[str, Any]:
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
                             **({"device_id": torch.device("cuda", local)} if cuda else {}))
     try:
-        # 1. single GPU: the same configuration without DDP, every rank alone on its own GPU
-        single_cfg = TunedConfig({**cfg.knobs, "ddp": strategies.BY_NAME["ddp"].default()}, cfg.space)
-        run = _Run(single_cfg, spec, input_on_device=input_on_device, seed=seed, rank=rank)
-        build_s = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        single = measure(run.one_step, device,
-                         dataclasses.replace(settings, min_time_s=min(settings.min_time_s, 1.0), max_remeasure=0),
-                         setup_steps=run.step.num_setup_steps)
-        single_window_s = time.perf_counter() - t1
-        del run
-        if cfg.recipe.compile_mode is not None:
-            torch._dynamo.reset()  # the DDP model compiles afresh (DDPOptimizer); free the first one's graphs
-        gc.collect()  # the first model's memory is free before the DDP model is built
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        singles: list[Any] = [None] * world
-        dist.all_gather_object(singles, {"step_time_ms": single.step_time_ms, "compile_s": single.compile_s})
-        warmup_steps, timed_steps = plan([s["step_time_ms"] for s in singles], settings)
-
-        # 2. DDP: the configuration as exported, gradients all-reduced every step
-        t2 = time.perf_counter()
-        run = _Run(cfg, spec, input_on_device=input_on_device, seed=seed, rank=rank)
-        build_s += time.perf_counter() - t2
-        monitor, windows = nvml_monitor(device, request, cuda_index=local), []
-        nvml_window = (lambda: monitor.window_into(windows)) if monitor is not None else None
-
-        try:
-            m = measure_fixed(run.one_step, device, settings, setup_steps=run.step.num_setup_steps,
-                              warmup_steps=warmup_steps, timed_steps=timed_steps,
-                              timed_window=nvml_window)
-        finally:
-            if monitor is not None:
-                monitor.close()
-        loss = run.loss()
-        mine = {"measurement": m.to_dict(), "memory": memory_figures(device), "final_loss": loss,
-                "build_s": build_s, "single_window_s": single_window_s,
-                "energy": windows[0].to_dict() if windows and windows[0] is not None else None}
-        if cfg.recipe.compile_mode is not None:
-            from autotune.trial.worker import compiled_graphs
-
-            mine["compiled_graphs"] = compiled_graphs()
-        ranks: list[Any] = [None] * world
-        dist.all_gather_object(ranks, mine)
+        singles, build_s, single_window_s = _single_gpu_window(trial, seed=seed, rank=rank, world=world, t0=t0)
+        warmup_steps, timed_steps = plan([s["step_time_ms"] for s in singles], trial.settings)
+        # the DDP model lives on until the group is destroyed, as in a training script
+        ranks, ddp_run = _ddp_window(trial, request, seed=seed, rank=rank, local=local, world=world,
+                                     steps=(warmup_steps, timed_steps), build_s=build_s,
+                                     single_window_s=single_window_s)
     finally:
         dist.destroy_process_group()
     if rank != 0:
@@ -243,6 +195,74 @@ def run_rank(request: dict[str, Any]) -> dict[str, Any]:
     if energy is not None:
         result["energy"] = energy
     return result
+
+
+def _single_gpu_window(trial: TrialSetup, *, seed: int, rank: int, world: int,
+                       t0: float) -> tuple[list[Any], float, float]:
+    """1. single GPU: the same configuration without DDP, every rank alone on its own GPU; returns
+    every rank's step time and compile time (gathered), this rank's build seconds (since ``t0``)
+    and the window's seconds. The model is freed again before the DDP model is built."""
+    import torch
+    import torch.distributed as dist
+
+    import strategies
+    from autotune.deploy.config import TunedConfig
+    from autotune.trial.measure import measure
+
+    cfg, settings, device = trial.cfg, trial.settings, trial.cfg.device
+    single_cfg = TunedConfig({**cfg.knobs, "ddp": strategies.BY_NAME["ddp"].default()}, cfg.space)
+    run = _Run(single_cfg, trial.spec, input_on_device=trial.input_on_device, seed=seed, rank=rank)
+    build_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    single = measure(run.one_step, device,
+                     dataclasses.replace(settings, min_time_s=min(settings.min_time_s, 1.0), max_remeasure=0),
+                     setup_steps=run.step.num_setup_steps)
+    single_window_s = time.perf_counter() - t1
+    del run
+    if cfg.recipe.compile_mode is not None:
+        torch._dynamo.reset()  # the DDP model compiles afresh (DDPOptimizer); free the first one's graphs
+    gc.collect()  # the first model's memory is free before the DDP model is built
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    singles: list[Any] = [None] * world
+    dist.all_gather_object(singles, {"step_time_ms": single.step_time_ms, "compile_s": single.compile_s})
+    return singles, build_s, single_window_s
+
+
+def _ddp_window(trial: TrialSetup, request: dict[str, Any], *, seed: int, rank: int, local: int, world: int,
+                steps: tuple[int, int], build_s: float, single_window_s: float) -> tuple[list[Any], _Run]:
+    """2. DDP: the configuration as exported, gradients all-reduced every step, ``steps`` (warm-up,
+    timed) on every rank; returns every rank's figures (gathered) and this rank's model."""
+    import torch.distributed as dist
+
+    from autotune.trial.instruments import nvml_monitor
+    from autotune.trial.measure import memory_figures
+
+    cfg, device = trial.cfg, trial.cfg.device
+    t2 = time.perf_counter()
+    run = _Run(cfg, trial.spec, input_on_device=trial.input_on_device, seed=seed, rank=rank)
+    build_s += time.perf_counter() - t2
+    monitor, windows = nvml_monitor(device, request, cuda_index=local), []
+    nvml_window = (lambda: monitor.window_into(windows)) if monitor is not None else None
+
+    try:
+        m = measure_fixed(run.one_step, device, trial.settings, setup_steps=run.step.num_setup_steps,
+                          warmup_steps=steps[0], timed_steps=steps[1], timed_window=nvml_window)
+    finally:
+        if monitor is not None:
+            monitor.close()
+    loss = run.loss()
+    mine = {"measurement": m.to_dict(), "memory": memory_figures(device), "final_loss": loss,
+            "build_s": build_s, "single_window_s": single_window_s,
+            "energy": windows[0].to_dict() if windows and windows[0] is not None else None}
+    if cfg.recipe.compile_mode is not None:
+        from autotune.trial.instruments import compiled_graphs
+
+        mine["compiled_graphs"] = compiled_graphs()
+    ranks: list[Any] = [None] * world
+    dist.all_gather_object(ranks, mine)
+    return ranks, run
 
 
 def combine_energy(windows: list[dict[str, Any] | None], *, samples: int) -> dict[str, Any] | None:
@@ -325,7 +345,7 @@ def _combine(ranks: list[dict[str, Any]], singles: list[dict[str, Any]], batch: 
 
 def main(argv: list[str]) -> int:
     result_path, request_path = argv[1], argv[3]
-    from autotune.trial.worker import is_out_of_memory
+    from autotune.trial.memory_fit import is_out_of_memory
 
     try:
         request = json.loads(Path(request_path).read_text())

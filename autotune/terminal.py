@@ -1,0 +1,200 @@
+"""The CLI's terminal output: the live view of a search, its summary, and the table `autotune accuracy`
+prints (rich, on stderr; stdout is left to the commands' JSON)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+console = Console(stderr=True)
+
+
+class SearchView:
+    """Trials done, the current best and the time left, on one live line; a line per trial."""
+
+    def __init__(self, config) -> None:
+        self.config = config
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                                 TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
+                                 console=console, transient=False)
+        self.task = None
+        self.started = time.time()
+        self.walls: list[float] = []
+
+    def __call__(self, kind: str, payload: Any) -> None:
+        if kind == "start":
+            self._start(payload)
+            return
+        if kind == "end":
+            self.progress.stop()
+            return
+        if kind == "fixed":
+            for param, entry in payload.items():
+                self.progress.console.print(f"  no longer explored: {param} = {entry['value']!r} ({entry['reason']})")
+            return
+        self._trial(payload)
+
+    def _start(self, payload: dict[str, Any]) -> None:
+        """The search's header (model, device, space, what it resumes) and the live line."""
+        space = payload["space"]
+        prov = payload["probe"]["provenance"]
+        where = prov.get("gpu", "CPU") if space.device == "cuda" else f"CPU ({prov.get('num_cpus')} cores)"
+        console.print(f"[bold]autotune[/] {self.config.workload.model} on {where}, torch {prov['torch']} "
+                      f"-> {payload['out_dir']}")
+        console.print(f"  space: precision {space.precisions}, batch {space.batch_sizes}, "
+                      f"format {space.memory_formats}, padding {space.alignments}, streams {space.stream_counts}"
+                      + (f", threads {space.thread_counts}" if space.thread_counts else ""))
+        if space.ddp_world_size > 1:
+            console.print(f"  DDP: {space.ddp_world_size} processes per trial, "
+                          f"bucket_cap_mb {space.ddp_bucket_caps_mb}, "
+                          f"gradient_as_bucket_view {space.ddp_gradient_as_bucket_view}, "
+                          f"static_graph {space.ddp_static_graph}")
+        if payload["done"]:
+            console.print(f"  resuming: {payload['done']} trials already finished")
+        if payload["recovered"]:
+            console.print(f"  trials {payload['recovered']} were cut off by a killed search: re-queued")
+        self.study = payload["study"]
+        self.out_dir = payload["out_dir"]
+        total = self.config.trials if self.config.trials else self.config.budget_s
+        self.progress.start()
+        self.task = self.progress.add_task("starting", total=total, status="",
+                                           completed=payload["done"] if self.config.trials else 0)
+
+    def _trial(self, trial) -> None:
+        """A finished trial's line, then the live line: trials done, the best, the time left."""
+        from autotune.search.trials import best_trial, counted_trials
+        from strategies import describe
+
+        attrs = trial.user_attrs
+        fig = attrs.get("figures") or {}
+        if attrs.get("timing", {}).get("wall_s") and "duplicate_of" not in attrs:
+            self.walls.append(attrs["timing"]["wall_s"])
+        outcome = (f"{fig['samples_per_s']:,.0f} samples/s, {fig['step_time_ms']:.1f} ms/step, "
+                   f"{fig['peak_memory_bytes'] / 2**30:.2f} GiB") if fig else attrs.get("reason", trial.state.name)
+        if attrs.get("backed_off_to"):
+            outcome += f"; queued again at batch {attrs['backed_off_to']}"
+        if attrs.get("unstable"):
+            outcome += ", loss not finite (unstable: never recommended)"
+        if fig.get("ddp_world_size"):
+            unit, units = ("GPU", "GPUs") if self.study.user_attrs.get("device") == "cuda" else ("process", "processes")
+            outcome += (f" over {fig['ddp_world_size']} {units} ({fig['per_gpu_samples_per_s']:,.0f} per {unit}, "
+                        f"scaling efficiency {fig['scaling_efficiency']:.0%})")
+        dup = f" (same as #{attrs['duplicate_of']})" if "duplicate_of" in attrs else ""
+        if attrs.get("status") in ("crashed", "error", "timeout") and "duplicate_of" not in attrs:
+            dup += f" (log: {self.out_dir / 'logs' / f'trial-{trial.number:04d}.log'})"
+        role = f"[{attrs['role']}] " if "role" in attrs else ""
+        knobs = describe(attrs.get('knobs', {}))
+        self.progress.console.print(f"  #{trial.number:<3} {role}{knobs}: {outcome}{dup}")
+        done = len(counted_trials(self.study))
+        best = best_trial(self.study)
+        elapsed = time.time() - self.started
+        if self.config.trials:
+            left_n = max(0, self.config.trials - done)
+            left_s = left_n * statistics.median(self.walls) if self.walls else 0.0
+            if self.config.budget_s:
+                left_s = min(left_s, max(0.0, self.config.budget_s - elapsed))
+            self.progress.update(self.task, completed=done)
+        else:
+            left_s = max(0.0, self.config.budget_s - elapsed)
+            self.progress.update(self.task, completed=min(elapsed, self.config.budget_s))
+        from autotune.search.goal import goal_of
+
+        best_text = f"best {goal_of(self.study).format(best.value)} (#{best.number})" if best else "no result yet"
+        self.progress.update(self.task, description=f"{done} trials, {best_text}", status=f"~{left_s:,.0f}s left")
+
+
+def print_summary(out_dir: Path, elapsed_s: float | None = None, phases: dict[str, float] | None = None, *,
+                  study=None, min_batch_size: int | None = None) -> bool:
+    """Print the baseline, the best and the search's cost; False when nothing can be recommended,
+    and then why (``study``: the pattern across its trials, autotune.search.outcome)."""
+    path = out_dir / "config.json"
+    if not path.exists():
+        console.print("[red]no configuration to recommend[/]")
+        if study is not None:
+            from autotune.search.outcome import explain
+
+            for line in explain(study, min_batch_size=min_batch_size):
+                console.print(f"  {line}")
+        console.print(f"see {out_dir / 'trials.csv'} and the logs in {out_dir / 'logs'}")
+        return False
+    data = json.loads(path.read_text())
+    table = Table(title=f"{data['workload']['model']} on {data['provenance'].get('gpu', 'CPU')}")
+    for col in ("", "configuration", "samples/s", "step ms", "peak GiB"):
+        table.add_column(col)
+    for label, entry in (("baseline", data.get("baseline")), ("best", data)):
+        if entry:
+            f = entry["figures"]
+            table.add_row(label, entry["summary"], f"{f['samples_per_s']:,.0f}", f"{f['step_time_ms']:.1f}",
+                          f"{f['peak_memory_bytes'] / 2**30:.2f}")
+    console.print(table)
+    best = data.get("figures") or {}
+    if best.get("ddp_world_size"):
+        console.print(f"DDP over {best['ddp_world_size']} processes: {best['samples_per_s']:,.0f} samples/s in total, "
+                      f"{best['per_gpu_samples_per_s']:,.0f} per GPU; one GPU alone: "
+                      f"{best['single_gpu_samples_per_s']:,.0f}; scaling efficiency {best['scaling_efficiency']:.0%}")
+    if (data.get("baseline") or {}).get("note"):
+        console.print(f"note: {data['baseline']['note']}")
+    if (data.get("memory") or {}).get("limit_bytes"):
+        console.print(f"every trial was capped at {data['memory']['limit_bytes'] / 2**30:.1f} GiB of GPU memory "
+                      "(--memory-limit)")
+    if "speedup_vs_baseline" in data:
+        console.print(f"speed-up over the FP32 baseline: {data['speedup_vs_baseline']:.2f}x, "
+                      f"memory {data['memory_vs_baseline']:.2f}x")
+    from autotune.search.goal import goal_of_config
+
+    target, ranked = goal_of_config(data), data.get("objective") or {}
+    line = f"objective: {target.text}"
+    if ranked.get("value") is not None:
+        line += f"; best {target.format(ranked['value'])}"
+        if ranked.get("baseline_value") is not None:
+            line += f", FP32 baseline {target.format(ranked['baseline_value'])}"
+    console.print(line)
+    for param, entry in (data.get("fixed_knobs") or {}).items():
+        console.print(f"no longer explored: {param} = {entry['value']!r} ({entry['reason']})")
+    s = data["search"]
+    console.print(f"search cost over {s['num_trials']} trials ({s['num_measured']} measured): worker start "
+                  f"{s['worker_start_s']:.0f}s, build {s['build_s']:.0f}s, warm-up {s['warmup_s']:.0f}s, "
+                  f"measuring {s['measure_s']:.0f}s, trials in all {s['trial_wall_s']:.0f}s"
+                  + (f"; this run {elapsed_s:.0f}s" if elapsed_s is not None else "")
+                  + (f" ({', '.join(f'{k} {v:.1f}s' for k, v in phases.items())})" if phases else ""))
+    acc = data.get("accuracy")
+    if acc:
+        console.print(f"accuracy: {acc.get('verdict')}: {acc.get('reason')}")
+    else:
+        console.print("accuracy: not checked (--no-accuracy-check, or a config exported before the check existed)")
+    for note in data.get("notes", []):
+        console.print(f"note: {note}")
+    console.print(f"wrote {path} and {out_dir / 'trials.csv'}")
+    return True
+
+
+class AccuracyView:
+    """`autotune accuracy`'s output: a line per configuration as its training run ends, then the table."""
+
+    def __init__(self, model: str, where: str) -> None:
+        self.table = Table(title=f"{model} on {where}: accuracy versus FP32")
+        columns = ("configuration", "steps", "final loss", "held-out acc %", "drop (points)", "loss drift",
+                   "skipped", "loss rel. err", "grad cosine", "verdict")
+        for col in columns:
+            self.table.add_column(col)
+
+    def __call__(self, row: dict[str, Any]) -> None:
+        def fmt(v, spec=".4g"):
+            return "-" if v is None else format(v, spec)
+
+        console.print(f"  {row['mode']}: {row.get('verdict')}: {row.get('reason')}")
+        self.table.add_row(row["mode"], fmt(row.get("steps"), "d"), fmt(row.get("final_loss")),
+                           fmt(row.get("accuracy"), ".2f"), fmt(row.get("accuracy_drop"), ".2f"),
+                           fmt(row.get("loss_drift"), ".3f"), fmt(row.get("skipped_steps"), "d"),
+                           fmt(row.get("loss_rel_error"), ".2e"), fmt(row.get("grad_cosine"), ".6f"),
+                           str(row.get("verdict")))
+
+    def print_table(self) -> None:
+        console.print(self.table, width=max(console.width, 160))

@@ -1,0 +1,79 @@
+"""Out of memory in a trial: recognising it, capping the GPU's memory (--memory-limit), and finding
+the largest batch that still fits after a step ran out (the search's memory model uses it)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+from autotune.deploy.config import TunedConfig
+from autotune.trial.batches import input_batches
+from autotune.trial.measure import memory_figures
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """OOM in any of its disguises: torch's own error, the CPU allocator, cuDNN/cuBLAS failing to
+    allocate, or any of these wrapped in another exception."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, torch.OutOfMemoryError):
+            return True
+        text = str(exc)
+        if any(s in text for s in ("out of memory", "can't allocate memory", "CUDNN_STATUS_ALLOC_FAILED",
+                                   "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_NOT_SUPPORTED")):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def cap_memory(limit_bytes: int) -> None:
+    """Cap this process's CUDA memory at ``limit_bytes``, what lives outside the caching allocator
+    (the CUDA context, library handles) included: the allocator gets the rest, and a step that
+    needs more raises out-of-memory as on a GPU of that size (--memory-limit)."""
+    free, total = torch.cuda.mem_get_info()  # makes the context, which is what lives outside
+    outside = max(0, total - free - torch.cuda.memory_reserved())
+    torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, (limit_bytes - outside) / total)))
+
+
+def largest_fit(step, workload, cfg: TunedConfig, candidates: list[int], seed: int) -> dict[str, Any]:
+    """After a step ran out of memory: the largest of ``candidates`` (smaller batches, ascending)
+    at which two steps of the same configuration fit, found by bisection (a fit at b means a fit
+    below b), with each fitting batch's peak. The search measures the configuration there next
+    (autotune.search.memory); eager steps only, so no recompilation or graph capture is involved."""
+    import gc
+
+    device = cfg.device
+    peaks: dict[int, int] = {}
+    failed: list[int] = []
+
+    def fits(batch: int) -> bool:
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            stream = iter(cfg.loader(itertools.cycle(input_batches(workload, batch, device, False, seed))))
+            for _ in range(cfg.accumulation_steps + 1):  # at least one optimizer step, and its state
+                x, y = next(stream)
+                loss = step(x, y)
+            float(loss.float().item())  # waits for the GPU
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                return False
+            raise
+        peaks[batch] = memory_figures(device)["peak_memory_bytes"]
+        return True
+
+    low, high, best = 0, len(candidates) - 1, None
+    while low <= high:
+        mid = (low + high) // 2
+        if fits(candidates[mid]):
+            best, low = candidates[mid], mid + 1
+        else:
+            failed.append(candidates[mid])
+            high = mid - 1
+    return {"fits_at": best, "peaks": {str(b): p for b, p in peaks.items()},
+            "does_not_fit_at": min(failed) if failed else None}
