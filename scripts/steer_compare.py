@@ -85,9 +85,10 @@ def arm_median(counts: Sequence[int | None]) -> float:
 
 def run_values(study) -> list[float | None]:
     """A run's objective value per counted trial, in order; None where it is not usable."""
+    from optuna.trial import TrialState
+
     from autotune.accuracy.gate import accuracy_of, failed
     from autotune.search.trials import counted_trials
-    from optuna.trial import TrialState
 
     out: list[float | None] = []
     for t in sorted(counted_trials(study), key=lambda t: t.number):
@@ -133,8 +134,8 @@ def search_config(args: argparse.Namespace, *, steer: bool, seed: int, budget_s:
     """The SearchConfig of one run: everything but steering and the seed is the same in both arms."""
     import dataclasses
 
+    from autotune.search.options import SearchConfig, resolve_device
     from autotune.trial.measure import MeasureSettings
-    from autotune.search.study import SearchConfig, resolve_device
     from autotune.workload.models import WorkloadSpec, parse_input_shape
 
     spec = WorkloadSpec(model=args.model, num_classes=args.num_classes,
@@ -152,8 +153,8 @@ def search_config(args: argparse.Namespace, *, steer: bool, seed: int, budget_s:
 
 def run_one(args: argparse.Namespace, arm: str, seed: int, budget_s: float | None) -> dict[str, Any]:
     """Run one arm for one seed into ARM-seedSEED under --out, or reuse that run if it finished."""
-    from autotune.search.objective import describe
-    from autotune.search.study import run_search
+    import strategies
+    from autotune.search.run import run_search
 
     out_dir = args.out / f"{arm}-seed{seed}"
     if (out_dir / "study.db").exists():
@@ -166,7 +167,7 @@ def run_one(args: argparse.Namespace, arm: str, seed: int, budget_s: float | Non
         if kind == "trial" and "status" in payload.user_attrs:
             role = payload.user_attrs.get("role", "search")
             value = "-" if payload.value is None else f"{payload.value:,.4g}"
-            print(f"    #{payload.number:<3} {role:<10} {value:>12}  {describe(payload.user_attrs.get('knobs', {}))}",
+            print(f"    #{payload.number:<3} {role:<10} {value:>12}  {strategies.describe(payload.user_attrs.get('knobs', {}))}",
                   flush=True)
         elif kind == "fixed":
             for param, entry in payload.items():
@@ -198,9 +199,9 @@ def finished_run(out_dir: Path, arm: str, seed: int, *, trials: int | None) -> d
 
 def run_record(study, arm: str, seed: int, out_dir: Path, *, wall_s: float | None) -> dict[str, Any]:
     """What the comparison keeps of one run: its values in trial order, roles, best and fixed knobs."""
+    import strategies
     from autotune.search.goal import goal_of
     from autotune.search.knob_effects import fixed_knobs
-    from autotune.search.objective import describe
     from autotune.search.trials import best_trial
 
     best = best_trial(study)
@@ -211,7 +212,7 @@ def run_record(study, arm: str, seed: int, out_dir: Path, *, wall_s: float | Non
         "roles": [t.user_attrs.get("role", "search") for t in sorted(
             (t for t in study.trials if "status" in t.user_attrs), key=lambda t: t.number)],
         "best_value": None if best is None else best.value,
-        "best_config": None if best is None else describe(best.user_attrs["knobs"]),
+        "best_config": None if best is None else strategies.describe(best.user_attrs["knobs"]),
         "fixed_knobs": {param: entry["value"] for param, entry in fixed_knobs(study).items()},
     }
 
@@ -231,7 +232,7 @@ def summarize(runs: list[dict[str, Any]], *, maximize: bool, tolerance: float) -
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from autotune.search.goal import goal
-    from autotune.search.study import parse_duration
+    from autotune.search.options import parse_duration
 
     target = goal(args.objective)
     total_s = parse_duration(args.total_time) if args.total_time else None

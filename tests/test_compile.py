@@ -15,7 +15,8 @@ import torch
 import strategies
 from autotune.deploy.config import TunedConfig
 from autotune.trial.measure import MeasureSettings, measure
-from autotune.search.objective import Objective, describe
+from autotune.search.objective import Objective
+from strategies import describe
 from autotune.report.render import write_report
 from autotune.report.export import trials_frame
 from autotune.trial.runner import run_worker

@@ -12,13 +12,15 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 import strategies
-from autotune.errors import ConfigError
-from autotune.search.objective import describe
 from autotune.deploy.recipe import Recipe
 from autotune.deploy.runtime import GRAPH_WARMUP_STEPS, TrainStep
 from autotune.deploy.space import SearchSpace
-from autotune.search.study import SearchConfig, build_space, seed_configurations
+from autotune.errors import ConfigError
+from autotune.search.options import SearchConfig
+from autotune.search.seeds import seed_configurations
+from autotune.search.space import build_space
 from autotune.workload.models import WorkloadSpec
+from strategies import describe
 from strategies.compile import CUDAGRAPH_MODES
 from strategies.cuda_graphs import CudaGraphs, legal
 

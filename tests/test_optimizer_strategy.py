@@ -13,9 +13,9 @@ from torch import nn
 
 import strategies
 from autotune.deploy.config import TunedConfig
-from autotune.errors import ConfigError
-from autotune.search.objective import describe
 from autotune.deploy.space import SearchSpace
+from autotune.errors import ConfigError
+from strategies import describe
 from strategies import optimizer as optimizer_strategy
 from strategies.optimizer import Optimizer, rebuild
 

@@ -20,7 +20,14 @@ from typing import Any, Sequence
 from rich.table import Table
 
 from autotune.errors import ConfigError
-from autotune.report.compare_render import Row, Section, chart_svg, render_html, render_markdown, render_table
+from autotune.report.compare_render import (
+    Row,
+    Section,
+    chart_svg,
+    render_html,
+    render_markdown,
+    render_table,
+)
 from autotune.report.compare_runs import Run, load_run
 from autotune.report.format import MISSING, fmt_fixed, fmt_gib, fmt_rate, fmt_times
 

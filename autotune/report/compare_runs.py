@@ -11,8 +11,8 @@ from typing import Any
 
 import pandas as pd
 
+import strategies
 from autotune.errors import ConfigError
-from autotune.search.objective import describe
 
 
 @dataclass(kw_only=True, slots=True)
@@ -168,9 +168,9 @@ def load_run(folder: Path) -> Run:
     trials_path = folder / "trials.csv"
     trials = pd.read_csv(trials_path) if trials_path.exists() else pd.DataFrame()
     base = info.get("baseline")
-    best = Measured(summary=info.get("summary") or describe(info["knobs"]), knobs=info["knobs"],
+    best = Measured(summary=info.get("summary") or strategies.describe(info["knobs"]), knobs=info["knobs"],
                     figures=info["figures"], trial_number=(info.get("study") or {}).get("trial_number"))
-    baseline = None if not base else Measured(summary=base.get("summary") or describe(base.get("knobs", {})),
+    baseline = None if not base else Measured(summary=base.get("summary") or strategies.describe(base.get("knobs", {})),
                                               knobs=base.get("knobs", {}), figures=base["figures"],
                                               trial_number=base.get("trial_number"))
     device = info.get("device") or ("cuda" if info["provenance"].get("gpu") else "cpu")

@@ -5,58 +5,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import optuna
 import pandas as pd
 
+import strategies
 from autotune.report.export import trials_frame
 from autotune.search.trials import baseline_trial, best_trial, counted_trials
 
-
-@dataclass
-class _Knob:
-    """One dimension of the search, read from the recorded knobs of each trial."""
-
-    key: str
-    label: str
-    get: Callable[[dict[str, Any]], Any]
-    only: Callable[[dict[str, Any]], bool] = lambda knobs: True
-    """Trials this knob means something for (GradScaler settings only with fp16)."""
-
-
-def _knob_value(strategy: str, name: str, default: Any = None) -> Callable[[dict[str, Any]], Any]:
-    return lambda knobs: (knobs.get(strategy) or {}).get(name, default)
-
-
-def _ddp_on(knobs: dict[str, Any]) -> bool:
-    return (knobs.get("ddp") or {}).get("world_size", 1) > 1
-
-
-def _scaler_on(knobs: dict[str, Any]) -> bool:
-    return bool((knobs.get("grad_scaler") or {}).get("enabled"))
-
-
-KNOBS = [
-    _Knob("precision", "precision", _knob_value("precision", "mode", "fp32")),
-    _Knob("memory_format", "memory format", _knob_value("memory_format", "format", "contiguous")),
-    _Knob("batch_size", "batch size", _knob_value("batch_size", "batch_size")),
-    _Knob("channel_alignment", "channel padding (multiple)", _knob_value("channel_alignment", "multiple", 1)),
-    _Knob("cudnn", "cudnn.benchmark", _knob_value("cudnn", "benchmark", False)),
-    _Knob("streams", "CUDA streams", _knob_value("streams", "num_streams", 1)),
-    _Knob("threads", "CPU threads", _knob_value("threads", "num_threads", 0)),
-    _Knob("grad_scaler.init_scale", "GradScaler init_scale", _knob_value("grad_scaler", "init_scale"), _scaler_on),
-    _Knob("grad_scaler.growth_factor", "GradScaler growth_factor", _knob_value("grad_scaler", "growth_factor"),
-          _scaler_on),
-    _Knob("grad_scaler.backoff_factor", "GradScaler backoff_factor", _knob_value("grad_scaler", "backoff_factor"),
-          _scaler_on),
-    _Knob("grad_scaler.growth_interval", "GradScaler growth_interval", _knob_value("grad_scaler", "growth_interval"),
-          _scaler_on),
-    _Knob("ddp.bucket_cap_mb", "DDP bucket_cap_mb", _knob_value("ddp", "bucket_cap_mb"), lambda k: _ddp_on(k)),
-    _Knob("ddp.gradient_as_bucket_view", "DDP gradient_as_bucket_view", _knob_value("ddp", "gradient_as_bucket_view"),
-          lambda k: _ddp_on(k)),
-    _Knob("ddp.static_graph", "DDP static_graph", _knob_value("ddp", "static_graph"), lambda k: _ddp_on(k)),
-]
+KNOBS = strategies.report_knobs()
+"""The dimensions whose effect the report shows: each strategy says its own (Strategy.report_knobs)."""
 
 
 @dataclass

@@ -15,15 +15,7 @@ import strategies
 from autotune.accuracy.gate import SETTINGS_ATTR, UNAVAILABLE_ATTR, accuracy_of
 from autotune.deploy.config import TunedConfig
 from autotune.deploy.space import SearchSpace
-from autotune.search.objective import describe
 from autotune.search.trials import baseline_trial, best_trial, counted_trials
-
-
-def describe_trial(knobs: dict[str, Any]) -> str:
-    """``describe`` with the DDP settings of a --ddp search appended."""
-    from autotune.trial.ddp_launch import describe as describe_ddp
-
-    return ", ".join(x for x in (describe(knobs), describe_ddp(knobs)) if x)
 
 
 def trials_frame(study: optuna.Study) -> pd.DataFrame:
@@ -40,7 +32,7 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
             "status": attrs.get("status", t.system_attrs.get("fail_reason", "")),
             "reason": attrs.get("reason", ""),
             "duplicate_of": attrs.get("duplicate_of"),
-            "config": describe_trial(attrs["knobs"]) if "knobs" in attrs else "",
+            "config": strategies.describe(attrs["knobs"]) if "knobs" in attrs else "",
             "samples_per_s": fig.get("samples_per_s"),
             # with --ddp N: samples_per_s is over all N GPUs; per GPU, and against the same
             # configuration alone on one GPU measured in the same trial
@@ -162,10 +154,10 @@ def _config_info(study: optuna.Study, out_dir: Path, best: optuna.trial.FrozenTr
         # with --data the timed steps were fed by a DataLoader over it (`autotune verify` does so again)
         "data": config.data,
         "measure": config.measure.to_dict(),
-        "summary": describe_trial(best.user_attrs["knobs"]),
+        "summary": strategies.describe(best.user_attrs["knobs"]),
         "figures": best.user_attrs["figures"],
         "baseline": None if base is None else {
-            "summary": describe_trial(base.user_attrs["knobs"]),
+            "summary": strategies.describe(base.user_attrs["knobs"]),
             "knobs": base.user_attrs["knobs"],
             "figures": base.user_attrs["figures"],
             "trial_number": base.number,

@@ -23,10 +23,35 @@ import pandas as pd
 
 import autotune
 from autotune.report.data import ReportData, collect
-from autotune.report.format import as_float, fmt_g, fmt_gib, fmt_ms, fmt_pct, fmt_rate, fmt_ratio, fmt_s
-from autotune.report.plots import (inline_svg, plot_batch, plot_energy, plot_knob, plot_precision_format,
-                                   plot_profile, plot_speed_accuracy, plot_throughput_memory)
-from autotune.report.sections import failed_rows, finding_rows, is_ddp, knob_effects, profile_rows, snippet, trial_rows
+from autotune.report.format import (
+    as_float,
+    fmt_g,
+    fmt_gib,
+    fmt_ms,
+    fmt_pct,
+    fmt_rate,
+    fmt_ratio,
+    fmt_s,
+)
+from autotune.report.plots import (
+    inline_svg,
+    plot_batch,
+    plot_energy,
+    plot_knob,
+    plot_precision_format,
+    plot_profile,
+    plot_speed_accuracy,
+    plot_throughput_memory,
+)
+from autotune.report.sections import (
+    failed_rows,
+    finding_rows,
+    is_ddp,
+    knob_effects,
+    profile_rows,
+    snippet,
+    trial_rows,
+)
 from autotune.report.summary import NOT_MEASURED, device_title, kpis, summary_items
 
 __all__ = ["render_html", "render_markdown", "write_report",

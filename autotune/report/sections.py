@@ -9,9 +9,19 @@ from typing import Any
 
 import pandas as pd
 
+import strategies
 from autotune.report.data import KNOBS, ReportData
-from autotune.report.format import as_float, fmt_g, fmt_gib, fmt_ms, fmt_pct, fmt_rate, fmt_s, sort_key, value_label
-from autotune.search.objective import describe
+from autotune.report.format import (
+    as_float,
+    fmt_g,
+    fmt_gib,
+    fmt_ms,
+    fmt_pct,
+    fmt_rate,
+    fmt_s,
+    sort_key,
+    value_label,
+)
 
 PROFILE_PARTS = [  # (key in the profile attribute, label, colour)
     ("tensor_core_share", "Tensor Core GEMM/conv", "#1b9e77"),
@@ -175,7 +185,7 @@ def profile_rows(d: ReportData) -> list[dict[str, Any]]:
             parts.append({"label": "other", "share": max(0.0, 1 - known), "color": "#eeeeee"})
         out.append({
             "label": f"{label} (#{n})", "number": n,
-            "config": describe(d.attrs[n]["knobs"]) if d.attrs[n].get("knobs") else "",
+            "config": strategies.describe(d.attrs[n]["knobs"]) if d.attrs[n].get("knobs") else "",
             "parts": parts,
             "kernels_per_step": p.get("kernels_per_step"),
             "copy_overlap": p.get("copy_overlap"),

@@ -8,7 +8,15 @@ from typing import Any
 import pandas as pd
 
 from autotune.report.data import ReportData
-from autotune.report.format import as_float, fmt_g, fmt_gib, fmt_pct, fmt_rate, fmt_ratio, fmt_s
+from autotune.report.format import (
+    as_float,
+    fmt_g,
+    fmt_gib,
+    fmt_pct,
+    fmt_rate,
+    fmt_ratio,
+    fmt_s,
+)
 
 NOT_MEASURED = "not measured in this search"
 

@@ -321,36 +321,5 @@ class Objective:
         return None
 
 
-def describe(knobs: dict[str, dict[str, Any]]) -> str:
-    """A short human description of a configuration."""
-    p = knobs.get("precision", {}).get("mode", "fp32")
-    batch = knobs.get("batch_size", {})
-    accumulated = f" x {batch['accumulation_steps']} accumulated" if batch.get("accumulation_steps", 1) > 1 else ""
-    parts = [p, knobs.get("memory_format", {}).get("format", "contiguous"), f"batch {batch.get('batch_size')}{accumulated}"]
-    if knobs.get("cudnn", {}).get("benchmark"):
-        parts.append("cudnn.benchmark")
-    if knobs.get("channel_alignment", {}).get("multiple", 1) > 1:
-        parts.append(f"pad x{knobs['channel_alignment']['multiple']}")
-    if knobs.get("streams", {}).get("num_streams", 1) > 1:
-        parts.append(f"{knobs['streams']['num_streams']} streams")
-    loader = knobs.get("dataloader", {})
-    if loader.get("num_workers") or loader.get("pin_memory"):
-        parts.append(f"{loader.get('num_workers', 0)} loader workers" + (", pinned" if loader.get("pin_memory") else ""))
-    if knobs.get("threads", {}).get("num_threads"):
-        parts.append(f"{knobs['threads']['num_threads']} threads")
-    if knobs.get("fp32_layers", {}).get("layers", "none") != "none":
-        parts.append(f"fp32 {knobs['fp32_layers']['layers']}")
-    optimizer = knobs.get("optimizer", {})
-    if optimizer.get("implementation", "default") != "default":
-        parts.append(f"{optimizer['implementation']} optimizer")
-    if not optimizer.get("set_to_none", True):
-        parts.append("zero_grad in place")
-    if knobs.get("compile", {}).get("mode", "off") != "off":
-        parts.append(f"compile {knobs['compile']['mode']}")
-    if knobs.get("cuda_graphs", {}).get("enabled"):
-        parts.append("CUDA graphs")
-    return ", ".join(parts)
-
-
 def dumps(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, default=str)

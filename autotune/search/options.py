@@ -164,7 +164,6 @@ class SearchConfig:
 
         goal(self.objective)  # an unknown name gets the list of objectives
         if self.accuracy_check:
-            from autotune.accuracy.settings import AccuracySettings
             from autotune.workload.data import check_data_spec
 
             self.accuracy_settings("cpu")  # validates the thresholds and the step count

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from typing import Any
 
 import optuna
 

@@ -13,13 +13,7 @@ import strategies
 from autotune.deploy.space import SearchSpace
 from autotune.errors import ConfigError
 from autotune.search.trials import FINISHED
-from strategies import dataloader as dataloader_strategy
-from strategies import ddp as ddp_strategy
-from strategies import optimizer as optimizer_strategy
-
-
-def _nearest(values: list[int], target: int) -> int:
-    return min(values, key=lambda v: (abs(v - target), v))
+from strategies.batch_size import nearest
 
 
 def _offered(space: SearchSpace, step: dict[str, Any]) -> bool:
@@ -76,46 +70,11 @@ def enqueue_replay(study: optuna.Study, folder: Path, space: SearchSpace, seeds:
 
 
 def seed_configurations(space: SearchSpace) -> list[tuple[str, dict[str, Any]]]:
-    """The FP32 baseline first, then configurations the guides call good, as Optuna params."""
-    def params(**values: Any) -> dict[str, Any]:
-        out = {}
-        for strategy in strategies.REGISTRY:
-            if not strategy.applies(space):
-                continue
-            for key, value in values.items():
-                if key.startswith(strategy.name + "."):
-                    out[key] = value
-        return out
-
-    base = _nearest(space.batch_sizes, space.base_batch_size)  # the global batch's largest micro-batch
-    # the optimizer as a user builds it with default arguments, eager, no graph capture
-    implementations = space.optimizer_implementations
-    untuned_step = {
-        "optimizer.implementation": (optimizer_strategy.UNTUNED[space.device]
-                                     if optimizer_strategy.UNTUNED[space.device] in implementations
-                                     else implementations[0]),
-        "optimizer.set_to_none": True, "compile.mode": "off", "cuda_graphs.enabled": False,
-        # under --ddp: DistributedDataParallel as a user builds it, with PyTorch's defaults
-        "ddp.bucket_cap_mb": ddp_strategy.DDP.Config.bucket_cap_mb, "ddp.gradient_as_bucket_view": False,
-        "ddp.static_graph": False}
-    baseline = params(**{
-        "precision.mode": "fp32", "batch_size.batch_size": base, "channel_alignment.multiple": 1,
-        "memory_format.format": "contiguous", "cudnn.benchmark": False, "streams.num_streams": 1,
-        "threads.num_threads": max(space.thread_counts) if space.thread_counts else 0,
-        **dataloader_strategy.seed_params(space, tuned=False),
-        **untuned_step,
-    })
+    """The FP32 baseline first, then configurations the guides call good, as Optuna params. Each
+    knob gives its own values in both (Strategy.seed); the list below names only the recipes: a
+    precision, a batch and what a recipe changes of the step."""
+    baseline = strategies.seed_params(space, tuned=False)
     seeds = [("baseline", baseline)]
-    fast_format = "channels_last" if "channels_last" in space.memory_formats else "contiguous"
-    common = {"memory_format.format": fast_format, "cudnn.benchmark": True, "channel_alignment.multiple": 1,
-              "fp32_layers.layers": "none",
-              "streams.num_streams": max(space.stream_counts),
-              "threads.num_threads": max(space.thread_counts) if space.thread_counts else 0,
-              **dataloader_strategy.seed_params(space, tuned=True),
-              **untuned_step}
-    scaler = {"grad_scaler.init_scale": 2.0**16, "grad_scaler.growth_factor": 2.0,
-              "grad_scaler.backoff_factor": 0.5, "grad_scaler.growth_interval": 2000}
-    wanted: list[tuple[str, int, dict[str, Any]]]
     if space.device == "cuda":
         fused = {"optimizer.implementation": "fused"}
         wanted = [
@@ -132,13 +91,14 @@ def seed_configurations(space: SearchSpace) -> list[tuple[str, dict[str, Any]]]:
             ("bf16", 256, {**fused, "compile.mode": "default", "cuda_graphs.enabled": True}),
         ]
     else:
+        base = nearest(space.batch_sizes, space.base_batch_size)
         wanted = [("bf16", base, {}), ("fp32", max(space.batch_sizes), {})]
     seen = [baseline]
     for mode, batch, step in wanted:
         if mode not in space.precisions or not _offered(space, step):
             continue
-        p = params(**{**common, **(scaler if mode == "fp16" else {}), **step,
-                      "precision.mode": mode, "batch_size.batch_size": _nearest(space.batch_sizes, batch)})
+        fixed = {**step, "precision.mode": mode, "batch_size.batch_size": nearest(space.batch_sizes, batch)}
+        p = strategies.seed_params(space, tuned=True, fixed=fixed)
         if p not in seen:
             seen.append(p)
             seeds.append(("known-good", p))

@@ -39,19 +39,6 @@ def _blame(status: str, reason: str) -> int:
 
 
 
-def describe(knobs: dict[str, Any]) -> str:
-    """A trial's DDP settings in a few words ("" without DDP), for its one-line description."""
-    ddp = knobs.get("ddp") or {}
-    if ddp.get("world_size", 1) <= 1:
-        return ""
-    parts = [f"DDP x{ddp['world_size']}", f"bucket {ddp.get('bucket_cap_mb', 25)} MB"]
-    if ddp.get("gradient_as_bucket_view"):
-        parts.append("grads as bucket views")
-    if ddp.get("static_graph"):
-        parts.append("static graph")
-    return ", ".join(parts)
-
-
 
 def request_world_size(request: dict[str, Any]) -> int:
     """The DDP world size a trial request asks for (1: a plain single-process trial)."""
