@@ -34,8 +34,8 @@ class Module:
     functions: list[tuple[str, int]] = field(default_factory=list)  # (qualified name, lines)
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+def _module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -76,7 +76,7 @@ def _functions(tree: ast.AST) -> list[tuple[str, int]]:
 
 def read(root: Path = ROOT) -> dict[str, Module]:
     paths = [p for pkg in PACKAGES for p in sorted((root / pkg).rglob("*.py"))]
-    modules = {_module_name(p): Module(_module_name(p), p, len(p.read_text().splitlines())) for p in paths}
+    modules = {_module_name(p, root): Module(_module_name(p, root), p, len(p.read_text().splitlines())) for p in paths}
     known = set(modules)
     for mod in modules.values():
         tree = ast.parse(mod.path.read_text())
@@ -162,6 +162,7 @@ def _levels(modules: dict[str, Module], cycles: list[list[str]]) -> dict[str, in
 
 
 def shape(root: Path = ROOT) -> dict:
+    """The figures main() prints, for the packages under ``root``."""
     modules = read(root)
     cycles = _cycles(modules)
     levels = _levels(modules, cycles)

@@ -1,0 +1,78 @@
+"""The code keeps the shape its layout promises (scripts/structure.py measures it from the source)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("structure", ROOT / "scripts" / "structure.py")
+structure = importlib.util.module_from_spec(_spec)
+sys.modules["structure"] = structure  # its dataclasses look their module up
+_spec.loader.exec_module(structure)
+
+# which packages a package's modules may not import: the layers run downward only
+FORBIDDEN = {
+    "autotune.trial": ("autotune.search", "autotune.report", "autotune.cli"),
+    "autotune.accuracy.check": ("autotune.accuracy.gate", "autotune.trial.runner", "autotune.search",
+                                "autotune.report"),
+    "autotune.deploy": ("autotune.search", "autotune.report", "autotune.trial", "autotune.accuracy", "autotune.cli"),
+    "autotune.workload": ("autotune.search", "autotune.report", "autotune.trial", "autotune.accuracy",
+                          "autotune.deploy", "autotune.cli"),
+    "strategies": ("autotune.search", "autotune.report", "autotune.trial", "autotune.accuracy", "autotune.cli"),
+    "autotune.search": ("autotune.cli",),
+    "autotune.report": ("autotune.cli",),
+}
+
+
+@pytest.fixture(scope="module")
+def shape():
+    return structure.shape()
+
+
+def test_no_import_cycles_and_no_upward_imports(shape):
+    assert shape["cycles"] == []
+    assert shape["upward imports"] == []
+
+
+def test_no_private_name_is_imported_across_modules(shape):
+    assert shape["private names imported across modules"] == []
+
+
+def test_functions_and_modules_stay_small(shape):
+    assert shape[f"functions over {structure.MAX_FUNCTION_LINES} lines"] == []
+    assert shape[f"modules over {structure.MAX_MODULE_LINES} lines"] == []
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    modules = structure.read()
+    broken = [f"{name} imports {target}"
+              for name, module in modules.items()
+              for layer, forbidden in FORBIDDEN.items() if name == layer or name.startswith(layer + ".")
+              for target in sorted(module.top | module.lazy) if target.startswith(forbidden)]
+    assert broken == []
+
+
+def test_the_measure_sees_a_cycle_a_lazy_upward_import_and_a_long_function(tmp_path):
+    """The script itself: a planted package with each defect is reported as such."""
+    pkg = tmp_path / "autotune"
+    pkg.mkdir()
+    (tmp_path / "strategies").mkdir()
+    (tmp_path / "strategies" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low.py").write_text(textwrap.dedent("""
+        def later():
+            from autotune.high import _helper  # lazy, upward, private
+            return _helper
+    """))
+    body = "\n".join(f"    x{i} = {i}" for i in range(structure.MAX_FUNCTION_LINES + 1))
+    (pkg / "high.py").write_text(f"from autotune.low import later\n\n\ndef _helper():\n{body}\n")
+    found = structure.shape(tmp_path)
+    assert found["cycles"] == [["autotune.high", "autotune.low"]]
+    assert found["upward imports"]  # the arrow that closes the cycle points up
+    assert found["private names imported across modules"] == ["autotune.low: _helper from autotune.high"]
+    assert [name for name, _ in found[f"functions over {structure.MAX_FUNCTION_LINES} lines"]] == ["autotune.high._helper"]
