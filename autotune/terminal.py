@@ -10,7 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
 console = Console(stderr=True)
@@ -70,27 +76,28 @@ class SearchView:
     def _trial(self, trial) -> None:
         """A finished trial's line, then the live line: trials done, the best, the time left."""
         from autotune.search.trials import best_trial, counted_trials
+        from autotune.trial.record import TrialRecord
         from strategies import describe
 
-        attrs = trial.user_attrs
-        fig = attrs.get("figures") or {}
-        if attrs.get("timing", {}).get("wall_s") and "duplicate_of" not in attrs:
-            self.walls.append(attrs["timing"]["wall_s"])
+        record = TrialRecord.of(trial)
+        fig = record.figures
+        if record.timing.get("wall_s") and record.duplicate_of is None:
+            self.walls.append(record.timing["wall_s"])
         outcome = (f"{fig['samples_per_s']:,.0f} samples/s, {fig['step_time_ms']:.1f} ms/step, "
-                   f"{fig['peak_memory_bytes'] / 2**30:.2f} GiB") if fig else attrs.get("reason", trial.state.name)
-        if attrs.get("backed_off_to"):
-            outcome += f"; queued again at batch {attrs['backed_off_to']}"
-        if attrs.get("unstable"):
+                   f"{fig['peak_memory_bytes'] / 2**30:.2f} GiB") if fig else (record.reason or trial.state.name)
+        if record.backed_off_to:
+            outcome += f"; queued again at batch {record.backed_off_to}"
+        if record.unstable:
             outcome += ", loss not finite (unstable: never recommended)"
         if fig.get("ddp_world_size"):
             unit, units = ("GPU", "GPUs") if self.study.user_attrs.get("device") == "cuda" else ("process", "processes")
             outcome += (f" over {fig['ddp_world_size']} {units} ({fig['per_gpu_samples_per_s']:,.0f} per {unit}, "
                         f"scaling efficiency {fig['scaling_efficiency']:.0%})")
-        dup = f" (same as #{attrs['duplicate_of']})" if "duplicate_of" in attrs else ""
-        if attrs.get("status") in ("crashed", "error", "timeout") and "duplicate_of" not in attrs:
+        dup = f" (same as #{record.duplicate_of})" if record.duplicate_of is not None else ""
+        if record.status in ("crashed", "error", "timeout") and record.duplicate_of is None:
             dup += f" (log: {self.out_dir / 'logs' / f'trial-{trial.number:04d}.log'})"
-        role = f"[{attrs['role']}] " if "role" in attrs else ""
-        knobs = describe(attrs.get('knobs', {}))
+        role = f"[{record.role}] " if record.role else ""
+        knobs = describe(record.knobs)
         self.progress.console.print(f"  #{trial.number:<3} {role}{knobs}: {outcome}{dup}")
         done = len(counted_trials(self.study))
         best = best_trial(self.study)

@@ -19,6 +19,7 @@ from autotune.accuracy.settings import (
     numerics_knobs,
 )
 from autotune.errors import AutotuneError
+from autotune.trial.record import TrialRecord
 
 # ---------------------------------------------------------------------------------------------
 # the verdict
@@ -144,11 +145,11 @@ def cached_run(study, settings: AccuracySettings, knobs: Mapping[str, Any]) -> t
 def accuracy_of(study, trial) -> dict[str, Any] | None:
     """A trial's judged accuracy evidence: its own attribute, else the study's cached check of its
     numerics key (checked after it finished, at export), judged with the study's thresholds."""
-    own = trial.user_attrs.get("accuracy")
-    if own:
-        return own
+    record = TrialRecord.of(trial)
+    if record.accuracy:
+        return record.accuracy
     settings = study_settings(study)
-    knobs = trial.user_attrs.get("knobs")
+    knobs = record.knobs
     if settings is None or not knobs:
         return None
     found = cached_run(study, settings, knobs)
@@ -233,7 +234,7 @@ class AccuracyGate:
         maximize = study.direction == StudyDirection.MAXIMIZE
         best = value
         for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-            if t.value is not None and not t.user_attrs.get("unstable") and not failed(accuracy_of(study, t)):
+            if t.value is not None and not TrialRecord.of(t).unstable and not failed(accuracy_of(study, t)):
                 best = max(best, t.value) if maximize else min(best, t.value)
         return value >= NEAR_FRONTIER * best if maximize else value * NEAR_FRONTIER <= best
 
@@ -247,14 +248,14 @@ class AccuracyGate:
         from optuna.trial import TrialState
 
         done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                if t.value is not None and not t.user_attrs.get("unstable") and "knobs" in t.user_attrs]
+                if t.value is not None and not TrialRecord.of(t).unstable and TrialRecord.of(t).knobs]
         for t in sorted(done, key=lambda t: t.value, reverse=study.direction == StudyDirection.MAXIMIZE):
             acc = accuracy_of(study, t)
             if acc is None:
                 left = None if deadline is None else deadline - time.time()
                 if left is not None and left < MIN_CHECK_S:
                     return None  # the budget is spent: the export says the numerics were not checked
-                acc = self.evidence(study, t.user_attrs["knobs"], check=True,
+                acc = self.evidence(study, TrialRecord.of(t).knobs, check=True,
                                     timeout_s=None if left is None else min(self.timeout_s, left))
             if passed(acc):
                 return t

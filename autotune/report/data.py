@@ -3,6 +3,7 @@ row per trial with its figures and knob values, the best and baseline rows, and 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import pandas as pd
 import strategies
 from autotune.report.export import trials_frame
 from autotune.search.trials import baseline_trial, best_trial, counted_trials
+from autotune.trial.record import TrialRecord
 
 KNOBS = strategies.report_knobs()
 """The dimensions whose effect the report shows: each strategy says its own (Strategy.report_knobs)."""
@@ -34,8 +36,8 @@ class ReportData:
     """The rows plots use: completed, measured, not a repeat of another trial."""
     best: pd.Series | None
     baseline: pd.Series | None
-    attrs: dict[int, dict[str, Any]]
-    """Each trial's user attributes, by number."""
+    records: dict[int, TrialRecord]
+    """Each trial's record, by number (its accuracy: its own check or the study's of its numerics)."""
     cost: dict[str, Any]
     has: dict[str, bool] = field(default_factory=dict)
     """Which optional sections some trial has: energy, profile, findings, accuracy."""
@@ -54,10 +56,10 @@ def collect(study: optuna.Study, out_dir: Path, config: dict[str, Any] | None) -
     from autotune.accuracy.gate import accuracy_of
 
     trials = study.get_trials(deepcopy=False)
-    attrs = {t.number: dict(t.user_attrs) for t in trials}
+    records = {t.number: TrialRecord.of(t) for t in trials}
     for t in trials:  # a trial checked after it finished (at export) has its evidence in the study
-        if "accuracy" not in attrs[t.number] and (accuracy := accuracy_of(study, t)) is not None:
-            attrs[t.number]["accuracy"] = accuracy
+        if records[t.number].accuracy is None and (accuracy := accuracy_of(study, t)) is not None:
+            records[t.number] = dataclasses.replace(records[t.number], accuracy=accuracy)
     # trials_frame reads energy and accuracy from the same evidence (accuracy_of included)
     frame = trials_frame(study)
     for column in _FRAME_COLUMNS:  # a study without trials gives a frame without columns
@@ -66,13 +68,12 @@ def collect(study: optuna.Study, out_dir: Path, config: dict[str, Any] | None) -
     by_number = {t.number: t for t in trials}
     extra = []
     for number in frame["number"]:
-        t = by_number[number]
-        a = attrs[number]
+        record = records[number]
         row = {
-            "unstable": bool(a.get("unstable")),
-            "note": _trial_note(t),
+            "unstable": record.unstable,
+            "note": _trial_note(record, by_number[number].system_attrs.get("fail_reason")),
         }
-        knobs = a.get("knobs") or {}
+        knobs = record.knobs
         for knob in KNOBS:
             row[f"knob.{knob.key}"] = knob.get(knobs) if knobs and knob.only(knobs) else None
         extra.append(row)
@@ -93,21 +94,20 @@ def collect(study: optuna.Study, out_dir: Path, config: dict[str, Any] | None) -
     provenance = (config or {}).get("provenance") or study.user_attrs.get("provenance") or {}
     data = ReportData(study_name=study.study_name, out_dir=Path(out_dir), config=config, workload=workload,
                  device=device, provenance=provenance, frame=frame, measured=measured, best=best,
-                 baseline=baseline, attrs=attrs, cost=_search_cost(study, config))
-    data.has = {key: any(a.get(key) for a in attrs.values()) for key in ("energy", "profile", "findings", "accuracy")}
+                 baseline=baseline, records=records, cost=_search_cost(study, config))
+    data.has = {key: any(getattr(r, key) for r in records.values()) for key in ("energy", "profile", "findings", "accuracy")}
     return data
 
 
-def _trial_note(t: optuna.trial.FrozenTrial) -> str:
-    a = t.user_attrs
+def _trial_note(record: TrialRecord, fail_reason: str | None) -> str:
     notes = []
-    if not a.get("reason") and t.system_attrs.get("fail_reason"):
-        notes.append(str(t.system_attrs["fail_reason"]))
-    if a.get("duplicate_of") is not None:
-        notes.append(f"same configuration as #{a['duplicate_of']}, not measured again")
-    if a.get("retry_of") is not None:
-        notes.append(f"re-run of #{a['retry_of']}")
-    if a.get("unstable"):
+    if not record.reason and fail_reason:
+        notes.append(str(fail_reason))
+    if record.duplicate_of is not None:
+        notes.append(f"same configuration as #{record.duplicate_of}, not measured again")
+    if record.retry_of is not None:
+        notes.append(f"re-run of #{record.retry_of}")
+    if record.unstable:
         notes.append("loss not finite: never chosen as best")
     return "; ".join(notes)
 
@@ -116,8 +116,8 @@ def _search_cost(study: optuna.Study, config: dict[str, Any] | None) -> dict[str
     """The search's own cost: from config.json when exported, else added up as export does."""
     if config and config.get("search"):
         return dict(config["search"])
-    counted = counted_trials(study)
-    timing = [t.user_attrs.get("timing", {}) for t in counted if "duplicate_of" not in t.user_attrs]
+    counted = [TrialRecord.of(t) for t in counted_trials(study)]
+    timing = [t.timing for t in counted if t.duplicate_of is None]
     cost: dict[str, Any] = {"num_trials": len(counted), "num_measured": len(timing)}
     for key, name in (("worker_start_s", "worker_start_s"), ("build_s", "build_s"), ("warmup_s", "warmup_s"),
                       ("measure_s", "measure_s"), ("wall_s", "trial_wall_s"), ("compile_s", "compile_s")):

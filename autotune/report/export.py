@@ -16,23 +16,23 @@ from autotune.accuracy.gate import SETTINGS_ATTR, UNAVAILABLE_ATTR, accuracy_of
 from autotune.deploy.config import TunedConfig
 from autotune.deploy.space import SearchSpace
 from autotune.search.trials import baseline_trial, best_trial, counted_trials
+from autotune.trial.record import TrialRecord
 
 
 def trials_frame(study: optuna.Study) -> pd.DataFrame:
     """One row per trial: identity, outcome, figures, the search's own cost, and the parameters."""
     rows = []
     for t in study.get_trials(deepcopy=False):
-        attrs = t.user_attrs
-        fig = attrs.get("figures") or {}
-        timing = attrs.get("timing") or {}
+        record = TrialRecord.of(t)
+        fig, timing = record.figures, record.timing
         row: dict[str, Any] = {
             "number": t.number,
-            "role": attrs.get("role", "search"),
+            "role": record.role or "search",
             "state": t.state.name,
-            "status": attrs.get("status", t.system_attrs.get("fail_reason", "")),
-            "reason": attrs.get("reason", ""),
-            "duplicate_of": attrs.get("duplicate_of"),
-            "config": strategies.describe(attrs["knobs"]) if "knobs" in attrs else "",
+            "status": record.status if record.status is not None else t.system_attrs.get("fail_reason", ""),
+            "reason": record.reason if record.reason is not None else "",
+            "duplicate_of": record.duplicate_of,
+            "config": strategies.describe(record.knobs) if record.knobs else "",
             "samples_per_s": fig.get("samples_per_s"),
             # with --ddp N: samples_per_s is over all N GPUs; per GPU, and against the same
             # configuration alone on one GPU measured in the same trial
@@ -74,8 +74,8 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
             "skipped_steps": acc.get("skipped_steps"),
             "grad_cosine_vs_fp32": (acc.get("numerics") or {}).get("grad_cosine_vs_fp32"),
         })
-        energy = attrs.get("energy") or {}
-        profile = attrs.get("profile") or {}
+        energy = record.energy or {}
+        profile = record.profile or {}
         row.update({
             # NVML, over the timed steps
             "joules_per_sample": energy.get("joules_per_sample"),
@@ -88,9 +88,8 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
             **{key: profile.get(key) for key in ("tensor_core_share", "other_gemm_conv_share", "elementwise_share",
                                                  "layout_share", "memcpy_share", "idle_share", "kernels_per_step",
                                                  "copy_overlap")},
-            "findings": " | ".join(attrs.get("findings") or []),
-            "steered_by": (f"#{attrs['steered_by']['trial']} {attrs['steered_by']['rule']}"
-                           if attrs.get("steered_by") else ""),
+            "findings": " | ".join(record.findings),
+            "steered_by": (f"#{record.steered_by['trial']} {record.steered_by['rule']}" if record.steered_by else ""),
         })
         row.update({f"param.{k}": v for k, v in sorted(t.params.items())})
         rows.append(row)
@@ -100,7 +99,7 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
 def baseline_batch(base: optuna.trial.FrozenTrial, space: SearchSpace) -> dict[str, Any]:
     """The FP32 baseline's batch, and why it is not --base-batch-size when it is not: the baseline
     backed off to the largest batch that fits (autotune.search.memory)."""
-    knob = base.user_attrs["knobs"]["batch_size"]
+    knob = TrialRecord.of(base).knobs["batch_size"]
     batch, steps = knob["batch_size"], knob.get("accumulation_steps", 1)
     out: dict[str, Any] = {"batch_size": batch, "accumulation_steps": steps, "base_batch_size": space.base_batch_size}
     if batch * steps != space.base_batch_size:
@@ -123,7 +122,7 @@ def export(study: optuna.Study, out_dir: Path, *, config, space: SearchSpace, pr
     info = _config_info(study, out_dir, best, config=config, space=space, probe=probe)
     cfg = TunedConfig.from_params(best.params, space, info=info)
     # a study resumed by a newer autotune: its older trials ran knobs added since at their defaults
-    recorded = strategies.knobs_from_dict(best.user_attrs["knobs"], fill_missing=True)
+    recorded = strategies.knobs_from_dict(TrialRecord.of(best).knobs, fill_missing=True)
     if cfg.knobs != recorded:
         raise AssertionError(f"replaying trial {best.number}'s params gives {cfg.knobs}, not {recorded}")
     files["config.json"] = out_dir / "config.json"
@@ -136,8 +135,9 @@ def _config_info(study: optuna.Study, out_dir: Path, best: optuna.trial.FrozenTr
     """What config.json records besides the knobs: how the search ran, the best and baseline
     figures, where it ran, the search's cost, the objective and the accuracy evidence."""
     base = baseline_trial(study)
-    counted = counted_trials(study)
-    timing = [t.user_attrs.get("timing", {}) for t in counted if "duplicate_of" not in t.user_attrs]
+    counted = [TrialRecord.of(t) for t in counted_trials(study)]
+    timing = [t.timing for t in counted if t.duplicate_of is None]
+    best_record, base_record = TrialRecord.of(best), None if base is None else TrialRecord.of(base)
 
     def total(key: str) -> float:
         return round(sum(x.get(key) or 0.0 for x in timing), 2)
@@ -154,12 +154,12 @@ def _config_info(study: optuna.Study, out_dir: Path, best: optuna.trial.FrozenTr
         # with --data the timed steps were fed by a DataLoader over it (`autotune verify` does so again)
         "data": config.data,
         "measure": config.measure.to_dict(),
-        "summary": strategies.describe(best.user_attrs["knobs"]),
-        "figures": best.user_attrs["figures"],
+        "summary": strategies.describe(best_record.knobs),
+        "figures": best_record.figures,
         "baseline": None if base is None else {
-            "summary": strategies.describe(base.user_attrs["knobs"]),
-            "knobs": base.user_attrs["knobs"],
-            "figures": base.user_attrs["figures"],
+            "summary": strategies.describe(base_record.knobs),
+            "knobs": base_record.knobs,
+            "figures": base_record.figures,
             "trial_number": base.number,
             **baseline_batch(base, space),
         },
@@ -180,7 +180,7 @@ def _config_info(study: optuna.Study, out_dir: Path, best: optuna.trial.FrozenTr
         },
     }
     if base is not None:
-        b, f = base.user_attrs["figures"], best.user_attrs["figures"]
+        b, f = base_record.figures, best_record.figures
         info["speedup_vs_baseline"] = f["samples_per_s"] / b["samples_per_s"]
         info["memory_vs_baseline"] = f["peak_memory_bytes"] / b["peak_memory_bytes"]
     _add_objective_and_accuracy(info, study, best, base)

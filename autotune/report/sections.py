@@ -150,12 +150,12 @@ def finding_rows(d: ReportData) -> list[dict[str, Any]]:
     order = [int(d.best["number"])] if d.best is not None else []
     if d.baseline is not None:
         order.append(int(d.baseline["number"]))
-    order += sorted(n for n in d.attrs if n not in order)
+    order += sorted(n for n in d.records if n not in order)
     seen: dict[str, list[int]] = {}
     for n in order:
-        for text in d.attrs[n].get("findings") or []:
+        for text in d.records[n].findings:
             seen.setdefault(str(text), []).append(n)
-    reporting = sum(1 for a in d.attrs.values() if a.get("findings"))
+    reporting = sum(1 for r in d.records.values() if r.findings)
 
     def which(numbers: list[int]) -> str:
         if len(numbers) == reporting > 3:
@@ -170,22 +170,22 @@ def profile_rows(d: ReportData) -> list[dict[str, Any]]:
     """The profiled trials to compare: the baseline and the best when profiled, else the fastest profiled."""
     chosen = []
     for label, row in (("baseline", d.baseline), ("best", d.best)):
-        if row is not None and d.attrs[int(row["number"])].get("profile"):
+        if row is not None and d.records[int(row["number"])].profile:
             chosen.append((label, int(row["number"])))
     if not chosen:
-        profiled = [n for n, a in d.attrs.items() if a.get("profile")]
-        rates = {n: (d.attrs[n].get("figures") or {}).get("samples_per_s") or 0 for n in profiled}
+        profiled = [n for n, r in d.records.items() if r.profile]
+        rates = {n: d.records[n].samples_per_s or 0 for n in profiled}
         chosen = [("fastest profiled", max(profiled, key=lambda n: rates[n]))] if profiled else []
     out = []
     for label, n in chosen:
-        p = d.attrs[n]["profile"]
+        p = d.records[n].profile
         parts = [{"label": name, "share": as_float(p.get(key)), "color": color} for key, name, color in PROFILE_PARTS]
         known = sum(x["share"] or 0 for x in parts)
         if known < 0.995:
             parts.append({"label": "other", "share": max(0.0, 1 - known), "color": "#eeeeee"})
         out.append({
             "label": f"{label} (#{n})", "number": n,
-            "config": strategies.describe(d.attrs[n]["knobs"]) if d.attrs[n].get("knobs") else "",
+            "config": strategies.describe(d.records[n].knobs) if d.records[n].knobs else "",
             "parts": parts,
             "kernels_per_step": p.get("kernels_per_step"),
             "copy_overlap": p.get("copy_overlap"),

@@ -56,7 +56,7 @@ def _model_text(d: ReportData) -> str:
 
 
 def _energy_of(d: ReportData, row: pd.Series | None) -> dict[str, Any]:
-    return (d.attrs.get(int(row["number"]), {}).get("energy") or {}) if row is not None else {}
+    return (d.records[int(row["number"])].energy or {}) if row is not None else {}
 
 
 def summary_items(d: ReportData) -> list[dict[str, str]]:
@@ -115,7 +115,7 @@ def summary_items(d: ReportData) -> list[dict[str, str]]:
     else:
         items.append({"label": "Energy", "text": f"{NOT_MEASURED}"})
     if d.has["accuracy"]:
-        acc = (d.attrs.get(int(best["number"]), {}).get("accuracy") or {}) if best is not None else {}
+        acc = (d.records[int(best["number"])].accuracy or {}) if best is not None else {}
         if acc.get("accuracy_drop") is not None:
             text = f"accuracy drop {fmt_g(acc['accuracy_drop'], 3)} vs FP32"
             if acc.get("accuracy") is not None:
@@ -198,7 +198,7 @@ def kpis(d: ReportData) -> list[dict[str, str]]:
     if joules is not None:
         out.append({"key": "joules", "value": repr(float(joules)), "text": fmt_g(joules, 3),
                     "label": "J/sample, best"})
-    drop = ((d.attrs.get(int(best["number"]), {}).get("accuracy") or {}).get("accuracy_drop"))
+    drop = (d.records[int(best["number"])].accuracy or {}).get("accuracy_drop")
     if drop is not None:
         out.append({"key": "accuracy-drop", "value": repr(float(drop)), "text": fmt_g(drop, 3),
                     "label": "accuracy drop, best"})

@@ -13,10 +13,7 @@ from optuna.trial import TrialState
 from autotune.search.distributed import SharedStudy
 from autotune.search.knob_effects import fix_no_effect_knobs
 from autotune.search.options import SearchConfig
-
-
-def _compiles(trial: optuna.trial.FrozenTrial) -> bool:
-    return trial.user_attrs.get("knobs", {}).get("compile", {}).get("mode", "off") != "off"
+from autotune.trial.record import TrialRecord
 
 
 def estimate_next_wall(study: optuna.Study, walls: list[tuple[float, bool]]) -> float:
@@ -57,12 +54,12 @@ class StopRule:
         self.new_trials = 0
 
     def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-        config, started = self.config, self.started
-        if "status" in trial.user_attrs:
+        config, started, record = self.config, self.started, TrialRecord.of(trial)
+        if record.status is not None:
             self.new_trials += 1
-            if "duplicate_of" not in trial.user_attrs:
-                self.walls.append((trial.user_attrs.get("timing", {}).get("wall_s", 0.0), _compiles(trial)))
-        if config.steer and "status" in trial.user_attrs:
+            if record.duplicate_of is None:
+                self.walls.append((record.timing.get("wall_s", 0.0), record.knob("compile", "mode", "off") != "off"))
+        if config.steer and record.status is not None:
             # knobs whose measured effect is below noise stop being explored
             newly = fix_no_effect_knobs(study)
             if newly:

@@ -37,6 +37,7 @@ from optuna.trial import TrialState
 
 from autotune.errors import ConfigError
 from autotune.search.storage import mask_url
+from autotune.trial.record import TrialRecord, queue_attrs, write
 
 log = logging.getLogger("autotune.search.distributed")
 
@@ -217,11 +218,12 @@ class SharedStudy:
         frozen = self.storage.get_trial(trial._trial_id)
         fixed = frozen.system_attrs.get("fixed_params")
         self.storage.set_trial_system_attr(trial._trial_id, "fail_reason", "surplus: the study had its trials")
-        trial.set_user_attr("reason", f"not run: the study's {self.trials} trials were already finished or "
-                                      "running in other processes")
+        write(trial, reason=f"not run: the study's {self.trials} trials were already finished or "
+                             "running in other processes")
         if fixed is not None:
-            attrs = {k: v for k, v in frozen.user_attrs.items() if k in ("role", "retry_of")}
-            self.study.enqueue_trial(fixed, user_attrs=attrs, skip_if_exists=False)
+            record = TrialRecord.of(frozen)
+            kept = {k: v for k, v in (("role", record.role), ("retry_of", record.retry_of)) if v is not None}
+            self.study.enqueue_trial(fixed, user_attrs=queue_attrs(**kept), skip_if_exists=False)
 
     def other_processes(self) -> set[str]:
         """The host:pid of live processes, other than this one, running trials of the study."""

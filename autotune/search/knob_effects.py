@@ -34,6 +34,8 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from autotune.trial.record import TrialRecord
+
 FIXED_ATTR = "fixed_knobs"
 MIN_COMPLETED = 6
 """Usable completed trials before any knob is judged."""
@@ -51,8 +53,8 @@ def usable_trials(study: optuna.Study) -> list[FrozenTrial]:
     from autotune.accuracy.gate import accuracy_of, failed
 
     return [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            if t.value is not None and t.value > 0 and "duplicate_of" not in t.user_attrs
-            and not t.user_attrs.get("unstable") and not failed(accuracy_of(study, t))]
+            if t.value is not None and t.value > 0 and TrialRecord.of(t).duplicate_of is None
+            and not TrialRecord.of(t).unstable and not failed(accuracy_of(study, t))]
 
 
 def differs_only_in(a: dict[str, Any], b: dict[str, Any], ignore: set[str] | frozenset = frozenset()) -> str | None:
@@ -70,7 +72,7 @@ def relative_difference(x: float, y: float) -> float:
 
 
 def pair_noise(a: FrozenTrial, b: FrozenTrial) -> float:
-    spreads = [(t.user_attrs.get("figures") or {}).get("spread") or 0.0 for t in (a, b)]
+    spreads = [TrialRecord.of(t).figures.get("spread") or 0.0 for t in (a, b)]
     return max(NOISE_FLOOR, 0.5 * max(spreads))
 
 

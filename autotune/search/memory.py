@@ -27,6 +27,7 @@ from typing import Any, Mapping
 import optuna
 
 from autotune.errors import ConfigError
+from autotune.trial.record import TrialRecord
 
 PREDICT_MARGIN = 1.10
 """A prediction prunes only when it is this much over the limit: a line fitted from two or three
@@ -83,19 +84,19 @@ class MemoryModel:
     @classmethod
     def from_study(cls, study: optuna.Study, limit_bytes: float | None) -> "MemoryModel":
         model = cls(limit_bytes)
-        for trial in study.get_trials(deepcopy=False):
-            knobs, attrs = trial.user_attrs.get("knobs"), trial.user_attrs
-            if not knobs or "duplicate_of" in attrs:
+        for trial in map(TrialRecord.of, study.get_trials(deepcopy=False)):
+            knobs = trial.knobs
+            if not knobs or trial.duplicate_of is not None:
                 continue
             fam = family(knobs)
-            for batch, peak in (attrs.get("fit_peaks") or {}).items():
+            for batch, peak in (trial.fit_peaks or {}).items():
                 model.add(fam, int(batch), peak)
-            if attrs.get("status") == "ok" and (attrs.get("figures") or {}).get("peak_memory_bytes"):
-                model.add(fam, batch_of(knobs), attrs["figures"]["peak_memory_bytes"])
-            elif attrs.get("status") == "oom":
+            if trial.status == "ok" and trial.peak_memory_bytes:
+                model.add(fam, batch_of(knobs), trial.peak_memory_bytes)
+            elif trial.status == "oom":
                 model.ooms[fam].append((batch_of(knobs), trial.number))
-            if attrs.get("fit_oom_batch"):  # the worker's search for a batch that fits failed here too
-                model.ooms[fam].append((int(attrs["fit_oom_batch"]), trial.number))
+            if trial.fit_oom_batch:  # the worker's search for a batch that fits failed here too
+                model.ooms[fam].append((int(trial.fit_oom_batch), trial.number))
         return model
 
     def add(self, fam: str, batch: int, peak: float) -> None:

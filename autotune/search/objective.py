@@ -11,15 +11,12 @@ import optuna
 from optuna.trial import TrialState
 
 import strategies
+from autotune.trial.record import TrialRecord, copy, queue_attrs, write
 from autotune.trial.runner import run_worker
 from strategies.compile import COMPILE_ALLOWANCE_S
 
 # trial user attributes that hold a result; copied verbatim when a configuration repeats
 RESULT_ATTRS = ("status", "reason", "figures", "knobs", "timing", "energy", "profile", "findings")
-
-
-URGENT_ATTR = "urgent"
-"""User attribute of a queued trial that is served before the rest of the queue (serve_urgent_first)."""
 
 
 def serve_urgent_first(study: optuna.Study) -> None:
@@ -33,7 +30,7 @@ def serve_urgent_first(study: optuna.Study) -> None:
 
     def pop_urgent_first() -> int | None:
         for trial in storage.get_all_trials(study._study_id, deepcopy=False, states=(TrialState.WAITING,)):
-            if not trial.user_attrs.get(URGENT_ATTR):
+            if not TrialRecord.of(trial).urgent:
                 continue
             try:
                 if storage.set_trial_state_values(trial._trial_id, state=TrialState.RUNNING):
@@ -52,10 +49,9 @@ class TrialFailed(Exception):
 def requeue(study: optuna.Study, trial: optuna.Trial | optuna.trial.FrozenTrial) -> None:
     """Queue a trial's parameters to be measured again (its role kept), for a trial that was cut
     short through no fault of its configuration."""
-    attrs = {"retry_of": trial.number}
-    if "role" in trial.user_attrs:
-        attrs["role"] = trial.user_attrs["role"]
-    study.enqueue_trial(trial.params, user_attrs=attrs, skip_if_exists=False)
+    role = TrialRecord.of(trial).role
+    queued = queue_attrs(retry_of=trial.number, **({"role": role} if role else {}))
+    study.enqueue_trial(trial.params, user_attrs=queued, skip_if_exists=False)
 
 
 class Objective:
@@ -107,7 +103,7 @@ class Objective:
 
     def __call__(self, trial: optuna.Trial) -> float:
         knobs = strategies.sample(trial, self.space)
-        trial.set_user_attr("knobs", strategies.knobs_to_dict(knobs))
+        write(trial, knobs=strategies.knobs_to_dict(knobs))
         previous = self._same_params(trial)
         if previous is not None:
             return self._reuse(trial, previous)
@@ -124,13 +120,13 @@ class Objective:
         except KeyboardInterrupt:
             # the search was stopped (Ctrl-C, SIGTERM): this configuration is not at fault and
             # the next run measures it again
-            trial.set_user_attr("reason", "the search was interrupted during this trial; re-queued for the next run")
+            write(trial, reason="the search was interrupted during this trial; re-queued for the next run")
             requeue(trial.study, trial)
             raise
         if result["status"] == "timeout" and cut_by_budget:
             # not the configuration's fault: no "status", so it is not counted, and a resumed
             # search may measure it again
-            trial.set_user_attr("reason", f"the search budget ran out {timeout:.0f} s into this trial; "
+            write(trial, reason=f"the search budget ran out {timeout:.0f} s into this trial; "
                                           "re-queued for the next run")
             requeue(trial.study, trial)
             raise TrialFailed(f"trial {trial.number} stopped at the end of the search budget")
@@ -142,23 +138,21 @@ class Objective:
         """Conclude ``trial`` with the result of ``previous``, an earlier trial of the same parameters."""
         # Optuna may propose a configuration again (small categorical spaces): re-measuring
         # costs time and, for a failing one, repeats the failure; reuse the measured result
-        for key in RESULT_ATTRS:
-            if key in previous.user_attrs:
-                trial.set_user_attr(key, previous.user_attrs[key])
-        trial.set_user_attr("duplicate_of", previous.number)
-        return self._conclude(trial, previous.user_attrs.get("status"), previous.user_attrs.get("reason"),
-                              previous.user_attrs.get("figures"))
+        copy(previous, trial, RESULT_ATTRS)
+        write(trial, duplicate_of=previous.number)
+        before = TrialRecord.of(previous)
+        return self._conclude(trial, before.status, before.reason, before.figures or None)
 
     def _prune_if_it_cannot_fit(self, trial: optuna.Trial) -> None:
         """Prune, unmeasured, a configuration the memory model says does not fit, and back it off."""
         from autotune.search.memory import MemoryModel
 
-        verdict = MemoryModel.from_study(trial.study, self.fit_limit_bytes).verdict(trial.user_attrs["knobs"])
+        verdict = MemoryModel.from_study(trial.study, self.fit_limit_bytes).verdict(TrialRecord.of(trial).knobs)
         if verdict is not None:
             # not run, and not counted (no "status"): the sampler learns the region from the pruned
             # trial, and the configuration is queued at a batch that fits
-            trial.set_user_attr("reason", verdict)
-            trial.set_user_attr("predicted_oom", True)
+            write(trial, reason=verdict)
+            write(trial, predicted_oom=True)
             self._back_off(trial)
             raise optuna.TrialPruned(verdict)
 
@@ -195,17 +189,17 @@ class Objective:
         if figures:
             timing.update(warmup_s=figures.get("warmup_s"), measure_s=figures.get("measure_s"),
                           build_s=figures.get("build_s"), compile_s=figures.get("compile_s", 0.0))
-        trial.set_user_attr("timing", timing)
-        trial.set_user_attr("status", result["status"])
+        write(trial, timing=timing)
+        write(trial, status=result["status"])
         if result.get("reason"):
-            trial.set_user_attr("reason", result["reason"])
+            write(trial, reason=result["reason"])
         if figures:
-            trial.set_user_attr("figures", figures)
+            write(trial, figures=figures)
         fit = result.get("fit") or {}
         if fit.get("peaks"):
-            trial.set_user_attr("fit_peaks", fit["peaks"])
+            write(trial, fit_peaks=fit["peaks"])
         if fit.get("does_not_fit_at"):
-            trial.set_user_attr("fit_oom_batch", fit["does_not_fit_at"])
+            write(trial, fit_oom_batch=fit["does_not_fit_at"])
         if result["status"] == "oom":
             self._back_off(trial, fits_at=fit.get("fits_at"))
         if result["status"] == "ok":
@@ -220,7 +214,7 @@ class Objective:
 
         if "batch_size.batch_size" not in trial.params:
             return
-        knobs = trial.user_attrs["knobs"]
+        knobs = TrialRecord.of(trial).knobs
         batch = fits_at
         if batch is None:
             model = MemoryModel.from_study(trial.study, self.fit_limit_bytes)
@@ -231,12 +225,12 @@ class Objective:
         for other in trial.study.get_trials(deepcopy=False):
             if (other.params or other.system_attrs.get("fixed_params")) == params:
                 return
-        role = trial.user_attrs.get("role")
-        attrs = {"role": role if role == "baseline" else "backed-off", "backoff_of": trial.number}
-        if role == "baseline":
-            attrs[URGENT_ATTR] = True  # every figure is compared with it: measured next, not after the seeds
-        trial.study.enqueue_trial(params, user_attrs=attrs, skip_if_exists=False)
-        trial.set_user_attr("backed_off_to", batch)
+        role = TrialRecord.of(trial).role
+        # the baseline is measured next, not after the seeds: every figure is compared with it
+        queued = queue_attrs(role=role if role == "baseline" else "backed-off", backoff_of=trial.number,
+                       **({"urgent": True} if role == "baseline" else {}))
+        trial.study.enqueue_trial(params, user_attrs=queued, skip_if_exists=False)
+        write(trial, backed_off_to=batch)
 
     def _explain(self, trial: optuna.Trial, result: dict[str, Any]) -> None:
         """Record the trial's NVML and profile figures and the findings they support, and queue
@@ -246,39 +240,39 @@ class Objective:
 
         energy, profile, figures = result.get("energy"), result.get("profile"), result.get("figures") or {}
         if result.get("profile_error"):
-            trial.set_user_attr("profile_error", result["profile_error"])
+            write(trial, profile_error=result["profile_error"])
         if energy:
-            trial.set_user_attr("energy", energy)
+            write(trial, energy=energy)
         if profile:
-            trial.set_user_attr("profile", profile)
-        findings = derive(profile, energy, trial.user_attrs["knobs"], misaligned=self.misaligned,
+            write(trial, profile=profile)
+        findings = derive(profile, energy, TrialRecord.of(trial).knobs, misaligned=self.misaligned,
                           offered=offered(self.space), figures=figures)
         if not findings:
             return
-        trial.set_user_attr("findings", [f.text for f in findings])
-        trial.set_user_attr("finding_rules", [f.to_dict() for f in findings])
+        write(trial, findings=[f.text for f in findings])
+        write(trial, finding_rules=[f.to_dict() for f in findings])
         if self.steer and figures.get("loss_finite", True):
             queued = steer(trial.study, trial, findings, self.space)
             if queued:
-                trial.set_user_attr("steered", queued)
+                write(trial, steered=queued)
 
     def _conclude(self, trial: optuna.Trial, status: str | None, reason: str | None,
                   figures: dict[str, Any] | None, traceback: str | None = None) -> float:
         if status == "ok" and figures:
             if not figures.get("loss_finite", True):
-                trial.set_user_attr("unstable", True)
-            value = self.goal.value(figures, trial.user_attrs.get("energy"))
+                write(trial, unstable=True)
+            value = self.goal.value(figures, TrialRecord.of(trial).energy)
             if value is None:
                 text = (f"measured, but without the {self.goal.unit} that --objective {self.goal.name} ranks by "
                         "(NVML gave no energy reading for this trial)")
-                trial.set_user_attr("reason", text)
+                write(trial, reason=text)
                 raise TrialFailed(f"trial {trial.number}: {text}")
             self._check_accuracy(trial, value)
             return value
         if status == "oom":
-            batch = trial.user_attrs["knobs"]["batch_size"]["batch_size"]
+            batch = TrialRecord.of(trial).batch_size
             text = f"does not fit at batch {batch}: {reason}"
-            trial.set_user_attr("reason", text)
+            write(trial, reason=text)
             # PRUNED, not FAIL: Optuna's samplers learn from pruned trials (ranked below every
             # completed one), so the region that does not fit stops being proposed
             raise optuna.TrialPruned(text)
@@ -292,7 +286,7 @@ class Objective:
 
         if self.accuracy is None:
             return
-        if trial.user_attrs.get("unstable"):
+        if TrialRecord.of(trial).unstable:
             trial.set_constraint("accuracy", UNSTABLE_CONSTRAINT)
             return
         check = self.accuracy.near_frontier(trial.study, value)
@@ -302,21 +296,21 @@ class Objective:
             check = check and left > 5
             timeout = min(self.accuracy.timeout_s, max(1.0, left))
         try:
-            accuracy = self.accuracy.evidence(trial.study, trial.user_attrs["knobs"], check=check, timeout_s=timeout)
+            accuracy = self.accuracy.evidence(trial.study, TrialRecord.of(trial).knobs, check=check, timeout_s=timeout)
         except KeyboardInterrupt:
-            trial.set_user_attr("reason", "the search was interrupted during this trial's accuracy check; "
+            write(trial, reason="the search was interrupted during this trial's accuracy check; "
                                           "re-queued for the next run")
             requeue(trial.study, trial)
             raise
         if accuracy is not None:
-            trial.set_user_attr("accuracy", accuracy)
+            write(trial, accuracy=accuracy)
             trial.set_constraint("accuracy", accuracy["constraint"])
 
     @staticmethod
     def _same_params(trial: optuna.Trial):
         done = trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL))
         for other in done:
-            if other.params == trial.params and "status" in other.user_attrs:
+            if other.params == trial.params and TrialRecord.of(other).status is not None:
                 return other
         return None
 

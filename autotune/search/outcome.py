@@ -13,17 +13,15 @@ from collections import Counter
 
 import optuna
 
+from autotune.trial.record import TrialRecord
+
 FAILED_STATUSES = ("crashed", "error", "timeout")
 
 
-def _batch(trial: optuna.trial.FrozenTrial) -> int | None:
-    return (trial.user_attrs.get("knobs") or {}).get("batch_size", {}).get("batch_size")
-
-
-def _common_reason(trials: list[optuna.trial.FrozenTrial]) -> tuple[str, int]:
+def _common_reason(trials: list[TrialRecord]) -> tuple[str, int]:
     """The reason most of ``trials`` share (trial numbers and addresses left out), and how many."""
-    def key(trial: optuna.trial.FrozenTrial) -> str:
-        reason = trial.user_attrs.get("reason") or trial.user_attrs.get("status") or "no reason recorded"
+    def key(trial: TrialRecord) -> str:
+        reason = trial.reason or trial.status or "no reason recorded"
         return re.sub(r"0x[0-9a-f]+", "0x…", reason.splitlines()[0]).strip()
 
     reason, count = Counter(key(t) for t in trials).most_common(1)[0]
@@ -35,20 +33,21 @@ def explain(study: optuna.Study, *, min_batch_size: int | None = None) -> list[s
     has none)."""
     from autotune.accuracy.gate import accuracy_of, failed
 
-    trials = [t for t in study.get_trials(deepcopy=False) if "status" in t.user_attrs]
+    frozen = {t.number: t for t in study.get_trials(deepcopy=False)}
+    trials = [r for r in map(TrialRecord.of, frozen.values()) if r.status is not None]
     if not trials:
         return ["no trial was measured: the budget ended first, or the search was stopped; "
                 "give a longer --budget (or --trials N)"]
-    measured = [t for t in trials if t.user_attrs["status"] == "ok"]
-    unstable = [t for t in measured if t.user_attrs.get("unstable")]
-    rejected = [t for t in measured if not t.user_attrs.get("unstable") and failed(accuracy_of(study, t))]
-    oom = [t for t in trials if t.user_attrs["status"] == "oom"]
-    crashed = [t for t in trials if t.user_attrs["status"] in FAILED_STATUSES]
+    measured = [t for t in trials if t.status == "ok"]
+    unstable = [t for t in measured if t.unstable]
+    rejected = [t for t in measured if not t.unstable and failed(accuracy_of(study, frozen[t.number]))]
+    oom = [t for t in trials if t.status == "oom"]
+    crashed = [t for t in trials if t.status in FAILED_STATUSES]
     lines: list[str] = []
     n = len(trials)
     if unstable and len(unstable) == len(measured):
-        baseline = [t for t in unstable if t.user_attrs.get("role") == "baseline"]
-        fp32 = [t for t in unstable if (t.user_attrs.get("knobs") or {}).get("precision", {}).get("mode") == "fp32"]
+        baseline = [t for t in unstable if t.role == "baseline"]
+        fp32 = [t for t in unstable if t.knob("precision", "mode") == "fp32"]
         text = (f"every configuration measured ({len(unstable)} of {n} trials) gave a non-finite loss (NaN or Inf)")
         if baseline or fp32:
             which = f"the FP32 baseline (#{baseline[0].number})" if baseline else f"FP32 (#{fp32[0].number})"
@@ -58,7 +57,7 @@ def explain(study: optuna.Study, *, min_batch_size: int | None = None) -> list[s
             text += "; FP32 was not among them, so a lower precision may be the cause: try --precisions fp32,tf32"
         lines.append(text)
     if oom and len(oom) == n:
-        smallest = min(b for b in (_batch(t) for t in oom) if b is not None)
+        smallest = min(b for b in (t.batch_size for t in oom) if b is not None)
         lower = max(1, smallest // 2)
         hint = (f"--min-batch-size {lower} goes lower" if smallest > 1
                 else "the model does not fit even at batch 1: a smaller --input-shape or model is needed")

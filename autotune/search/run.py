@@ -19,7 +19,13 @@ from autotune.search.budget import StopRule
 from autotune.search.distributed import SharedStudy
 from autotune.search.goal import Goal, goal, nvml_refusal
 from autotune.search.objective import Objective, TrialFailed
-from autotune.search.options import DEFAULT_BUDGET_S, DEFAULT_OUT, SearchConfig, device_slug, resolve_device
+from autotune.search.options import (
+    DEFAULT_BUDGET_S,
+    DEFAULT_OUT,
+    SearchConfig,
+    device_slug,
+    resolve_device,
+)
 from autotune.search.outputs import check_writable, write_outputs
 from autotune.search.runlog import run_log
 from autotune.search.space import build_space, check_ddp, probe

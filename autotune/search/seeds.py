@@ -13,6 +13,7 @@ import strategies
 from autotune.deploy.space import SearchSpace
 from autotune.errors import ConfigError
 from autotune.search.trials import FINISHED
+from autotune.trial.record import queue_attrs
 from strategies.batch_size import nearest
 
 
@@ -62,7 +63,7 @@ def enqueue_replay(study: optuna.Study, folder: Path, space: SearchSpace, seeds:
         if params in seeded:
             seeded.remove(params)  # its first one is this search's seed; a repeat of it is replayed
             continue
-        study.enqueue_trial(params, user_attrs={"role": "replayed", "replay_of": number})
+        study.enqueue_trial(params, user_attrs=queue_attrs(role="replayed", replay_of=number))
     if left_out:
         # stacklevel: shown at run_search's line (through study.prepare_study), where the replay was asked for
         warnings.warn(f"--replay {folder}: {left_out} of its configurations are not in this search's space "

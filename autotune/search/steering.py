@@ -20,6 +20,7 @@ import optuna
 import strategies
 from autotune.deploy.space import SearchSpace
 from autotune.search.findings import Finding
+from autotune.trial.record import queue_attrs
 
 MAX_STEERED_PER_TRIAL = 2
 """Remedies queued from one trial, the first findings first (they are ordered by the rules)."""
@@ -94,7 +95,7 @@ def steer(study: optuna.Study, trial: optuna.trial.FrozenTrial | optuna.Trial, f
         params = complete_params({**trial.params, **finding.suggest}, space)
         if params == trial.params or params in known or params in queued:
             continue
-        study.enqueue_trial(params, user_attrs={"role": "steered",
-                                                "steered_by": {"trial": trial.number, "rule": finding.rule}})
+        study.enqueue_trial(params, user_attrs=queue_attrs(role="steered",
+                                                     steered_by={"trial": trial.number, "rule": finding.rule}))
         queued.append(params)
     return queued

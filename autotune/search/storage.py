@@ -23,6 +23,7 @@ import optuna
 from optuna.storages import RDBStorage
 
 from autotune.errors import AutotuneError, ConfigError
+from autotune.trial.record import TrialRecord, queue_attrs
 
 log = logging.getLogger("autotune.search.storage")
 
@@ -191,16 +192,15 @@ class RetryStaleTrial:
     """
 
     def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-        if "retry_of" in trial.user_attrs:
+        record = TrialRecord.of(trial)
+        if record.retry_of is not None:
             log.warning("trial %d died with its search process again; it stays failed", trial.number)
             return
-        attrs: dict[str, Any] = {"retry_of": trial.number}
-        if "role" in trial.user_attrs:
-            attrs["role"] = trial.user_attrs["role"]
+        queued = queue_attrs(retry_of=trial.number, **({"role": record.role} if record.role else {}))
         fixed = trial.system_attrs.get("fixed_params")
         log.warning("trial %d was running in a search process that stopped answering (no heartbeat for over "
                     "%d s); it is failed and queued again", trial.number, heartbeat_settings()[1])
-        study.enqueue_trial(trial.params or fixed or {}, user_attrs=attrs, skip_if_exists=False)
+        study.enqueue_trial(trial.params or fixed or {}, user_attrs=queued, skip_if_exists=False)
 
 
 def _sqlalchemy_error() -> type[Exception]:

@@ -14,7 +14,12 @@ from optuna.trial import TrialState
 
 from autotune.deploy.space import SearchSpace
 from autotune.errors import ConfigError
-from autotune.search.distributed import check_same_hardware, sampler_seed, setup_done, wait_for_setup
+from autotune.search.distributed import (
+    check_same_hardware,
+    sampler_seed,
+    setup_done,
+    wait_for_setup,
+)
 from autotune.search.knob_effects import apply_fixed_knobs
 from autotune.search.machine import MACHINE_ATTR, check_resume, this_machine
 from autotune.search.objective import requeue, serve_urgent_first
@@ -22,6 +27,7 @@ from autotune.search.options import SearchConfig, memory_limit_bytes
 from autotune.search.seeds import enqueue_replay, seed_configurations
 from autotune.search.space import same_space
 from autotune.search.storage import mask_url, open_storage
+from autotune.trial.record import TrialRecord, queue_attrs
 
 
 def _limit_words(limit: int | None) -> str:
@@ -150,7 +156,7 @@ def _set_up(config: SearchConfig, device: str, info: dict[str, Any], study: optu
     study.set_user_attr("memory_limit_bytes", limit)
     seeds = seed_configurations(space)
     for role, params in seeds:
-        study.enqueue_trial(params, user_attrs={"role": role})
+        study.enqueue_trial(params, user_attrs=queue_attrs(role=role))
     if config.replay is not None:
         enqueue_replay(study, config.replay, space, [params for _, params in seeds])
     setup_done(study)
@@ -166,7 +172,7 @@ def recover_dead_trials(study: optuna.Study) -> list[int]:
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         study._storage.set_trial_system_attr(trial._trial_id, "fail_reason", "search process died; re-queued")
         study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
-        if "retry_of" not in trial.user_attrs:  # re-run once: a trial that dies twice stays failed
+        if TrialRecord.of(trial).retry_of is None:  # re-run once: a trial that dies twice stays failed
             requeue(study, trial)
         recovered.append(trial.number)
     return recovered

@@ -6,13 +6,15 @@ from __future__ import annotations
 import optuna
 from optuna.trial import TrialState
 
+from autotune.trial.record import TrialRecord
+
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
 def counted_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     """Finished trials with a recorded outcome. A trial whose search process was killed has
     none (it is failed on resume and re-run), so no trial is counted twice."""
-    return [t for t in study.get_trials(deepcopy=False, states=FINISHED) if "status" in t.user_attrs]
+    return [t for t in study.get_trials(deepcopy=False, states=FINISHED) if TrialRecord.of(t).status is not None]
 
 
 def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
@@ -21,7 +23,7 @@ def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
     from autotune.accuracy.gate import accuracy_of, failed
 
     done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            if not t.user_attrs.get("unstable") and not failed(accuracy_of(study, t))]
+            if not TrialRecord.of(t).unstable and not failed(accuracy_of(study, t))]
     if not done:
         return None
     pick = max if study.direction == optuna.study.StudyDirection.MAXIMIZE else min
@@ -30,6 +32,6 @@ def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
 
 def baseline_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-        if t.user_attrs.get("role") == "baseline":
+        if TrialRecord.of(t).role == "baseline":
             return t
     return None

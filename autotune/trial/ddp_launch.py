@@ -77,7 +77,12 @@ def run_ranks(request: dict[str, Any], *, world_size: int, timeout_s: float | No
     failing rank's ("oom", "error", or "crashed" for a rank that died without a result), or
     "timeout" when the group was still running at ``timeout_s``; the other ranks are killed.
     """
-    from autotune.trial.process import crash_reason, exit_description, salient_error, worker_env
+    from autotune.trial.process import (
+        crash_reason,
+        exit_description,
+        salient_error,
+        worker_env,
+    )
 
     with tempfile.TemporaryDirectory(prefix="autotune-ddp-") as tmp_name:
         tmp = Path(tmp_name)

@@ -97,7 +97,6 @@ def measure_fixed(step: Callable[[], Any], device: str, settings, *, setup_steps
     """Time a fixed number of steps (every rank the same): setup steps (compile) apart, then
     warm-up, then the timed steps; steady and noisy are judged as ``measure`` judges them.
     ``timed_window()`` (NVML sampling) is entered around the timed steps only."""
-    import torch
 
     from autotune.trial.measure import Measurement, Timer, quantile
 
@@ -132,7 +131,6 @@ class _Run:
     """One model of a rank, prepared through TunedConfig, with its step and batches."""
 
     def __init__(self, cfg, spec, *, input_on_device: bool, seed: int, rank: int) -> None:
-        import torch
 
         from autotune.trial.batches import input_batches
         from autotune.workload.models import build
@@ -158,7 +156,6 @@ class _Run:
 def run_rank(request: dict[str, Any]) -> dict[str, Any]:
     """One rank of a DDP trial: join the group, time the single-GPU window, then the DDP window;
     rank 0 returns the trial's figures, gathered from every rank."""
-    import torch
     import torch.distributed as dist
 
     import strategies
@@ -202,7 +199,6 @@ def _single_gpu_window(trial: TrialSetup, *, seed: int, rank: int, world: int,
     """1. single GPU: the same configuration without DDP, every rank alone on its own GPU; returns
     every rank's step time and compile time (gathered), this rank's build seconds (since ``t0``)
     and the window's seconds. The model is freed again before the DDP model is built."""
-    import torch
     import torch.distributed as dist
 
     import strategies

@@ -14,7 +14,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from autotune.trial.process import PRELOAD_IMPORTS, PYTHON_FLAGS, crash_reason, worker_env
+from autotune.trial.process import (
+    PRELOAD_IMPORTS,
+    PYTHON_FLAGS,
+    crash_reason,
+    worker_env,
+)
 
 # The worker is started through -c rather than -m: -m would put the current directory first on
 # sys.path before any of our code runs, and a file there (torch.py, optuna.py) would replace the
