@@ -318,9 +318,11 @@ def cmd_accuracy(args: argparse.Namespace) -> int:
     precisions = info["precisions"]
     if args.precisions:
         wanted = [m.strip() for m in args.precisions.split(",")]
-        unknown = [m for m in wanted if m not in ("fp32", "tf32", "fp16", "bf16")]
+        from strategies.precision import MODES
+
+        unknown = [m for m in wanted if m not in MODES]
         if unknown:
-            raise ConfigError(f"--precisions: unknown mode(s) {unknown}; choose from fp32, tf32, fp16, bf16")
+            raise ConfigError(f"--precisions: unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
         precisions = ["fp32"] + [m for m in wanted if m != "fp32"]
     space = SearchSpace(device=device, precisions=precisions)
     where = info["provenance"].get("gpu", "CPU")

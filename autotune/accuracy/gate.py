@@ -20,6 +20,7 @@ from autotune.accuracy.settings import (
 )
 from autotune.errors import AutotuneError
 from autotune.trial.record import TrialRecord
+from strategies.precision import AUTOCAST_DTYPES
 
 # ---------------------------------------------------------------------------------------------
 # the verdict
@@ -332,7 +333,7 @@ def mode_configurations(precisions: list[str], fp32_layers: list[str] | None = N
             out.append((mode, {"precision": {"mode": mode}}))
     for layers in fp32_layers or []:
         for mode in precisions:
-            if mode in ("fp16", "bf16"):
+            if mode in AUTOCAST_DTYPES:
                 knobs: dict[str, Any] = {"precision": {"mode": mode}, "fp32_layers": {"layers": layers}}
                 if mode == "fp16":
                     knobs["grad_scaler"] = {"enabled": True}

@@ -30,8 +30,9 @@ from autotune.report.compare_render import (
 )
 from autotune.report.compare_runs import Run, load_run
 from autotune.report.format import MISSING, fmt_fixed, fmt_gib, fmt_rate, fmt_times
+from strategies.precision import MODES
 
-PRECISION_MODES = ("fp32", "tf32", "fp16", "bf16")
+PRECISION_MODES = MODES
 """The precision modes the search knows, in the order the speed-up table lists them."""
 
 NOT_MEASURED = "not measured"

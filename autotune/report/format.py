@@ -6,10 +6,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from strategies.precision import MODES
+
 GIB = 2**30
 MISSING = "-"
 """What the comparison prints for a figure a run did not record."""
-PRECISION_ORDER = ["fp32", "tf32", "fp16", "bf16"]
+PRECISION_ORDER = list(MODES)
 
 
 def as_float(v: Any) -> float | None:

@@ -152,10 +152,11 @@ class SearchConfig:
         if self.min_batch_size and self.max_batch_size and self.min_batch_size > self.max_batch_size:
             raise ConfigError(f"--min-batch-size {self.min_batch_size} is larger than "
                               f"--max-batch-size {self.max_batch_size}")
-        known = ("fp32", "tf32", "fp16", "bf16")
+        from strategies.precision import MODES
+
         for mode in self.precisions or []:
-            if mode not in known:
-                raise ConfigError(f"--precisions: unknown mode {mode!r}; choose from {', '.join(known)}")
+            if mode not in MODES:
+                raise ConfigError(f"--precisions: unknown mode {mode!r}; choose from {', '.join(MODES)}")
         if self.precisions is not None and "fp32" not in self.precisions:
             raise ConfigError("--precisions must include fp32: the FP32 baseline is what every figure is compared with")
         if self.trial_timeout_s <= 0:
