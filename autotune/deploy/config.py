@@ -55,7 +55,10 @@ class TunedConfig:
         return cls(knobs, space, params=params, **kwargs)
 
     @classmethod
-    def load(cls, path: str | Path) -> "TunedConfig":
+    def load(cls, path: str | Path, *, here: bool = True) -> "TunedConfig":
+        """Read a config.json (or its output folder). ``here=False`` reads it as data, to translate
+        for another machine (``autotune export``): a CUDA configuration loads without a GPU, and
+        nothing is compared with this machine."""
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
@@ -86,6 +89,8 @@ class TunedConfig:
                 f"{path}: replaying its parameters gives {strategies.knobs_to_dict(cfg.knobs)}, not the "
                 f"recorded {data['knobs']}; the file was edited by hand or written by another version"
             )
+        if not here:
+            return cfg
         if space.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"{path} was tuned for CUDA but this process has no GPU; run on a GPU, or "
                               "tune for this machine with `autotune search --device cpu`")
@@ -193,6 +198,39 @@ class TunedConfig:
     def backend_flags(self) -> contextlib.AbstractContextManager[None]:
         """The tuned process-global switches, scoped: restored when the block ends."""
         return backend_flags(self.recipe.backend_flags)
+
+    # exports to training frameworks (autotune.deploy.exports); each lists what it cannot express
+
+    def hf_training_args(self) -> Any:
+        """``(training_args, unsupported)``: ``transformers.TrainingArguments`` keyword arguments
+        (precision, TF32, torch.compile, optimizer, batch, accumulation, DataLoader) and the tuned
+        settings they cannot express, as ``{"setting", "value", "why"}``."""
+        from autotune.deploy.exports import hf_training_args
+
+        return hf_training_args(self)
+
+    def lightning(self) -> Any:
+        """A LightningExport: ``precision``, ``callback`` (an AutotuneCallback for what the Trainer
+        has no flag for), ``trainer_kwargs`` (both included), ``dataloader_kwargs``, ``unsupported``.
+        Needs ``pip install lightning``."""
+        from autotune.deploy.lightning_callback import lightning_export
+
+        return lightning_export(self)
+
+    def accelerate_config(self) -> Any:
+        """An AccelerateExport: ``config`` and its ``yaml`` text for ``accelerate launch
+        --config_file`` (mixed precision, dynamo backend and mode, processes), the Accelerator,
+        DataLoader and optimizer keyword arguments, and ``unsupported``."""
+        from autotune.deploy.exports import accelerate_config
+
+        return accelerate_config(self)
+
+    def export(self, target: str, out_dir: str | Path) -> tuple[list[Path], list[dict[str, Any]]]:
+        """Write the export for ``target`` ("hf", "lightning" or "accelerate") into ``out_dir``;
+        returns the files written and the settings the target cannot express."""
+        from autotune.deploy.export_files import write_export
+
+        return write_export(self, target, out_dir)
 
     def describe(self) -> str:
         parts = [f"{name}: " + ", ".join(f"{k}={v}" for k, v in strategies.BY_NAME[name].to_dict(cfg).items())

@@ -1,0 +1,284 @@
+"""Exports: a tuned configuration in the words of Hugging Face, Lightning and accelerate.
+
+    cfg = autotune.load("runs/resnet50-h200/config.json")
+    kwargs, unsupported = cfg.hf_training_args()          # TrainingArguments(output_dir=..., **kwargs)
+    exp = cfg.lightning()                                  # Trainer(**exp.trainer_kwargs, max_epochs=...)
+    exp = cfg.accelerate_config()                          # exp.yaml for `accelerate launch --config_file`
+
+Each target expresses part of a configuration with its own options; the rest is listed in the
+export's ``unsupported`` ({"setting", "value", "why"}, the why saying what to do instead), never
+dropped silently. Only settings that differ from PyTorch's untuned behaviour are listed: an
+untuned value needs nothing. The frameworks are imported only where an export builds their
+objects (the Lightning callback), so autotune runs without them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import strategies
+from autotune.errors import ConfigError
+
+TARGETS = ("hf", "lightning", "accelerate")
+
+# torch.amp.GradScaler's defaults: a scaler tuned to these needs no option in any framework
+SCALER_DEFAULTS = {"init_scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
+
+
+class HFExport(NamedTuple):
+    """``TrainingArguments`` keyword arguments and what they cannot express."""
+
+    training_args: dict[str, Any]
+    unsupported: list[dict[str, Any]]
+
+
+class LightningExport(NamedTuple):
+    """A Lightning ``Trainer``'s precision and keyword arguments (the callback among them), the
+    DataLoader keyword arguments (the Trainer takes your loader as built), and what is left."""
+
+    precision: str
+    callback: Any
+    trainer_kwargs: dict[str, Any]
+    dataloader_kwargs: dict[str, Any]
+    unsupported: list[dict[str, Any]]
+
+
+class AccelerateExport(NamedTuple):
+    """An accelerate config file (as a dict and as YAML text), the ``Accelerator``, DataLoader and
+    optimizer keyword arguments your script passes, and what none of them can express."""
+
+    config: dict[str, Any]
+    yaml: str
+    accelerator_kwargs: dict[str, Any]
+    ddp_kwargs: dict[str, Any] | None
+    dataloader_kwargs: dict[str, Any]
+    optimizer_kwargs: dict[str, Any]
+    unsupported: list[dict[str, Any]]
+
+
+def require(package: str, module: str | None = None) -> Any:
+    """Import a framework an export needs, or say which package to install."""
+    import importlib
+
+    try:
+        return importlib.import_module(module or package)
+    except ImportError as exc:
+        raise ConfigError(f"this export needs the {package!r} package ({exc}); install it with "
+                          f"`pip install {package}`") from None
+
+
+def knob_values(cfg: Any) -> dict[str, dict[str, Any]]:
+    """Every knob's recorded values, untuned defaults filled in for knobs this space lacks."""
+    values = {s.name: s.to_dict(s.default()) for s in strategies.REGISTRY}
+    values.update(strategies.knobs_to_dict(cfg.knobs))
+    return values
+
+
+def item(setting: str, value: Any, why: str) -> dict[str, Any]:
+    """One entry of an export's ``unsupported`` list."""
+    return {"setting": setting, "value": value, "why": why}
+
+
+def tuned_scaler(values: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The GradScaler settings that differ from torch's defaults (empty without loss scaling)."""
+    scaler = values["grad_scaler"]
+    if not scaler.get("enabled"):
+        return {}
+    return {k: scaler[k] for k, default in SCALER_DEFAULTS.items() if scaler.get(k, default) != default}
+
+
+def ddp_kwargs(values: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """DistributedDataParallel keyword arguments of a ``--ddp N`` configuration; None without DDP."""
+    ddp = values["ddp"]
+    if ddp.get("world_size", 1) <= 1:
+        return None
+    return {k: ddp[k] for k in ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph")}
+
+
+# what no framework option covers, by setting: (tuned?, why). The why names the framework's own way
+# where there is one; an export leaves out the settings it does express.
+def _common_unsupported(values: dict[str, dict[str, Any]], target: str) -> list[dict[str, Any]]:
+    checks: list[tuple[str, Any, bool, str]] = [
+        ("memory_format.format", values["memory_format"]["format"], values["memory_format"]["format"] != "contiguous",
+         f"{target} has no memory-format option: call model.to(memory_format=torch.channels_last) before training "
+         "(a channels_last model's convolutions then run channels_last)"),
+        ("channel_alignment.multiple", values["channel_alignment"]["multiple"],
+         values["channel_alignment"]["multiple"] > 1,
+         f"{target} cannot change the model's layers: pad them with cfg.prepare(model) (or "
+         "strategies.channel_alignment.align_channels) before training"),
+        ("fp32_layers.layers", values["fp32_layers"]["layers"], values["fp32_layers"]["layers"] != "none",
+         f"{target}'s autocast covers the whole model: keep those layers in FP32 with "
+         "strategies.fp32_layers.keep_fp32(model, kinds) before training"),
+        ("cudnn.benchmark", values["cudnn"]["benchmark"], bool(values["cudnn"]["benchmark"]),
+         f"{target} has no cudnn.benchmark option: set torch.backends.cudnn.benchmark = True in your script"),
+        ("streams.num_streams", values["streams"]["num_streams"], values["streams"]["num_streams"] > 1,
+         f"{target} copies each batch on the compute stream: there is no side-stream copy of the next batch "
+         "(pin_memory=True still makes the copy asynchronous)"),
+        ("threads.num_threads", values["threads"]["num_threads"], values["threads"]["num_threads"] > 0,
+         f"{target} has no thread-count option: call torch.set_num_threads(N) in your script"),
+        ("cuda_graphs.enabled", values["cuda_graphs"]["enabled"], bool(values["cuda_graphs"]["enabled"]),
+         f"{target} runs the step eagerly: capturing the whole step in one CUDA graph needs cfg.train_step "
+         f"(compile mode reduce-overhead is the nearest {target} has)"),
+        ("optimizer.set_to_none", values["optimizer"]["set_to_none"], not values["optimizer"]["set_to_none"],
+         f"{target} clears gradients with zero_grad() (set_to_none=True); zeroing in place needs your own step"),
+    ]
+    return [item(setting, value, why) for setting, value, tuned, why in checks if tuned]
+
+
+def unsupported(cfg: Any, target: str, expressed: set[str]) -> list[dict[str, Any]]:
+    """The tuned settings ``target`` has no option for, leaving out those named in ``expressed``."""
+    return [u for u in _common_unsupported(knob_values(cfg), target) if u["setting"] not in expressed]
+
+
+# Hugging Face ------------------------------------------------------------------------------------
+
+
+def hf_optimizer(implementation: str, device: str) -> str | None:
+    """TrainingArguments(optim=...) for an optimizer implementation; None where no name says it.
+
+    The Trainer builds AdamW itself: "adamw_torch_fused" is fused=True, "adamw_torch" is PyTorch's
+    untuned choice (foreach on a GPU, the plain loop on a CPU); nothing picks the other one."""
+    untuned = "foreach" if device == "cuda" else "plain"
+    if implementation == "fused":
+        return "adamw_torch_fused"
+    if implementation in ("default", untuned):
+        return "adamw_torch"
+    return None
+
+
+def hf_training_args(cfg: Any) -> HFExport:
+    """``transformers.TrainingArguments`` keyword arguments for ``cfg`` (add output_dir and your own)."""
+    values = knob_values(cfg)
+    mode = values["precision"]["mode"]
+    args: dict[str, Any] = {"bf16": mode == "bf16", "fp16": mode == "fp16"}
+    if cfg.device == "cuda":
+        # autotune's fp32 is true FP32 (TF32 off for cuDNN too); every other mode lets TF32 in
+        args["tf32"] = mode != "fp32"
+    else:
+        args["use_cpu"] = True
+    args["per_device_train_batch_size"] = cfg.batch_size
+    args["gradient_accumulation_steps"] = cfg.accumulation_steps
+    loader = cfg.dataloader_kwargs()
+    args.update(dataloader_num_workers=loader.get("num_workers", 0), dataloader_pin_memory=loader["pin_memory"],
+                dataloader_drop_last=loader.get("drop_last", True))
+    if loader.get("num_workers", 0) > 0:
+        args.update(dataloader_prefetch_factor=loader["prefetch_factor"],
+                    dataloader_persistent_workers=loader.get("persistent_workers", False))
+    compile_mode = values["compile"]["mode"]
+    args["torch_compile"] = compile_mode != "off"
+    if compile_mode != "off":
+        args.update(torch_compile_backend="inductor", torch_compile_mode=compile_mode)
+    out = unsupported(cfg, "TrainingArguments", expressed=set())
+    implementation = values["optimizer"]["implementation"]
+    optim = hf_optimizer(implementation, cfg.device)
+    if optim is not None:
+        args["optim"] = optim
+    else:
+        out.append(item("optimizer.implementation", implementation,
+                        f"TrainingArguments(optim=...) offers AdamW fused or as PyTorch defaults it, not "
+                        f"{implementation}: pass your own optimizer with Trainer(optimizers=(optimizer, None))"))
+    scaler = tuned_scaler(values)
+    if scaler:
+        out.append(item("grad_scaler", scaler, "the Trainer's fp16 loss scaling uses torch's GradScaler defaults: "
+                                               "no TrainingArguments option sets them"))
+    ddp = ddp_kwargs(values)
+    if ddp is not None:
+        args.update(ddp_bucket_cap_mb=ddp["bucket_cap_mb"], ddp_static_graph=ddp["static_graph"])
+        if ddp["gradient_as_bucket_view"]:
+            out.append(item("ddp.gradient_as_bucket_view", True, "TrainingArguments has no gradient_as_bucket_view "
+                                                                 "option (launch with torchrun for the DDP itself)"))
+    return HFExport(args, out)
+
+
+# accelerate --------------------------------------------------------------------------------------
+
+ACCELERATE_MIXED_PRECISION = {"fp32": "no", "tf32": "no", "fp16": "fp16", "bf16": "bf16"}
+
+
+def accelerate_config(cfg: Any) -> AccelerateExport:
+    """An accelerate config file for ``cfg`` plus what the script passes to Accelerator, its
+    DataLoader and its optimizer; the config file holds precision, compile and processes."""
+    values = knob_values(cfg)
+    mode = values["precision"]["mode"]
+    ddp = ddp_kwargs(values)
+    processes = values["ddp"].get("world_size", 1) if ddp is not None else 1
+    config: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE", "debug": False,
+        "distributed_type": ("MULTI_GPU" if cfg.device == "cuda" else "MULTI_CPU") if ddp is not None else "NO",
+        "downcast_bf16": "no", "enable_cpu_affinity": False, "gpu_ids": "all", "machine_rank": 0,
+        "main_training_function": "main", "mixed_precision": ACCELERATE_MIXED_PRECISION[mode],
+        "num_machines": 1, "num_processes": processes, "rdzv_backend": "static", "same_network": True,
+        "use_cpu": cfg.device == "cpu",
+    }
+    compile_mode = values["compile"]["mode"]
+    config["dynamo_config"] = ({"dynamo_backend": "INDUCTOR", "dynamo_mode": compile_mode,
+                                "dynamo_use_fullgraph": False, "dynamo_use_dynamic": False}
+                               if compile_mode != "off" else {})
+    out = unsupported(cfg, "accelerate", expressed=set())
+    if cfg.device == "cuda":
+        flag = "tf32" if mode != "fp32" else "ieee"
+        out.append(item("precision.tf32", mode != "fp32",
+                        "accelerate's config has no TF32 switch: set torch.backends.cuda.matmul.fp32_precision = "
+                        f"torch.backends.cudnn.conv.fp32_precision = {flag!r} in your script"))
+    scaler = tuned_scaler(values)
+    if scaler:
+        out.append(item("grad_scaler", scaler, "not in accelerate's config file: pass "
+                                               f"Accelerator(kwargs_handlers=[GradScalerKwargs(**{scaler})])"))
+    implementation = values["optimizer"]["implementation"]
+    optimizer_kwargs = {"plain": {"foreach": False}, "foreach": {"foreach": True},
+                        "fused": {"fused": True}}.get(implementation, {})
+    loader = {"batch_size": cfg.batch_size, **cfg.dataloader_kwargs()}
+    text = yaml_text(config, out)
+    return AccelerateExport(config, text, {"gradient_accumulation_steps": cfg.accumulation_steps}, ddp, loader,
+                            optimizer_kwargs, out)
+
+
+def yaml_text(config: dict[str, Any], unsupported_items: list[dict[str, Any]]) -> str:
+    """The config as YAML, with what it cannot express as comments at the top (accelerate's
+    loader ignores comments, so the file stays loadable)."""
+    yaml = require("pyyaml", "yaml")
+    head = ["# accelerate config written by `autotune export --to accelerate`",
+            "# use: accelerate launch --config_file accelerate_config.yaml train.py"]
+    for u in unsupported_items:
+        head.append(f"# not expressible here: {u['setting']} = {u['value']}: {u['why']}")
+    return "\n".join(head) + "\n" + yaml.safe_dump(config, sort_keys=True)
+
+
+# Lightning ---------------------------------------------------------------------------------------
+
+LIGHTNING_PRECISION = {"fp32": "32-true", "tf32": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed"}
+
+# what the callback (autotune.deploy.lightning_callback.AutotuneCallback) applies itself, and so
+# is no gap of the Lightning export; cudnn.benchmark is also the Trainer's own benchmark flag
+LIGHTNING_CALLBACK_SETTINGS = {"memory_format.format", "channel_alignment.multiple", "fp32_layers.layers",
+                               "cudnn.benchmark", "threads.num_threads"}
+
+
+def lightning_settings(cfg: Any) -> dict[str, Any]:
+    """The Lightning export as plain data (what lightning.json holds): the Trainer's keyword
+    arguments, the DDP strategy's, what the callback applies, the DataLoader's, what is left."""
+    values = knob_values(cfg)
+    mode = values["precision"]["mode"]
+    trainer: dict[str, Any] = {"precision": LIGHTNING_PRECISION[mode], "accelerator": "gpu" if cfg.device == "cuda"
+                               else "cpu", "accumulate_grad_batches": cfg.accumulation_steps}
+    if cfg.device == "cuda":
+        trainer["benchmark"] = bool(values["cudnn"]["benchmark"])
+    ddp = ddp_kwargs(values)
+    if ddp is not None:
+        trainer["devices"] = values["ddp"]["world_size"]
+    recipe = cfg.recipe
+    applies = {"backend_flags": dict(recipe.backend_flags),
+               "memory_format": values["memory_format"]["format"],
+               "channel_alignment.multiple": values["channel_alignment"]["multiple"],
+               "fp32_layers.layers": values["fp32_layers"]["layers"],
+               "compile.mode": values["compile"]["mode"],
+               "optimizer.implementation": values["optimizer"]["implementation"],
+               "grad_scaler": dict(recipe.grad_scaler) if recipe.grad_scaler is not None else None}
+    return {"precision": trainer["precision"], "trainer": trainer,
+            "strategy": {"class": "lightning.pytorch.strategies.DDPStrategy", "kwargs": ddp} if ddp else None,
+            "callback": {"class": "autotune.deploy.lightning_callback.AutotuneCallback", "applies": applies},
+            "dataloader": {"batch_size": cfg.batch_size, **cfg.dataloader_kwargs()},
+            "unsupported": unsupported(cfg, "Lightning", expressed=LIGHTNING_CALLBACK_SETTINGS),
+            "usage": "exp = autotune.load(CONFIG).lightning(); "
+                     "trainer = lightning.Trainer(**exp.trainer_kwargs, max_epochs=...); "
+                     "DataLoader(dataset, **exp.dataloader_kwargs)"}
