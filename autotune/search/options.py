@@ -98,6 +98,10 @@ class SearchConfig:
     """An earlier search's output folder: its configurations are measured first, in its order
     (after this search's FP32 baseline and known-good ones), before the sampler proposes any: the
     same trials on another GPU, or with more GPUs (see replay_configurations)."""
+    mlflow: str | None = None
+    """--mlflow URI: also log each trial, the best configuration and the report to this MLflow
+    tracking store (autotune.search.mlflow_log; needs the mlflow package, checked by run_search
+    before any device time)."""
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cuda", "cpu"):

@@ -15,6 +15,7 @@ import optuna
 
 from autotune.deploy.space import SearchSpace
 from autotune.errors import ConfigError
+from autotune.search.artifacts import Artifacts
 from autotune.search.budget import StopRule
 from autotune.search.distributed import SharedStudy
 from autotune.search.goal import Goal, goal, nvml_refusal
@@ -56,6 +57,8 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
     progress: ("start", info), ("trial", FrozenTrial), ("end", None)."""
     emit = on_event or (lambda kind, payload: None)
     device, prestart, storage, target = _check_before_device_time(config)
+    # a tracking store MLflow refuses is refused here, before any device time
+    tracking = _mlflow_log(config)
     started = time.time()
     phases: dict[str, float] = {}
     # --gpus: the probe sees the requested GPUs (its device 0 the first) and names them, which
@@ -89,7 +92,11 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         emit("start", {"space": space, "probe": info, "out_dir": out_dir, "study": study,
                        "recovered": recovered, "done": len(counted_trials(study)), "config": config})
         stop_rule = StopRule(config, shared, started, emit)
-        interrupted = _optimize(config, study, objective, shared, gpu_pool, stop_rule, started)
+        artifacts = Artifacts(out_dir)  # each trial's log and trace, for optuna-dashboard
+        if tracking is not None:
+            tracking.start(study, config.command)
+        interrupted = _optimize(config, study, artifacts.wrap(objective), shared, gpu_pool,
+                                [stop_rule] + ([tracking] if tracking is not None else []), started)
         if gate is not None and interrupted is None:
             # the recommendation must have passing accuracy evidence: check the fastest trials
             # that have none, fastest first, until one passes
@@ -99,6 +106,9 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
             phases["final accuracy checks"] = time.time() - t
         t = time.time()
         files = write_outputs(study, out_dir, config, space, info)
+        artifacts.attach_outputs(study, files)
+        if tracking is not None:
+            tracking.finish(study, files, interrupted=interrupted is not None)
         phases["export"] = time.time() - t
         emit("end", None)
         if interrupted is not None:
@@ -106,6 +116,8 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         return SearchResult(study=study, out_dir=out_dir, space=space, probe=info, elapsed_s=time.time() - started,
                             new_trials=stop_rule.new_trials, files=files, phases=phases)
     finally:
+        if tracking is not None:
+            tracking.close("FAILED")  # ended by an error: the search's run says so (no-op once finished)
         discard_spares()
         GpuPool.deactivate()
         logged.close()
@@ -132,6 +144,16 @@ def _check_before_device_time(config: SearchConfig) -> tuple[str, bool, optuna.s
     if target.needs_nvml and device != "cuda":  # known before the probe: refuse at once
         raise ConfigError(nvml_refusal(device, None))
     return device, prestart, storage, target
+
+
+def _mlflow_log(config: SearchConfig):
+    """--mlflow: the search's MLflow log (autotune.search.mlflow_log.MlflowLog), its store opened;
+    None without --mlflow (mlflow is then never imported)."""
+    if config.mlflow is None:
+        return None
+    from autotune.search.mlflow_log import MlflowLog
+
+    return MlflowLog(config.mlflow)
 
 
 def _prestart_workers(config: SearchConfig, device: str) -> bool:
@@ -194,10 +216,12 @@ def _objective(config: SearchConfig, device: str, info: dict[str, Any], space: S
                      device_memory_bytes=info["provenance"].get("gpu_memory_bytes") if device == "cuda" else None)
 
 
-def _optimize(config: SearchConfig, study: optuna.Study, objective: Objective, shared: SharedStudy,
-              gpu_pool: GpuPool | None, stop_rule: StopRule, started: float) -> KeyboardInterrupt | None:
-    """Run trials until the stop rule (or the time left of the budget) ends them; a Ctrl-C or
-    SIGTERM is returned, not raised, so what was measured is still exported."""
+def _optimize(config: SearchConfig, study: optuna.Study, objective: Callable[[optuna.Trial], float],
+              shared: SharedStudy, gpu_pool: GpuPool | None, callbacks: list[Callable], started: float,
+              ) -> KeyboardInterrupt | None:
+    """Run trials until the stop rule (the first of ``callbacks``, Optuna's after each trial) or the
+    time left of the budget ends them; a Ctrl-C or SIGTERM is returned, not raised, so what was
+    measured is still exported."""
     remaining = None if config.trials is None else config.trials - len(counted_trials(study))
     interrupted = None
     if remaining is None or remaining > 0:
@@ -206,7 +230,7 @@ def _optimize(config: SearchConfig, study: optuna.Study, objective: Objective, s
             # --gpus: Optuna's own parallel loop, a thread (and a GPU) per trial in flight
             guarded = shared.guard(objective)
             study.optimize(gpu_pool.wrap(guarded) if gpu_pool else guarded, n_trials=None, timeout=timeout,
-                           n_jobs=len(gpu_pool) if gpu_pool else 1, callbacks=[stop_rule],
+                           n_jobs=len(gpu_pool) if gpu_pool else 1, callbacks=callbacks,
                            catch=(TrialFailed,), gc_after_trial=False, show_progress_bar=False)
         except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: what was measured is still exported
             interrupted = exc
