@@ -308,3 +308,138 @@ def test_a_faster_trial_whose_loss_was_not_finite_is_marked_not_chosen(tmp_path)
             if line.startswith("| ") and " | #" in line}
     assert "(unstable: loss not finite, never chosen as best)" in rows["#1"]
     assert "unstable" not in rows["#2"]
+
+
+# --- knob effects from pairs of trials that differ in one knob alone ----------------------------
+
+_CHOICES = {"precision.mode": ["fp32", "fp16", "bf16"], "streams.num_streams": [1, 2],
+            "batch_size.batch_size": [256, 512], "memory_format.format": ["contiguous", "channels_last"]}
+
+
+def _planted_study(rows: list[tuple], findings: dict[int, list[dict]] | None = None) -> optuna.Study:
+    """A study of completed trials: (role, precision, streams, batch, memory format, samples/s) each,
+    with the records a search writes (knobs, figures, status), and ``findings`` rules by trial."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize", study_name="planted")
+    study.set_user_attr("device", "cuda")
+    study.set_user_attr("workload", {"model": "resnet50", "input_shape": None, "num_classes": 1000})
+    for n, (role, mode, streams, batch, fmt, rate) in enumerate(rows):
+        params = {"precision.mode": mode, "streams.num_streams": streams, "batch_size.batch_size": batch,
+                  "memory_format.format": fmt}
+        knobs = {"precision": {"mode": mode}, "streams": {"num_streams": streams},
+                 "batch_size": {"batch_size": batch, "base_batch_size": 256}, "memory_format": {"format": fmt}}
+        rules = (findings or {}).get(n, [])
+        study.add_trial(optuna.trial.create_trial(
+            state=TrialState.COMPLETE, value=rate, params=params,
+            distributions={k: optuna.distributions.CategoricalDistribution(c) for k, c in _CHOICES.items()},
+            user_attrs={"role": role, "status": "ok", "knobs": knobs,
+                        "figures": {"samples_per_s": rate, "step_time_ms": 1000 * batch / rate, "spread": 0.01,
+                                    "peak_memory_bytes": 2**30 * batch / 64},
+                        "timing": {"worker_start_s": 1.0, "wall_s": 5.0},
+                        **({"findings": [r["text"] for r in rules], "finding_rules": rules} if rules else {})}))
+    return study
+
+
+# streams is confounded: the slow FP32 trials ran with 1 stream, the fast fp16 ones mostly with 2;
+# the one pair that differs in streams alone (#3, #4) ran at the same speed
+_CONFOUNDED = [
+    ("baseline", "fp32", 1, 256, "contiguous", 1000.0),
+    ("known-good", "fp32", 1, 512, "contiguous", 1050.0),
+    (None, "fp16", 2, 256, "contiguous", 5000.0),
+    (None, "fp16", 2, 512, "contiguous", 5200.0),
+    (None, "fp16", 1, 512, "contiguous", 5180.0),
+    (None, "bf16", 2, 512, "channels_last", 4500.0),
+    (None, "bf16", 2, 256, "channels_last", 4400.0),
+]
+
+
+def _knob_part(md: str) -> tuple[str, str]:
+    """The paired part of report.md's knob section, and its marginal part."""
+    part = md.split("## Effect of each knob")[1].split("\n## ")[0]
+    paired, marginal = part.split("### Marginal: all trials with each value")
+    return paired, marginal
+
+
+def _md_rows(text: str, label: str) -> list[list[str]]:
+    """The cells of a Markdown table's rows for one knob (its label, then the rows after it with none)."""
+    rows, mine = [], False
+    for line in text.splitlines():
+        if not line.startswith("| ") or line.startswith("| knob |"):
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[0]:
+            mine = cells[0] == label
+        if mine:
+            rows.append(cells)
+    return rows
+
+
+def test_the_report_shows_a_knobs_paired_effect_where_the_marginal_one_disagrees(tmp_path):
+    study = _planted_study(_CONFOUNDED)
+    files = write_report(study, tmp_path, None)
+    md, page = files["report.md"].read_text(), files["report.html"].read_text()
+    paired, marginal = _knob_part(md)
+    # the marginal medians say 2 streams are 4.8x faster (1,050 against 5,000 samples/s) ...
+    assert "| 1 | 3 | 1,050 | 5,180 |" in marginal and "| 2 | 4 | 4,750 | 5,200 |" in marginal
+    assert "mix their effects with this knob's" in marginal
+    # ... the pair that changes streams alone says they change nothing, and that is what the knob's row shows
+    streams = _md_rows(paired, "CUDA streams")
+    assert len(streams) == 1, streams
+    _, _, change, pairs, ratio, _, noise, verdict = streams[0]
+    assert (change, pairs, ratio, noise) == ("1 → 2", "1", "1.00×", "±3.0%")
+    assert verdict == "within the noise (#4/#3)"
+    # precision's one pair: fp32 -> fp16 at batch 512, 1 stream
+    assert _md_rows(paired, "precision")[0][2:5] == ["fp32 → fp16", "1", f"{5180 / 1050:.2f}×"]
+    # memory format only ever changed with precision: said plainly, no ratio
+    fmt = _md_rows(paired, "memory format")
+    assert fmt[0][2:5] == ["", "0", ""]
+    assert "no pair of trials differs in this knob alone: its marginal figures are confounded" in fmt[0][-1]
+    # the page: the same row in the paired table, above the (still drawn) marginal bars
+    knobs = section(page, "knobs")
+    table = re.search(r'<table id="paired-effects".*?</table>', knobs, flags=re.S).group(0)
+    row = re.search(r'<tr data-param="streams.num_streams">(.*?)</tr>', table, flags=re.S).group(1)
+    assert "1 → 2" in row and "1.00×" in row and "within the noise" in row
+    assert "no pair of trials differs in this knob alone: its marginal bars are confounded" in table
+    assert knobs.index('id="paired-effects"') < knobs.index("Marginal: all trials with each value")
+    assert {"knob-pairs", "knob-streams"} <= set(plots(page))
+    assert "Importance: too few measured trials for PED-ANOVA (7; it needs at least 10" in md
+
+
+def test_knob_importance_from_ped_anova_beside_the_pairs(tmp_path):
+    """With enough trials Optuna's PED-ANOVA rates each parameter; precision, which alone sets the
+    speed here, gets the largest share."""
+    more = [(None, mode, streams, batch, "contiguous", {"fp32": 1000.0, "fp16": 5000.0, "bf16": 4500.0}[mode]
+             + 10 * streams + batch / 256)
+            for mode in ("fp32", "fp16", "bf16") for streams in (1, 2) for batch in (256, 512)]
+    study = _planted_study([("baseline", "fp32", 1, 256, "contiguous", 999.0), *more])
+    md = write_report(study, tmp_path, None)["report.md"].read_text()
+    paired, _ = _knob_part(md)
+    assert "Importance: Optuna's PED-ANOVA over 13 measured trials" in paired
+    shares = {label: float(_md_rows(paired, label)[0][1].rstrip("%"))
+              for label in ("precision", "CUDA streams", "batch size")}
+    assert max(shares, key=shares.get) == "precision", shares
+    assert all(0 <= s <= 100 for s in shares.values())
+
+
+def test_repeated_findings_are_one_line_per_kind_with_their_trials(tmp_path):
+    def power(watts: int) -> dict:
+        return {"rule": "power-cap", "text": f"power-capped at {watts} W for 100% of the measured window",
+                "suggest": {}}
+
+    overlap = {"rule": "copies-hidden", "text": "81% of the host-to-device copy time runs under compute",
+               "suggest": {}}
+    tensor = {"rule": "no-tensor-cores", "text": "73% of GPU time is in FP32 GEMM/conv kernels", "suggest": {}}
+    findings = {0: [tensor], 2: [power(676), overlap], 3: [power(683), overlap], 5: [power(691)]}
+    files = write_report(_planted_study(_CONFOUNDED, findings), tmp_path, None)
+    md, page = files["report.md"].read_text(), files["report.html"].read_text()
+    lines = [line for line in md.split("## Findings")[1].split("\n## ")[0].splitlines() if line.startswith("- ")]
+    assert len(lines) == 3, lines
+    # the best trial's (#3) kinds first, its own text as the example; then the baseline's
+    assert lines[0] == ("- **power-capped** in 3 trials (#2, #3, #5); #3: power-capped at 683 W for 100% of the "
+                        "measured window")
+    assert lines[1].startswith("- **copies overlap compute** in 2 trials (#2, #3); #3: 81% of the host-to-device")
+    assert lines[2] == "- **no Tensor Cores:** 73% of GPU time is in FP32 GEMM/conv kernels (#0)"
+    found = section(page, "findings")
+    assert found.count('data-rule="power-cap"') == 1
+    for watts in (676, 683, 691):  # every trial's own text is still on the page
+        assert f"power-capped at {watts} W" in found

@@ -12,6 +12,7 @@ import optuna
 import pandas as pd
 
 import strategies
+from autotune.report.effects import Effects, measure
 from autotune.report.export import trials_frame
 from autotune.search.trials import baseline_trial, best_trial, counted_trials
 from autotune.trial.record import TrialRecord
@@ -41,6 +42,8 @@ class ReportData:
     cost: dict[str, Any]
     has: dict[str, bool] = field(default_factory=dict)
     """Which optional sections some trial has: energy, profile, findings, accuracy."""
+    effects: Effects | None = None
+    """Each parameter's effect from pairs of trials that differ in it alone, and its PED-ANOVA importance."""
 
 
 _FRAME_COLUMNS = ["number", "role", "state", "status", "reason", "duplicate_of", "config", "samples_per_s",
@@ -96,6 +99,7 @@ def collect(study: optuna.Study, out_dir: Path, config: dict[str, Any] | None) -
                  device=device, provenance=provenance, frame=frame, measured=measured, best=best,
                  baseline=baseline, records=records, cost=_search_cost(study, config))
     data.has = {key: any(getattr(r, key) for r in records.values()) for key in ("energy", "profile", "findings", "accuracy")}
+    data.effects = measure(study, KNOBS)
     return data
 
 

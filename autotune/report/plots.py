@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 import io
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -13,10 +14,10 @@ import matplotlib
 import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import PercentFormatter
+from matplotlib.ticker import FuncFormatter, PercentFormatter
 
 from autotune.report.data import ReportData
-from autotune.report.format import sort_key
+from autotune.report.format import sort_key, value_label
 
 PRECISION_COLORS = {"fp32": "#5b6b7f", "tf32": "#1b9e77", "fp16": "#d95f02", "bf16": "#7570b3"}
 FORMAT_MARKERS = {"contiguous": "o", "channels_last": "s"}
@@ -247,6 +248,55 @@ def plot_knob(effect: dict[str, Any]) -> Plot:
         ax.set_ylabel("samples/s")
         svg = inline_svg(fig, name)
     return Plot(name, effect["label"], svg)
+
+
+PAIR_COLORS = {1: "#1b9e77", -1: "#d95f02", 0: "#888888"}
+"""A pair's dot: faster beyond its noise, slower beyond it, within it."""
+_RATIO_TICKS = [1.05, 1.1, 1.25, 1.5, 2, 3, 5, 10, 20, 50, 100]
+
+
+def _ratio_ticks(high: float) -> list[float]:
+    """Ticks of a log axis of ratios from 1/high to high: at most four each side of 1, symmetric
+    (0.5x as far from 1 as 2x), where the decades matplotlib places would leave only 1."""
+    # ticks closer to 1 than a sixth of the axis's half-width print over the 1x label
+    up = [t for t in _RATIO_TICKS if t <= high and math.log(t) >= math.log(high) / 6]
+    while len(up) > 4:
+        up = up[1::2]
+    return [1 / t for t in reversed(up)] + [1.0] + up
+
+
+def plot_paired(d: ReportData) -> Plot | None:
+    """Each change of a knob's value that pairs of trials make alone: one dot per pair (its samples/s
+    ratio, log scale), the median, and the noise band within which a ratio says nothing."""
+    effects = d.effects
+    changes = [(f"{p.label}: {value_label(c.before)} → {value_label(c.after)}", c)
+               for p in (effects.params if effects is not None else []) for c in p.changes]
+    if not changes:
+        return None
+    with matplotlib.rc_context(_RC):
+        fig, ax = _figure(7.2, 0.9 + 0.3 * len(changes))
+        for i, (_, c) in enumerate(changes):
+            low, high = 1 / (1 + c.noise), 1 + c.noise  # a ratio in [low, high] is within the noise
+            ax.barh(i, high - low, left=low, height=0.7, color="#e8e8e8", zorder=1)
+            ax.scatter(c.ratios, [i] * len(c.ratios), s=22, color=[PAIR_COLORS[s] for s in c.signs],
+                       edgecolors="white", linewidths=0.5, zorder=3)
+            ax.scatter([c.ratio], [i], marker="|", s=160, color="#111111", linewidths=1.6, zorder=4)
+        ax.axvline(1.0, color="#777777", linewidth=0.8, zorder=2)
+        ax.set_xscale("log")
+        values = [r for _, c in changes for r in c.ratios] + [1 + max(c.noise for _, c in changes)]
+        high = 1.15 * max(max(values), 1 / min(values))  # symmetric: a halving as wide as a doubling
+        ax.set_xlim(1 / high, high)
+        ax.set_xticks(_ratio_ticks(high))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.2g}×"))
+        ax.set_xticks([], minor=True)
+        ax.set_yticks(range(len(changes)), [label for label, _ in changes])
+        ax.set_ylim(len(changes) - 0.5, -0.5)
+        ax.set_xlabel("samples/s after the change / before it (log scale)")
+        svg = inline_svg(fig, "knob-pairs")
+    return Plot("knob-pairs", "Paired effects", svg,
+                "One dot per pair of trials that differ in that knob alone (green: faster, orange: slower beyond "
+                "the noise, grey: within it); black line: the median; grey band: the noise, within which a "
+                "difference says nothing.")
 
 
 def plot_batch(d: ReportData) -> Plot | None:

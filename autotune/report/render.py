@@ -38,6 +38,7 @@ from autotune.report.plots import (
     plot_batch,
     plot_energy,
     plot_knob,
+    plot_paired,
     plot_precision_format,
     plot_profile,
     plot_speed_accuracy,
@@ -48,6 +49,8 @@ from autotune.report.sections import (
     finding_rows,
     is_ddp,
     knob_effects,
+    paired_intro,
+    paired_rows,
     profile_rows,
     snippet,
     trial_rows,
@@ -83,6 +86,10 @@ def _context(d: ReportData) -> dict[str, Any]:
         "plot_memory": plot_throughput_memory(d),
         "plots_knobs": plots_knobs,
         "fixed_knobs": fixed,
+        "paired_intro": paired_intro(d),
+        "paired": paired_rows(d),
+        "plot_paired": plot_paired(d),
+        "importance_note": d.effects.importance_note if d.effects is not None else "",
         "plot_batch": plot_batch(d),
         "plot_energy": plot_energy(d),
         "plot_profile": plot_profile(profiles),
@@ -135,9 +142,7 @@ def render_markdown(d: ReportData) -> str:
         out += _md_top(d, cfg)
         out += _md_knob_effects(d)
 
-    findings = finding_rows(d)
-    if findings:
-        out += ["## Findings", ""] + [f"- {_md(f['text'])} ({_md(f['trials'])})" for f in findings] + [""]
+    out += _md_findings(d)
 
     failed = failed_rows(d)
     out += ["## Failed and pruned trials", ""]
@@ -213,18 +218,49 @@ def _md_top(d: ReportData, cfg: dict[str, Any]) -> list[str]:
 
 
 def _md_knob_effects(d: ReportData) -> list[str]:
-    """Each knob's median and best samples/s by value, and the knobs the search held fixed."""
+    """Each knob's effect from pairs of trials that differ in it alone, with its PED-ANOVA importance;
+    then, secondary, the median and best samples/s by value over all trials, and the knobs held fixed."""
     effects, fixed = knob_effects(d)
-    out = ["## Effect of each knob", "",
-           "Median and best samples/s of the measured configurations, by the value of one knob.", ""]
+    out = ["## Effect of each knob", "", _md(paired_intro(d)), ""]
+    rows = []
+    for p in paired_rows(d, noun="figures"):
+        first = [p["label"], p["importance"]]
+        if p["alone"]:
+            rows.append([*first, "", 0, "", "", "", p["alone"]])
+        for i, r in enumerate(p["rows"]):
+            rows.append([*(first if i == 0 else ["", ""]), r["change"], r["n"], r["ratio"], r["range"], r["noise"],
+                         f"{r['verdict']} ({r['pairs']})"])
+    if rows:
+        out += _md_table(["knob", "importance", "change", "pairs", "samples/s ratio", "range", "noise band",
+                          "verdict (pairs: before/after)"], rows)
+        out.append("")
+    if d.effects is not None:
+        out += [_md(d.effects.importance_note), ""]
+    out += ["### Marginal: all trials with each value", "",
+            ("Median and best samples/s of the measured configurations, by the value of one knob. The other knobs "
+             "changed too, so these mix their effects with this knob's: the pairs above are the knob's own."), ""]
     for e in effects:
-        out += [f"### {_md(e['label'])}", ""]
+        out += [f"#### {_md(e['label'])}", ""]
         out += _md_table([e["label"], "trials", "median samples/s", "best samples/s"],
                          [[r["label"], r["n"], fmt_rate(r["median"]), fmt_rate(r["best"])] for r in e["rows"]])
         out.append("")
     if fixed:
         out += ["Fixed in this search: " + _md("; ".join(fixed)) + ".", ""]
     return out
+
+
+def _md_findings(d: ReportData) -> list[str]:
+    """One line per kind of finding with the trials it applies to and an example (the best trial's first)."""
+    lines = []
+    for f in finding_rows(d):
+        if f["title"] is None:  # a trial recorded before findings named their rule: its text is the kind
+            lines.append(f"- {_md(f['text'])} ({_md(f['trials'])})")
+        elif f["count"] == 1:
+            lines.append(f"- **{_md(f['title'])}:** {_md(f['text'])} ({_md(f['trials'])})")
+        else:
+            lines.append(f"- **{_md(f['title'])}** in {f['count']} trials ({_md(f['trials'])}); "
+                         f"#{f['example']}: {_md(f['text'])}")
+    return ["## Findings", "", *lines, ""] if lines else []
 
 
 def write_report(study: optuna.Study, out_dir: Path, config: dict | None = None) -> dict[str, Path]:

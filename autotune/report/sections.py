@@ -18,10 +18,12 @@ from autotune.report.format import (
     fmt_ms,
     fmt_pct,
     fmt_rate,
+    fmt_ratio,
     fmt_s,
     sort_key,
     value_label,
 )
+from autotune.search.knob_effects import NOISE_FLOOR
 
 PROFILE_PARTS = [  # (key in the profile attribute, label, colour)
     ("tensor_core_share", "Tensor Core GEMM/conv", "#1b9e77"),
@@ -145,25 +147,96 @@ def knob_effects(d: ReportData) -> tuple[list[dict[str, Any]], list[str]]:
     return effects, fixed
 
 
+RULE_TITLES = {  # a finding's kind in a few words (autotune.search.findings names its rules)
+    "compile-inert": "torch.compile compiled nothing",
+    "data-bound": "data-bound",
+    "ddp-scaling": "DDP scales below 90%",
+    "layout": "layout conversions",
+    "idle": "GPU idle",
+    "copies": "host-to-device copies exposed",
+    "copies-hidden": "copies overlap compute",
+    "no-tensor-cores": "no Tensor Cores",
+    "misaligned": "misaligned channels",
+    "elementwise": "memory-bound elementwise kernels",
+    "power-cap": "power-capped",
+    "thermal": "thermal throttling",
+}
+_SHOWN_TRIALS = 20
+"""Trial numbers a finding's line lists before "and N more"."""
+
+
 def finding_rows(d: ReportData) -> list[dict[str, Any]]:
-    """Each distinct finding once, with the trials that report it; the best trial's first."""
+    """One line per kind of finding (its rule; a trial recorded before rules were stored: its text),
+    with the trials it applies to and each trial's own text; the best trial's kinds first, then the
+    baseline's. A kind's example text is that of the first trial in that order."""
     order = [int(d.best["number"])] if d.best is not None else []
-    if d.baseline is not None:
+    if d.baseline is not None and int(d.baseline["number"]) not in order:
         order.append(int(d.baseline["number"]))
     order += sorted(n for n in d.records if n not in order)
-    seen: dict[str, list[int]] = {}
+    groups: dict[str, dict[str, Any]] = {}
     for n in order:
-        for text in d.records[n].findings:
-            seen.setdefault(str(text), []).append(n)
-    reporting = sum(1 for r in d.records.values() if r.findings)
+        record = d.records[n]
+        found = [(r.get("rule"), str(r.get("text", ""))) for r in record.finding_rules] or \
+                [(None, str(text)) for text in record.findings]
+        for rule, text in found:
+            group = groups.setdefault(rule or text, {"rule": rule, "items": []})
+            if all(item["number"] != n or item["text"] != text for item in group["items"]):
+                group["items"].append({"number": n, "text": text})
+    reporting = sum(1 for r in d.records.values() if r.findings or r.finding_rules)
 
     def which(numbers: list[int]) -> str:
         if len(numbers) == reporting > 3:
             return f"all {reporting} trials that report findings"
-        shown = ", ".join(f"#{n}" for n in sorted(numbers)[:8])
-        return shown + (f" and {len(numbers) - 8} more" if len(numbers) > 8 else "")
+        shown = ", ".join(f"#{n}" for n in numbers[:_SHOWN_TRIALS])
+        return shown + (f" and {len(numbers) - _SHOWN_TRIALS} more" if len(numbers) > _SHOWN_TRIALS else "")
 
-    return [{"text": text, "trials": which(ns)} for text, ns in seen.items()]
+    rows = []
+    for group in groups.values():
+        numbers = sorted({item["number"] for item in group["items"]})
+        first = group["items"][0]
+        rule = group["rule"]
+        rows.append({"rule": rule, "title": RULE_TITLES.get(rule, rule) if rule else None, "text": first["text"],
+                     "example": first["number"], "count": len(numbers), "trials": which(numbers),
+                     "items": sorted(group["items"], key=lambda item: item["number"])})
+    return rows
+
+
+def paired_intro(d: ReportData) -> str:
+    """What the paired table shows, in one paragraph both renderings print above it."""
+    n = d.effects.trials if d.effects is not None else 0
+    if not any(p.changes for p in (d.effects.params if d.effects is not None else [])):
+        return (f"No two of the {n} measured trials differ in one knob alone, so no knob's own effect can be "
+                "told apart from the others': the marginal figures below mix them.")
+    return ("From pairs of measured trials that differ in that knob alone (every other parameter equal), so no "
+            "other knob is mixed in: for each change of value, the median ratio of the two trials' samples/s "
+            "(after over before) and its range over the pairs, against the noise band within which a difference "
+            f"says nothing ({fmt_pct(NOISE_FLOOR, 0)}, or half the larger step-time spread of the two). "
+            f"{n} measured trials compared.")
+
+
+def paired_rows(d: ReportData, noun: str = "bars") -> list[dict[str, Any]]:
+    """Each parameter that took several values: its PED-ANOVA importance and, per change of value
+    that pairs of trials make alone, the median ratio of their samples/s, the range, the noise band
+    and the verdict; or that no pair isolates it (then its marginal ``noun`` are confounded)."""
+    out = []
+    for p in d.effects.params if d.effects is not None else []:
+        rows = []
+        for c in p.changes:
+            shown = ", ".join(f"#{a}/#{b}" for a, b in c.pairs[:6]) + (" ..." if len(c.pairs) > 6 else "")
+            rows.append({"change": f"{value_label(c.before)} → {value_label(c.after)}", "n": len(c.pairs),
+                         "pairs": shown, "ratio": fmt_ratio(c.ratio), "ratio_value": c.ratio,
+                         "range": f"{min(c.ratios):.2f}–{max(c.ratios):.2f}×" if len(c.ratios) > 1 else "",
+                         "noise": f"±{fmt_pct(c.noise)}", "verdict": c.verdict()})
+        if p.changes:
+            alone = None
+        elif p.knob is not None:
+            alone = f"no pair of trials differs in this knob alone: its marginal {noun} are confounded"
+        else:
+            alone = "no pair of trials differs in this parameter alone"
+        out.append({"param": p.param, "label": p.label, "key": p.knob.key if p.knob is not None else None,
+                    "importance": fmt_pct(p.importance, 0) if p.importance is not None else "",
+                    "importance_value": p.importance, "rows": rows, "alone": alone})
+    return out
 
 
 def profile_rows(d: ReportData) -> list[dict[str, Any]]:
