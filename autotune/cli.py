@@ -65,6 +65,9 @@ def _add_search(sub: argparse._SubParsersAction) -> None:
                                      "processes and machines given the same postgresql://USER@HOST/DB and "
                                      "--study-name search one study together")
     p.add_argument("--study-name", help="study name (default <model>-<gpu>)")
+    p.add_argument("--mlflow", metavar="URI",
+                   help="also log each trial (parameters, figures), the best config and the report to this "
+                        "MLflow tracking store, e.g. sqlite:///mlflow.db or http://HOST:5000 (needs mlflow-skinny)")
     p.add_argument("--gpus", help="CUDA GPUs to search on in parallel, one trial worker pinned to each: 0,1 "
                                   "or all (same GPU model; default: one GPU)")
     p.add_argument("--ddp", type=int, metavar="N",
@@ -118,6 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compare runs of different models (refused by default)")
     p = sub.add_parser("show", help="print an exported configuration")
     p.add_argument("config", type=Path)
+    p = sub.add_parser("export", help="write a config's settings for Hugging Face, Lightning or accelerate",
+                       description="Translate config.json into a training framework's own settings, written into "
+                                   "DIR; what the framework cannot express is printed and written too.")
+    p.add_argument("folder", type=Path, help="the search's output folder (holds config.json), or config.json itself")
+    p.add_argument("--to", required=True, choices=["hf", "lightning", "accelerate"],
+                   help="hf: TrainingArguments kwargs (hf_training_args.json); lightning: Trainer kwargs and "
+                        "callback settings (lightning.json); accelerate: accelerate_config.yaml")
+    p.add_argument("--out", type=Path, help="where to write (default: the config's folder)")
     sub.add_parser("models", help="list the torchvision model names --model accepts")
     p = sub.add_parser("accuracy", help="train each precision mode briefly against FP32 and print the table",
                        description="Each precision mode of the device (fp16 with and without GradScaler) against "
@@ -137,10 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _command_line(args: argparse.Namespace) -> str:
-    """The command as typed, for config.json and the report, without a storage password."""
+    """The command as typed, for config.json and the report, without a storage's or MLflow's password."""
     from autotune.search.storage import mask_url
 
-    argv = [mask_url(a) if args.storage and a == args.storage else a for a in sys.argv[1:]]
+    urls = {u for u in (getattr(args, "storage", None), getattr(args, "mlflow", None)) if u}
+    argv = [mask_url(a) if a in urls else a for a in sys.argv[1:]]
     return "autotune " + shlex.join(argv)
 
 
@@ -186,6 +198,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         trial_timeout_s=args.trial_timeout, command=_command_line(args),
         accuracy_check=not args.no_accuracy_check, max_accuracy_drop=args.max_accuracy_drop,
         max_loss_drift=args.max_loss_drift, accuracy_steps=args.accuracy_steps, data=args.data,
+        mlflow=args.mlflow,
     )
     if args.min_measure_time is not None:
         import dataclasses
@@ -288,6 +301,25 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0 if print_summary(args.config if args.config.is_dir() else args.config.parent) else 1
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from autotune.deploy.config import TunedConfig
+
+    cfg = TunedConfig.load(args.folder, here=False)  # a GPU's configuration translates on any machine
+    out = args.out or (args.folder if args.folder.is_dir() else args.folder.parent)
+    files, unsupported = cfg.export(args.to, out)
+    for path in files:
+        console.print(f"wrote {path}", soft_wrap=True)  # whole paths, to copy
+    if not unsupported:
+        console.print(f"every tuned setting is expressed for {args.to}")
+    from rich.markup import escape
+
+    for entry in unsupported:  # the why holds code with brackets: not rich markup
+        console.print(f"[yellow]not expressible[/] {escape(str(entry['setting']))} = {escape(str(entry['value']))}: "
+                      f"{escape(entry['why'])}", highlight=False, soft_wrap=True)
+    print(json.dumps({"target": args.to, "files": [str(f) for f in files], "unsupported": unsupported}, default=str))
+    return 0
+
+
 def cmd_accuracy(args: argparse.Namespace) -> int:
     from autotune.accuracy.gate import compare_modes, mode_configurations
     from autotune.accuracy.settings import AccuracySettings
@@ -357,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     handler = {"search": cmd_search, "verify": cmd_verify, "report": cmd_report, "compare": cmd_compare,
-               "show": cmd_show, "models": cmd_models, "accuracy": cmd_accuracy}[args.command]
+               "show": cmd_show, "models": cmd_models, "accuracy": cmd_accuracy,
+               "export": cmd_export}[args.command]
     try:
         return handler(args)
     except AutotuneError as exc:
