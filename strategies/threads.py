@@ -6,20 +6,18 @@ execution units. Measured per model.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from autotune.deploy.recipe import Recipe
 from autotune.deploy.space import SearchSpace
 from strategies.base import ReportKnob, Strategy
+from strategies.dataloader import num_cpus as cpus_available
 
 
 def candidates(num_cpus: int | None = None) -> list[int]:
     """1, 2, 4, ... up to the CPUs this process may use, and that number itself."""
-    if num_cpus is None:
-        num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    n = num_cpus
+    n = cpus_available() if num_cpus is None else num_cpus
     values, v = set(), 1
     while v < n:
         values.add(v)
@@ -43,11 +41,7 @@ class Threads(Strategy):
         if device == "cuda":
             return {"thread_counts": []}
         # under --ddp on a CPU the ranks run at once, each on its share of the cores
-        cpus = None
-        if options.ddp:
-            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-            cpus = max(1, cpus // options.ddp)
-        return {"thread_counts": candidates(cpus)}
+        return {"thread_counts": candidates(max(1, cpus_available() // options.ddp) if options.ddp else None)}
 
     def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
         return {"threads.num_threads": max(space.thread_counts) if space.thread_counts else 0}

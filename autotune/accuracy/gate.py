@@ -249,7 +249,7 @@ class AccuracyGate:
         from optuna.trial import TrialState
 
         done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                if t.value is not None and not TrialRecord.of(t).unstable and TrialRecord.of(t).knobs]
+                if t.value is not None and not (r := TrialRecord.of(t)).unstable and r.knobs]
         for t in sorted(done, key=lambda t: t.value, reverse=study.direction == StudyDirection.MAXIMIZE):
             acc = accuracy_of(study, t)
             if acc is None:

@@ -53,8 +53,8 @@ def usable_trials(study: optuna.Study) -> list[FrozenTrial]:
     from autotune.accuracy.gate import accuracy_of, failed
 
     return [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            if t.value is not None and t.value > 0 and TrialRecord.of(t).duplicate_of is None
-            and not TrialRecord.of(t).unstable and not failed(accuracy_of(study, t))]
+            if t.value is not None and t.value > 0 and (r := TrialRecord.of(t)).duplicate_of is None
+            and not r.unstable and not failed(accuracy_of(study, t))]
 
 
 def differs_only_in(a: dict[str, Any], b: dict[str, Any], ignore: set[str] | frozenset = frozenset()) -> str | None:

@@ -115,10 +115,7 @@ def copy(source: FrozenTrial, target: optuna.Trial, names: tuple[str, ...]) -> N
 
 def write(trial: optuna.Trial | optuna.trial.FrozenTrial, **values: Any) -> None:
     """Store fields of a trial's record as its user attributes (only TrialRecord's fields)."""
-    unknown = set(values) - FIELDS
-    if unknown:
-        raise AttributeError(f"TrialRecord has no field {', '.join(sorted(unknown))}")
-    for name, value in values.items():
+    for name, value in queue_attrs(**values).items():
         trial.set_user_attr(name, value)
 
 
