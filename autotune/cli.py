@@ -10,6 +10,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from autotune import stop
 from autotune.errors import AutotuneError
 from autotune.terminal import AccuracyView, SearchView, console, print_summary
 
@@ -378,21 +379,16 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sigterm_as_interrupt(signum, frame) -> None:
-    # `kill` stops a search as cleanly as Ctrl-C: the trial in flight is recorded, outputs written
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    import signal
-
-    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    stop.install()
     handler = {"search": cmd_search, "verify": cmd_verify, "report": cmd_report, "compare": cmd_compare,
                "show": cmd_show, "models": cmd_models, "accuracy": cmd_accuracy,
                "export": cmd_export}[args.command]
     try:
-        return handler(args)
+        code = handler(args)
+        stop.check()  # a stop request swallowed at the very end still ends as one
+        return code
     except AutotuneError as exc:
         console.print(f"[red]error:[/] {exc}")
         return 2

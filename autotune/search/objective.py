@@ -11,6 +11,7 @@ import optuna
 from optuna.trial import TrialState
 
 import strategies
+from autotune import stop
 from autotune.trial.record import TrialRecord, copy, queue_attrs, write
 from autotune.trial.runner import run_worker
 from strategies.compile import COMPILE_ALLOWANCE_S
@@ -102,6 +103,7 @@ class Objective:
         return self.memory_limit_bytes or self.device_memory_bytes
 
     def __call__(self, trial: optuna.Trial) -> float:
+        stop.check()  # asked to stop between trials, where the interrupt may have been swallowed
         knobs = strategies.sample(trial, self.space)
         write(trial, knobs=strategies.knobs_to_dict(knobs))
         previous = self._same_params(trial)

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import optuna
 
+from autotune import stop
 from autotune.deploy.space import SearchSpace
 from autotune.errors import ConfigError
 from autotune.search.artifacts import Artifacts
@@ -234,6 +235,9 @@ def _optimize(config: SearchConfig, study: optuna.Study, objective: Callable[[op
                            catch=(TrialFailed,), gc_after_trial=False, show_progress_bar=False)
         except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: what was measured is still exported
             interrupted = exc
+        else:
+            if stop.requested():  # asked after the last trial, and swallowed
+                interrupted = KeyboardInterrupt()
         finally:
             discard_spares()  # no more trials: the worker started for the next one is not needed
     return interrupted

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from autotune import stop
+
 _BOOT = ("import os, sys; cwd = os.getcwd(); "
          "sys.path[:] = [p for p in sys.path if p not in ('', cwd)] + [cwd]; "
          "import runpy; runpy.run_module('autotune.trial.ddp_rank', run_name='__main__', alter_sys=True)")
@@ -161,6 +163,7 @@ def _wait(procs: list[subprocess.Popen], results: list[Path], deadline: float | 
     A rank fails when it exits with an error code, without a result, or with a result that is
     not "ok": its peers would otherwise wait for it in a collective until their own timeout."""
     while True:
+        stop.check()
         running = False
         for rank, proc in enumerate(procs):
             code = proc.poll()

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from autotune import stop
 from autotune.trial.process import (
     PRELOAD_IMPORTS,
     PYTHON_FLAGS,
@@ -70,7 +71,7 @@ class _Worker:
         except BrokenPipeError:  # it died before its request (killed, out of memory): said below
             pass
         try:
-            self.proc.wait(timeout=timeout_s)
+            _wait(self.proc, timeout_s)
             status = None
         except subprocess.TimeoutExpired:
             self.proc.kill()
@@ -110,6 +111,21 @@ class _Worker:
         if self.log_path.name.startswith(".spare-"):
             self.log_path.unlink(missing_ok=True)
         self.tmp.cleanup()
+
+
+def _wait(proc: subprocess.Popen, timeout_s: float | None) -> None:
+    """``proc.wait(timeout_s)`` that also ends on a stop request whose interrupt was swallowed."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        stop.check()
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise subprocess.TimeoutExpired(proc.args, timeout_s)
+        try:
+            proc.wait(timeout=0.5 if left is None else min(0.5, left))
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 _spares: dict[tuple[tuple[str, str], ...], _Worker] = {}

@@ -1,0 +1,75 @@
+"""A stop request is not lost when Python swallows its KeyboardInterrupt (seen in CI: SIGTERM
+arrived during a weakref callback, "Exception ignored in ...", and the search ran to its end)."""
+
+from __future__ import annotations
+
+import gc
+import signal
+import subprocess
+import sys
+import time
+import weakref
+
+import pytest
+
+from autotune import stop
+from autotune.trial import runner
+
+
+@pytest.fixture
+def handler():
+    old_term, old_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    stop.install()
+    yield
+    stop._requested = False
+    signal.signal(signal.SIGTERM, old_term)
+    signal.signal(signal.SIGINT, old_int)
+
+
+def _swallowed_sigterm() -> None:
+    """Deliver SIGTERM inside a weakref callback, where Python prints and drops the exception."""
+    class Thing:
+        pass
+
+    thing = Thing()
+    ref = weakref.ref(thing, lambda _ref: signal.raise_signal(signal.SIGTERM))
+    del thing
+    gc.collect()
+    assert ref() is None
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_swallowed_sigterm_still_ends_the_wait_for_a_worker(handler):
+    _swallowed_sigterm()  # returns: the interrupt was dropped
+    assert stop.requested()
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    started = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            runner._wait(proc, 60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert time.monotonic() - started < 5
+
+
+def test_without_a_request_the_wait_returns_or_times_out(handler):
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    runner._wait(proc, 30)
+    assert proc.returncode == 0
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            runner._wait(slow, 0.3)
+    finally:
+        slow.kill()
+        slow.wait()
+
+
+def test_install_forgets_an_earlier_request(handler):
+    with pytest.raises(KeyboardInterrupt):
+        stop.request()
+    assert stop.requested()
+    stop.install()
+    assert not stop.requested()
+    stop.check()  # nothing to raise
