@@ -399,3 +399,15 @@ def test_a_second_search_on_the_same_folder_is_told_how_to_share_a_study(tmp_pat
     finally:
         first.release()
     SearchLock(tmp_path / ".search.lock").release()  # free again once the first search ends
+
+
+def test_trials_in_flight_at_once_get_a_constant_liar_sampler(tmp_path):
+    """Optuna's advice for parallel TPE: a running trial counts as a poor result, so --gpus and a
+    shared --storage explore instead of proposing the same configuration twice."""
+    from autotune.search.study import open_study
+
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    alone = open_study(open_storage(url), "alone", seed=0)
+    several = open_study(open_storage(url), "several", seed=0, parallel=True)
+    assert alone.sampler._constant_liar is False
+    assert several.sampler._constant_liar is True

@@ -58,19 +58,25 @@ class SearchLock:
         self.file.close()
 
 
+def tpe_sampler(seed: int, parallel: bool = False) -> optuna.samplers.TPESampler:
+    """The study's sampler. With trials in flight at once (--gpus, a shared --storage), Optuna's
+    advice for parallel TPE: ``constant_liar``, so a trial still running counts as a poor result
+    and the next proposal explores elsewhere instead of repeating it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.samplers.TPESampler(seed=seed, constant_liar=parallel)
+
+
 def open_study(storage: optuna.storages.BaseStorage, name: str, seed: int,
-               objective: str = "throughput") -> optuna.Study:
+               objective: str = "throughput", parallel: bool = False) -> optuna.Study:
     """Create the study for ``objective`` (its direction, recorded as a user attribute), or load
     it; a study made for another objective is refused (Optuna's load_if_exists would silently
     keep the stored direction, and the values of the two objectives must never be mixed)."""
     from autotune.search.goal import OBJECTIVE_ATTR, goal, goal_of
 
     wanted = goal(objective)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        sampler = optuna.samplers.TPESampler(seed=seed)
     study = optuna.create_study(storage=storage, study_name=name, direction=wanted.direction,
-                                sampler=sampler, load_if_exists=True)
+                                sampler=tpe_sampler(seed, parallel), load_if_exists=True)
     if OBJECTIVE_ATTR not in study.user_attrs and not study.trials and study.direction.name.lower() == wanted.direction:
         study.set_user_attr(OBJECTIVE_ATTR, wanted.name)
     stored = goal_of(study)
@@ -91,7 +97,8 @@ def prepare_study(config: SearchConfig, storage: optuna.storages.BaseStorage | N
     name = config.study_name or f"{config.workload.short_name}-{slug}"
     own_storage = config.storage is None
     storage = storage or open_storage(f"sqlite:///{out_dir / 'study.db'}")
-    study = open_study(storage, name, config.seed, config.objective)
+    parallel = not own_storage or (config.gpus is not None and len(config.gpus) > 1)
+    study = open_study(storage, name, config.seed, config.objective, parallel=parallel)
     machine = this_machine(info["provenance"])
     if own_storage:
         # before anything is written to it: a committed example or another machine's study
@@ -100,10 +107,7 @@ def prepare_study(config: SearchConfig, storage: optuna.storages.BaseStorage | N
     if study.trials or not own_storage:
         # a resumed study gets a fresh sampler seed, so it does not re-propose the same sequence;
         # on a shared storage, neither does another process joining it at the same moment
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            study.sampler = optuna.samplers.TPESampler(
-                seed=sampler_seed(config.seed, len(study.trials), shared=not own_storage))
+        study.sampler = tpe_sampler(sampler_seed(config.seed, len(study.trials), shared=not own_storage), parallel)
     serve_urgent_first(study)  # a baseline backed off to a batch that fits runs next
     if config.steer:
         # knobs an earlier run of this study found to have no effect stay fixed
