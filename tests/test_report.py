@@ -115,7 +115,10 @@ def test_summary_figures_match_config(report):
     best_rate = re.search(r'id="best-rate" data-value="([^"]+)"', page)
     assert float(best_rate.group(1)) == pytest.approx(config["figures"]["samples_per_s"])
     assert html.escape(config["summary"]) in section(page, "summary")
-    assert f"{config['search']['num_trials']} trials ({config['search']['num_measured']} measured)" in page
+    cost = config["search"]
+    early = (f", {cost['num_stopped_early']} stopped early in their warm-up as clearly slower than the best"
+             if cost["num_stopped_early"] else "")
+    assert f"{cost['num_trials']} trials ({cost['num_measured']} measured{early})" in page
 
 
 def test_every_trial_in_the_table(report):

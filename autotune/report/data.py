@@ -122,7 +122,8 @@ def _search_cost(study: optuna.Study, config: dict[str, Any] | None) -> dict[str
         return dict(config["search"])
     counted = [TrialRecord.of(t) for t in counted_trials(study)]
     timing = [t.timing for t in counted if t.duplicate_of is None]
-    cost: dict[str, Any] = {"num_trials": len(counted), "num_measured": len(timing)}
+    cost: dict[str, Any] = {"num_trials": len(counted), "num_measured": len(timing),
+                            "num_stopped_early": sum(t.status == "pruned" for t in counted)}
     for key, name in (("worker_start_s", "worker_start_s"), ("build_s", "build_s"), ("warmup_s", "warmup_s"),
                       ("measure_s", "measure_s"), ("wall_s", "trial_wall_s"), ("compile_s", "compile_s")):
         cost[name] = round(sum(x.get(key) or 0.0 for x in timing), 2)

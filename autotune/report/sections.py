@@ -113,7 +113,9 @@ def failed_rows(d: ReportData) -> list[dict[str, Any]]:
     for _, r in d.frame.sort_values("number").iterrows():
         if r["state"] in ("PRUNED", "FAIL"):
             reason = "; ".join(x for x in (str(r.get("reason") or ""), r.get("note") or "") if x)
-            rows.append({"number": int(r["number"]), "state": _STATE_WORDS[r["state"]], "status": r.get("status") or "",
+            status = r.get("status") or ""
+            state = "stopped early" if status == "pruned" else _STATE_WORDS[r["state"]]
+            rows.append({"number": int(r["number"]), "state": state, "status": "" if status == "pruned" else status,
                          "config": r.get("config") or "", "reason": reason or "no reason recorded"})
     return rows
 

@@ -17,7 +17,7 @@ from autotune.trial.runner import run_worker
 from strategies.compile import COMPILE_ALLOWANCE_S
 
 # trial user attributes that hold a result; copied verbatim when a configuration repeats
-RESULT_ATTRS = ("status", "reason", "figures", "knobs", "timing", "energy", "profile", "findings")
+RESULT_ATTRS = ("status", "reason", "figures", "knobs", "timing", "energy", "profile", "findings", "screening")
 
 
 def serve_urgent_first(study: optuna.Study) -> None:
@@ -64,7 +64,8 @@ class Objective:
                  deadline: float | None = None, accuracy=None, profile: bool = True,
                  misaligned: list[str] | None = None, steer: bool = True, goal=None,
                  data: str | None = None, prestart_workers: bool = False,
-                 memory_limit_bytes: int | None = None, device_memory_bytes: int | None = None) -> None:
+                 memory_limit_bytes: int | None = None, device_memory_bytes: int | None = None,
+                 early_stop_below: float = 0.0) -> None:
         from autotune.search.goal import goal as goal_named
 
         self.space = space
@@ -96,6 +97,9 @@ class Objective:
         """--memory-limit (less --memory-headroom): each worker caps its device memory at this."""
         self.device_memory_bytes = device_memory_bytes
         """The GPU's memory (from the probe); None on a CPU."""
+        self.early_stop_below = early_stop_below
+        """A trial whose warm-up runs below this share of the best throughput so far is stopped
+        (multi-fidelity screening); 0: never."""
 
     @property
     def fit_limit_bytes(self) -> int | None:
@@ -180,9 +184,25 @@ class Objective:
             # out of memory: the worker looks for the largest smaller batch that fits (eager steps
             # only: no recompile, no graph capture), and the search measures that next
             request["fit_probe"] = [b for b in self.space.batch_sizes if b < batch]
+        bar = self._early_stop_bar(trial)
+        if bar is not None:
+            request["prune_below"] = bar
         if self.profile and self.log_dir:
             request["trace_path"] = str(self.log_dir / f"trace-{trial.number:04d}.json")
         return request
+
+    def _early_stop_bar(self, trial: optuna.Trial) -> float | None:
+        """The samples/s below which this trial's warm-up stops it: ``early_stop_below`` of the best
+        recommendable throughput so far. None for the FP32 baseline (every figure is compared with
+        it), under --ddp and --data (their rate is only known after the timed window), and before
+        anything was measured."""
+        from autotune.search.trials import best_trial
+
+        if (not self.early_stop_below or TrialRecord.of(trial).role == "baseline" or self.data is not None
+                or self.space.ddp_world_size > 1):
+            return None
+        best = best_trial(trial.study)
+        return None if best is None or not best.value else self.early_stop_below * best.value
 
     def _record(self, trial: optuna.Trial, result: dict[str, Any]) -> None:
         """Store what the worker measured on the trial; back off one that did not fit, explain one that ran."""
@@ -191,6 +211,10 @@ class Objective:
         if figures:
             timing.update(warmup_s=figures.get("warmup_s"), measure_s=figures.get("measure_s"),
                           build_s=figures.get("build_s"), compile_s=figures.get("compile_s", 0.0))
+        screening = result.get("screening")
+        if screening:
+            timing.update(warmup_s=screening.get("warmup_s"), build_s=screening.get("build_s"))
+            write(trial, screening=screening)
         write(trial, timing=timing)
         write(trial, status=result["status"])
         if result.get("reason"):
@@ -271,6 +295,12 @@ class Objective:
                 raise TrialFailed(f"trial {trial.number}: {text}")
             self._check_accuracy(trial, value)
             return value
+        if status == "pruned":
+            # screened out in its warm-up: its windows are Optuna's intermediate values, so the
+            # sampler ranks it below the completed trials by how slow it ran
+            for step, rate in enumerate((TrialRecord.of(trial).screening or {}).get("windows", [])):
+                trial.report(rate, step)
+            raise optuna.TrialPruned(reason)
         if status == "oom":
             batch = TrialRecord.of(trial).batch_size
             text = f"does not fit at batch {batch}: {reason}"

@@ -85,6 +85,17 @@ class Measurement:
         return asdict(self)
 
 
+class TooSlow(Exception):
+    """Raised by ``measure`` when two consecutive warm-up windows are both clearly slower than the
+    best configuration so far (``give_up``): the trial is stopped, a screening result."""
+
+    def __init__(self, windows_ms: list[float], elapsed_s: float) -> None:
+        super().__init__(f"stopped after {len(windows_ms)} warm-up windows ({elapsed_s:.1f} s)")
+        self.windows_ms = windows_ms
+        """The median step time of each warm-up window, in order (the trial's intermediate values)."""
+        self.elapsed_s = elapsed_s
+
+
 class Timer:
     """Per-step durations in milliseconds, with CUDA events or the host clock."""
 
@@ -119,12 +130,16 @@ def quantile(values: list[float], q: float) -> float:
 
 def measure(step: Callable[[], Any], device: str, settings: MeasureSettings, *,
             setup_steps: int = 0,
-            timed_window: Callable[[], contextlib.AbstractContextManager[Any]] | None = None) -> Measurement:
+            timed_window: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+            give_up: Callable[[float], bool] | None = None) -> Measurement:
     """Run ``setup_steps`` steps that compile or capture (timed apart, as ``compile_s``), warm up
     until two consecutive windows agree, then time enough steps for a stable median.
 
     ``timed_window()`` is entered around the timed steps only (every attempt, warm-up excluded):
-    the NVML sampling window, so energy and power are those of the steps whose time is reported."""
+    the NVML sampling window, so energy and power are those of the steps whose time is reported.
+    ``give_up(step_ms)`` judges each warm-up window: two windows in a row it calls too slow raise
+    ``TooSlow`` (a configuration clearly below the best so far is not measured in full; a warm-up
+    only gets faster, so two slow windows are not a cold start's first one)."""
     if setup_steps < 0:
         raise ValueError(f"setup_steps must not be negative, got {setup_steps}")
     timer = Timer(device)
@@ -136,25 +151,7 @@ def measure(step: Callable[[], Any], device: str, settings: MeasureSettings, *,
         if device == "cuda":
             torch.cuda.synchronize()
         compile_s = time.perf_counter() - start
-    start = time.perf_counter()
-    warm = timer.run(step, settings.min_warmup_steps)
-    num_warmup = settings.min_warmup_steps
-    step_ms = statistics.median(warm[-max(1, len(warm) // 2):])
-    # windows of about half a second (at least 2 steps) until the median stops moving
-    previous, steady = None, False
-    while True:
-        window = max(2, min(50, int(500 / max(step_ms, 1e-3))))
-        window += window % 2  # even, so a step time that alternates has a stable median
-        times = timer.run(step, window)
-        num_warmup += window
-        step_ms = statistics.median(times)
-        if previous is not None and abs(step_ms - previous) / previous <= settings.steady_tolerance:
-            steady = True
-            break
-        previous = step_ms
-        if time.perf_counter() - start > settings.max_warmup_s:
-            break
-    warmup_s = time.perf_counter() - start
+    step_ms, num_warmup, steady, warmup_s = _warm_up(step, timer, settings, give_up)
 
     num_steps = max(settings.min_steps, math.ceil(settings.min_time_s * 1e3 / max(step_ms, 1e-3)))
     num_steps = min(num_steps, settings.max_steps)
@@ -194,6 +191,37 @@ def measure(step: Callable[[], Any], device: str, settings: MeasureSettings, *,
         num_setup_steps=setup_steps,
         num_timed_steps_total=timed_total,
     )
+
+
+def _warm_up(step: Callable[[], Any], timer: Timer, settings: MeasureSettings,
+             give_up: Callable[[float], bool] | None) -> tuple[float, int, bool, float]:
+    """Warm up until two consecutive windows agree (or max_warmup_s); returns the last window's
+    median step time, the steps run, whether it became steady and the seconds it took. Raises
+    TooSlow when ``give_up`` calls two windows in a row too slow."""
+    start = time.perf_counter()
+    warm = timer.run(step, settings.min_warmup_steps)
+    num_warmup = settings.min_warmup_steps
+    step_ms = statistics.median(warm[-max(1, len(warm) // 2):])
+    # windows of about half a second (at least 2 steps) until the median stops moving
+    previous, steady = None, False
+    windows_ms: list[float] = []
+    while True:
+        window = max(2, min(50, int(500 / max(step_ms, 1e-3))))
+        window += window % 2  # even, so a step time that alternates has a stable median
+        times = timer.run(step, window)
+        num_warmup += window
+        step_ms = statistics.median(times)
+        windows_ms.append(step_ms)
+        if give_up is not None and len(windows_ms) >= 2 and all(give_up(ms) for ms in windows_ms[-2:]):
+            raise TooSlow(windows_ms, time.perf_counter() - start)
+        if previous is not None and abs(step_ms - previous) / previous <= settings.steady_tolerance:
+            steady = True
+            break
+        previous = step_ms
+        if time.perf_counter() - start > settings.max_warmup_s:
+            break
+    warmup_s = time.perf_counter() - start
+    return step_ms, num_warmup, steady, warmup_s
 
 
 def memory_figures(device: str) -> dict[str, int]:

@@ -41,6 +41,9 @@ class TrialRecord:
     """The measurement: samples_per_s, step times, peak memory, ... (autotune.trial.measure)."""
     timing: dict[str, Any] = field(default_factory=dict)
     """What the trial cost the search: worker start, build, compile, warm-up, timed window."""
+    screening: dict[str, Any] | None = None
+    """A trial stopped in its warm-up as clearly slower than the best so far (status "pruned"): each
+    warm-up window's samples/s ("windows", its intermediate values) and the bar it fell below ("below")."""
     energy: dict[str, Any] | None = None
     profile: dict[str, Any] | None = None
     profile_error: str | None = None

@@ -33,7 +33,7 @@ from autotune.deploy.config import TunedConfig  # noqa: E402
 from autotune.trial.batches import input_batches  # noqa: E402
 from autotune.trial.instruments import compiled_graphs, nvml_monitor, profile_window  # noqa: E402
 from autotune.trial.loader_feed import LoaderFeed  # noqa: E402
-from autotune.trial.measure import Measurement, MeasureSettings, measure, memory_figures  # noqa: E402
+from autotune.trial.measure import Measurement, MeasureSettings, TooSlow, measure, memory_figures  # noqa: E402
 from autotune.trial.memory_fit import cap_memory, is_out_of_memory, largest_fit  # noqa: E402
 from autotune.trial.process import PRELOAD_CUDA, PRELOAD_IMPORTS  # noqa: E402
 from autotune.trial.request import read_request  # noqa: E402
@@ -204,7 +204,10 @@ def run_trial(request: dict[str, Any]) -> dict[str, Any]:
 
     does_not_fit = None
     try:
-        m, one_step, loader_figures = _measure(run, cfg, trial.settings, monitor, nvml_window)
+        m, one_step, loader_figures = _measure(run, cfg, trial.settings, monitor, nvml_window,
+                                               give_up=_give_up(request, cfg, run))
+    except TooSlow as slow:
+        return _screened_out(slow, request["prune_below"], cfg, run, timings)
     except Exception as exc:
         if not (request.get("fit_probe") and run.feed is None and is_out_of_memory(exc)):
             raise
@@ -245,14 +248,35 @@ def run_trial(request: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _measure(run: _Steps, cfg: TunedConfig, settings: MeasureSettings, monitor, nvml_window):
+def _give_up(request: dict[str, Any], cfg: TunedConfig, run: _Steps):
+    """The warm-up's test of a window (``measure``'s ``give_up``): its samples/s below the request's
+    ``prune_below`` (a share of the best so far). None without one, and with --data, whose
+    loader-fed rate is only known after its own window."""
+    below = request.get("prune_below")
+    if not below or run.feed is not None:
+        return None
+    samples_ms = cfg.batch_size * run.micro_steps * 1e3
+    return lambda step_ms: samples_ms / step_ms < below
+
+
+def _screened_out(slow: TooSlow, below: float, cfg: TunedConfig, run: _Steps, timings: dict[str, float]
+                  ) -> dict[str, Any]:
+    """The result of a trial stopped in its warm-up, clearly slower than the best so far."""
+    rates = [cfg.batch_size * run.micro_steps * 1e3 / ms for ms in slow.windows_ms]
+    return {"status": "pruned", "knobs": strategies.knobs_to_dict(cfg.knobs),
+            "reason": f"stopped early: {max(rates[-2:]):,.0f} samples/s in its last warm-up windows, below "
+                      f"{below:,.0f} (clearly slower than the best so far)",
+            "screening": {"windows": rates, "below": below, "warmup_s": slow.elapsed_s, **timings}}
+
+
+def _measure(run: _Steps, cfg: TunedConfig, settings: MeasureSettings, monitor, nvml_window, give_up=None):
     """Time the trial's steps (with --data: fed from memory, then by the loader); returns the
     Measurement, the step the profile window repeats, and the loader figures (none without --data)."""
     device = cfg.device
     try:
         if run.feed is None:
             m = measure(run.one_step, device, settings, setup_steps=run.step.num_setup_steps,
-                        timed_window=nvml_window)
+                        timed_window=nvml_window, give_up=give_up)
             return m, run.one_step, {}
         return run.feed.measure(run.one_step, run.step, run.last_loss, settings, nvml_window)
     finally:
