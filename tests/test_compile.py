@@ -19,6 +19,7 @@ from autotune.search.objective import Objective
 from strategies import describe
 from autotune.report.render import write_report
 from autotune.report.export import trials_frame
+from autotune.trial.instruments import cache_outcome
 from autotune.trial.runner import run_worker
 from autotune.deploy.space import SearchSpace
 from autotune.search.budget import estimate_next_wall
@@ -151,6 +152,8 @@ def test_measure_times_setup_steps_apart() -> None:
 @pytest.mark.slow
 def test_worker_trial_records_compile_time_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(TESTS))  # the worker imports fake_models
+    monkeypatch.setenv("AUTOTUNE_CACHE_DIR", str(tmp_path / "cache"))  # an empty compile cache
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     knobs = strategies.sample(optuna.trial.FixedTrial({"compile.mode": "default"}), CPU_SPACE)
     request = {"mode": "trial", "space": CPU_SPACE.to_dict(), "knobs": strategies.knobs_to_dict(knobs),
                "workload": TINY.to_dict(), "seed": 0,
@@ -164,6 +167,13 @@ def test_worker_trial_records_compile_time_apart(tmp_path: Path, monkeypatch: py
     assert f["compile_s"] > 3 * f["step_time_p90_ms"] / 1e3
     assert f["compile_s"] + f["warmup_s"] + f["measure_s"] < result["wall_s"]
     assert result["knobs"]["compile"] == {"mode": "default"}
+    assert f["compile_cache"]["fx_graph_misses"] >= 1 and f["compile_cache"]["fx_graph_hits"] == 0
+    assert (tmp_path / "cache" / "compile").is_dir()
+    # the next trial of the same graph (another worker: a later trial, or a later search) loads it
+    again = run_worker(request, timeout_s=300, log_path=tmp_path / "again.log")["figures"]
+    assert again["compile_cache"]["fx_graph_hits"] >= 1 and again["compile_cache"]["fx_graph_misses"] == 0
+    assert cache_outcome(again["compile_cache"]) == "hit" and cache_outcome(f["compile_cache"]) == "miss"
+    assert again["compile_s"] < f["compile_s"]
 
 
 def test_objective_gives_compile_trials_time_to_compile(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -50,7 +50,7 @@ _FRAME_COLUMNS = ["number", "role", "state", "status", "reason", "duplicate_of",
                   "ddp_world_size", "per_gpu_samples_per_s", "single_gpu_samples_per_s", "scaling_efficiency",
                   "loader_fed_samples_per_s", "compute_only_samples_per_s", "loader_wait_share", "data_bound",
                   "step_time_ms", "spread", "noisy", "peak_memory_gb", "worker_start_s", "build_s", "warmup_s",
-                  "measure_s", "trial_wall_s", "compile_s", "joules_per_sample", "avg_power_w", "accuracy",
+                  "measure_s", "trial_wall_s", "compile_s", "compile_cache", "joules_per_sample", "avg_power_w", "accuracy",
                   "accuracy_drop"]
 
 

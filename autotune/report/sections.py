@@ -93,7 +93,9 @@ def trial_rows(d: ReportData) -> tuple[list[dict[str, Any]], list[dict[str, Any]
             if key == "trial_wall_s" and as_float(v) is not None:
                 compiled = (as_float(r.get("compile_s")) or 0) > 0
                 cell["title"] = (f"worker start {fmt_s(r.get('worker_start_s'))}, build {fmt_s(r.get('build_s'))}, "
-                                 + (f"compiling {fmt_s(r['compile_s'])}, " if compiled else "")
+                                 + (f"compiling {fmt_s(r['compile_s'])}"
+                                    + (" (from the cache)" if r.get("compile_cache") == "hit" else "") + ", "
+                                    if compiled else "")
                                  + f"warm-up {fmt_s(r.get('warmup_s'))}, measuring {fmt_s(r.get('measure_s'))}")
             if key == "spread" and r.get("noisy") is True:
                 cell["title"] = "noisy: p90-p10 above the tolerance after re-measuring"

@@ -12,6 +12,7 @@ from optuna.trial import TrialState
 
 import strategies
 from autotune import stop
+from autotune.trial.instruments import cache_outcome
 from autotune.trial.record import TrialRecord, copy, queue_attrs, write
 from autotune.trial.runner import run_worker
 from strategies.compile import COMPILE_ALLOWANCE_S
@@ -211,6 +212,8 @@ class Objective:
         if figures:
             timing.update(warmup_s=figures.get("warmup_s"), measure_s=figures.get("measure_s"),
                           build_s=figures.get("build_s"), compile_s=figures.get("compile_s", 0.0))
+            if cached := cache_outcome(figures.get("compile_cache")):
+                timing["compile_cache"] = cached  # "hit": its compile was loaded, not redone
         screening = result.get("screening")
         if screening:
             timing.update(warmup_s=screening.get("warmup_s"), build_s=screening.get("build_s"))

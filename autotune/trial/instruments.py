@@ -30,6 +30,29 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def compile_cache() -> dict[str, int]:
+    """What this process's compiles found in TorchInductor's cache (autotune.cache): FX graphs and
+    AOTAutograd graphs loaded (hits) or compiled and saved (misses)."""
+    from torch._dynamo.utils import counters
+
+    return {"fx_graph_hits": int(counters["inductor"]["fxgraph_cache_hit"]),
+            "fx_graph_misses": int(counters["inductor"]["fxgraph_cache_miss"]),
+            "aot_autograd_hits": int(counters["aot_autograd"]["autograd_cache_hit"]),
+            "aot_autograd_misses": int(counters["aot_autograd"]["autograd_cache_miss"])}
+
+
+def cache_outcome(counts: dict[str, int] | None) -> str | None:
+    """"hit" (every graph loaded from the cache), "miss" (every one compiled), "partial", or None
+    when nothing went through the cache (an eager trial)."""
+    if not counts:
+        return None
+    hits = counts.get("fx_graph_hits", 0) + counts.get("aot_autograd_hits", 0)
+    misses = counts.get("fx_graph_misses", 0) + counts.get("aot_autograd_misses", 0)
+    if not hits and not misses:
+        return None
+    return "hit" if not misses else "miss" if not hits else "partial"
+
+
 def profile_window(one_step, request: dict[str, Any], batch_size: int, step_time_ms: float) -> dict[str, Any]:
     """Profile a few more steps of ``one_step`` (torch.profiler) and analyze them against the step time
     measured without the profiler; the Chrome trace is kept, gzipped, where the request asks."""

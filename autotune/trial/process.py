@@ -9,6 +9,8 @@ import signal
 import sys
 from typing import Any
 
+from autotune.cache import compile_cache_dir
+
 # what a worker does before its request, after importing torch and autotune (autotune.trial.worker)
 PRELOAD_IMPORTS = "AUTOTUNE_WORKER_IMPORTS"
 
@@ -44,6 +46,8 @@ def worker_env(request: dict[str, Any] | None = None) -> dict[str, str]:
     paths = [p for p in sys.path if p and p != cwd] + [cwd]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env.setdefault("PYTHONUNBUFFERED", "1")
+    # compiled graphs kept across trials and searches (a user's own setting wins)
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir()))
     from autotune.trial.gpus import current_pin
 
     pin = current_pin()  # --gpus: this trial's GPU, and only it

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import strategies  # noqa: E402
 from autotune.deploy.config import TunedConfig  # noqa: E402
 from autotune.trial.batches import input_batches  # noqa: E402
-from autotune.trial.instruments import compiled_graphs, nvml_monitor, profile_window  # noqa: E402
+from autotune.trial.instruments import compile_cache, compiled_graphs, nvml_monitor, profile_window  # noqa: E402
 from autotune.trial.loader_feed import LoaderFeed  # noqa: E402
 from autotune.trial.measure import Measurement, MeasureSettings, TooSlow, measure, memory_figures  # noqa: E402
 from autotune.trial.memory_fit import cap_memory, is_out_of_memory, largest_fit  # noqa: E402
@@ -297,6 +297,7 @@ def _add_rate_and_loss(figures: dict[str, Any], run: _Steps, cfg: TunedConfig, m
     figures["loss_finite"] = bool(torch.isfinite(torch.tensor(loss)))
     if cfg.recipe.compile_mode is not None:
         figures["compiled_graphs"] = compiled_graphs()
+        figures["compile_cache"] = compile_cache()
 
 
 def main(argv: list[str]) -> int:
