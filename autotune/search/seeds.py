@@ -8,12 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+from optuna.trial import TrialState
 
 import strategies
 from autotune.deploy.space import SearchSpace
 from autotune.errors import ConfigError
 from autotune.search.trials import FINISHED
-from autotune.trial.record import queue_attrs
+from autotune.trial.record import TrialRecord, queue_attrs
 from strategies.batch_size import nearest
 
 
@@ -104,3 +105,73 @@ def seed_configurations(space: SearchSpace) -> list[tuple[str, dict[str, Any]]]:
             seen.append(p)
             seeds.append(("known-good", p))
     return seeds
+
+
+SEEDS_UPFRONT = 2
+"""Known-good configurations queued at the start, after the FP32 baseline: the guides' best.
+The rest are fed one at a time (SeedFeeder), so they never outnumber the search's own trials
+by more than this."""
+BACKLOG_ATTR = "seed_backlog"
+"""The study's user attribute holding the known-good configurations not queued yet."""
+
+
+def enqueue_seeds(study: optuna.Study, seeds: list[tuple[str, dict[str, Any]]], *, all_now: bool = False) -> None:
+    """Queue the baseline and the first SEEDS_UPFRONT known-good seeds; keep the rest in the
+    study's backlog for SeedFeeder (``all_now``: queue every one, as --replay's order needs)."""
+    upfront = len(seeds) if all_now else 1 + SEEDS_UPFRONT
+    for role, params in seeds[:upfront]:
+        study.enqueue_trial(params, user_attrs=queue_attrs(role=role))
+    study.set_user_attr(BACKLOG_ATTR, [params for _, params in seeds[upfront:]])
+
+
+class SeedFeeder:
+    """Optuna's callback after each trial: queue the next known-good configuration from the
+    backlog once the search's own trials (sampled, steered, backed off) have caught up with the
+    seeds, so seeds serve the search instead of replacing it. A seed is dropped when what was
+    measured already answers it: the same configuration measured or queued, or its precision
+    mode unstable or failing the accuracy check."""
+
+    def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        backlog = list(study.user_attrs.get(BACKLOG_ATTR) or [])
+        if not backlog:
+            return
+        trials = study.get_trials(deepcopy=False)
+        roles = [TrialRecord.of(t).role for t in trials]
+        if any(t.state == TrialState.WAITING and role == "known-good" for t, role in zip(trials, roles)):
+            return
+        seeded = sum(role == "known-good" for role in roles)
+        others = sum(role not in ("known-good", "baseline") for t, role in zip(trials, roles)
+                     if t.state != TrialState.WAITING)
+        if seeded - SEEDS_UPFRONT >= others:
+            return
+        while backlog:
+            params = backlog.pop(0)
+            if not _answered(study, trials, params):
+                study.enqueue_trial(params, user_attrs=queue_attrs(role="known-good"))
+                break
+        study.set_user_attr(BACKLOG_ATTR, backlog)
+
+
+def _answered(study: optuna.Study, trials: list[optuna.trial.FrozenTrial], params: dict[str, Any]) -> bool:
+    """Whether measuring ``params`` would tell nothing new (see SeedFeeder)."""
+    from autotune.accuracy.gate import accuracy_of, failed
+
+    for t in trials:
+        if (t.params or t.system_attrs.get("fixed_params")) == params:
+            return True
+    mode = params.get("precision.mode")
+    for t in trials:
+        if t.state != TrialState.COMPLETE or t.params.get("precision.mode") != mode:
+            continue
+        record = TrialRecord.of(t)
+        if record.unstable or (failed(accuracy_of(study, t)) and _same_numerics(t.params, params)):
+            return True
+    return False
+
+
+def _same_numerics(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """The two configurations compute alike (their numerics knobs' parameters agree)."""
+    from autotune.accuracy.settings import NUMERICS_KNOBS
+
+    keys = {k for k in (*a, *b) if k.split(".")[0] in NUMERICS_KNOBS}
+    return all(a.get(k) == b.get(k) for k in keys)

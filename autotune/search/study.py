@@ -24,10 +24,10 @@ from autotune.search.knob_effects import apply_fixed_knobs
 from autotune.search.machine import MACHINE_ATTR, check_resume, this_machine
 from autotune.search.objective import requeue, serve_urgent_first
 from autotune.search.options import SearchConfig, memory_limit_bytes
-from autotune.search.seeds import enqueue_replay, seed_configurations
+from autotune.search.seeds import enqueue_replay, enqueue_seeds, seed_configurations
 from autotune.search.space import same_space
 from autotune.search.storage import mask_url, open_storage
-from autotune.trial.record import TrialRecord, queue_attrs
+from autotune.trial.record import TrialRecord
 
 
 def _limit_words(limit: int | None) -> str:
@@ -159,8 +159,9 @@ def _set_up(config: SearchConfig, device: str, info: dict[str, Any], study: optu
     study.set_user_attr(MACHINE_ATTR, machine)
     study.set_user_attr("memory_limit_bytes", limit)
     seeds = seed_configurations(space)
-    for role, params in seeds:
-        study.enqueue_trial(params, user_attrs=queue_attrs(role=role))
+    # the guides' best first; the rest fed as the search's own trials catch up (SeedFeeder),
+    # all at once for --replay, which measures in the earlier search's order
+    enqueue_seeds(study, seeds, all_now=config.replay is not None)
     if config.replay is not None:
         enqueue_replay(study, config.replay, space, [params for _, params in seeds])
     setup_done(study)
