@@ -159,3 +159,38 @@ def test_a_spare_imports_the_model_module_ahead_and_a_failing_one_is_reported_by
     result = runner.run_worker(broken, timeout_s=120)
     assert result["status"] == "error" and result["preloaded"] == []
     assert "cannot import module 'fake_models_missing'" in result["reason"]
+
+
+def test_the_live_line_hears_what_a_trial_worker_does(tmp_path, no_spares_left):
+    """The worker's phases reach ``on_progress`` while it runs (the search's live line shows them)."""
+    import optuna
+
+    import strategies
+    from autotune.deploy.space import SearchSpace
+    from autotune.trial.measure import MeasureSettings
+
+    space = SearchSpace(device="cpu")
+    knobs = strategies.sample(optuna.trial.FixedTrial({}), space)
+    request = {"mode": "trial", "space": space.to_dict(), "knobs": strategies.knobs_to_dict(knobs),
+               "workload": PROBE["workload"], "seed": 0,
+               "measure": MeasureSettings(min_warmup_steps=1, max_warmup_s=5, min_steps=3, min_time_s=1.0,
+                                          max_steps=200, max_remeasure=0).to_dict()}
+    heard: list[str] = []
+    result = runner.run_worker(request, timeout_s=120, log_path=tmp_path / "trial.log", on_progress=heard.append)
+    assert result["status"] == "ok", result.get("reason")
+    assert heard and heard[0].split(",")[0] in ("starting", "building the model")
+    assert any(words.startswith("warming up and measuring, ") for words in heard)
+    # without a listener no progress file is asked for
+    quiet = runner.run_worker(request, timeout_s=120, log_path=tmp_path / "quiet.log")
+    assert quiet["status"] == "ok"
+
+
+def test_progress_in_words():
+    from autotune.trial import progress
+
+    assert progress.words(None) == "starting"
+    assert progress.words({"phase": "FP32 reference", "done": 40, "total": 100, "since": 0}) == \
+        "FP32 reference 40/100 steps"
+    import time
+
+    assert progress.words({"phase": "compiling", "since": time.time() - 35}) == "compiling, 35 s"

@@ -16,6 +16,20 @@ from autotune.search.options import SearchConfig
 from autotune.trial.record import TrialRecord
 
 
+def export_reserve(budget_s: float) -> float:
+    """Seconds of a --budget kept for writing the outputs after the last trial and check (config,
+    CSV, report with its plots: one to a few seconds), so the whole command ends within it."""
+    return min(10.0, max(2.0, 0.02 * budget_s))
+
+
+def deadline(config: SearchConfig, started: float) -> float | None:
+    """When trials and accuracy checks must be done (time.time()): the budget, counted from the
+    command's start (``started``), less the export's reserve. None without --budget."""
+    if config.budget_s is None:
+        return None
+    return started + config.budget_s - export_reserve(config.budget_s)
+
+
 def estimate_next_wall(study: optuna.Study, walls: list[tuple[float, bool]]) -> float:
     """Expected seconds of the next trial, from past trials' walls ``(seconds, compiled)``.
 
@@ -67,11 +81,8 @@ class StopRule:
         self.emit("trial", trial)
         # other processes of the study (and other GPUs' threads) count: finished, or running
         # and waited for (a process that dies has its trial re-run here)
-        if config.trials is not None and self.shared.has_its_trials(
-                deadline=None if config.budget_s is None else started + config.budget_s):
+        end = deadline(config, started)
+        if config.trials is not None and self.shared.has_its_trials(deadline=end):
             study.stop()
-        if config.budget_s is not None:
-            elapsed = time.time() - started
-            expected = estimate_next_wall(study, self.walls)
-            if elapsed + expected > config.budget_s:
-                study.stop()
+        if end is not None and time.time() + estimate_next_wall(study, self.walls) > end:
+            study.stop()

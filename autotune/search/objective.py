@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import optuna
 from optuna.trial import TrialState
@@ -66,7 +66,7 @@ class Objective:
                  misaligned: list[str] | None = None, steer: bool = True, goal=None,
                  data: str | None = None, prestart_workers: bool = False,
                  memory_limit_bytes: int | None = None, device_memory_bytes: int | None = None,
-                 early_stop_below: float = 0.0) -> None:
+                 early_stop_below: float = 0.0, on_phase: Callable[[str], None] | None = None) -> None:
         from autotune.search.goal import goal as goal_named
 
         self.space = space
@@ -98,6 +98,8 @@ class Objective:
         """--memory-limit (less --memory-headroom): each worker caps its device memory at this."""
         self.device_memory_bytes = device_memory_bytes
         """The GPU's memory (from the probe); None on a CPU."""
+        self.on_phase = on_phase
+        """Hears what the running trial does, in words ("#5 compiling, 35 s"), for the live line."""
         self.early_stop_below = early_stop_below
         """A trial whose warm-up runs below this share of the best throughput so far is stopped
         (multi-fidelity screening); 0: never."""
@@ -123,7 +125,9 @@ class Objective:
         if cut_by_budget:
             timeout = max(1.0, self.deadline - time.time())
         try:
-            result = run_worker(request, timeout_s=timeout, log_path=log_path, spare=self.prestart_workers)
+            said = None if self.on_phase is None else (lambda words, n=trial.number: self.on_phase(f"#{n} {words}"))
+            result = run_worker(request, timeout_s=timeout, log_path=log_path, spare=self.prestart_workers,
+                                on_progress=said)
         except KeyboardInterrupt:
             # the search was stopped (Ctrl-C, SIGTERM): this configuration is not at fault and
             # the next run measures it again

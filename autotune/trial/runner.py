@@ -12,9 +12,10 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from autotune import stop
+from autotune.trial import progress
 from autotune.trial.process import (
     PRELOAD_IMPORTS,
     PYTHON_FLAGS,
@@ -57,8 +58,13 @@ class _Worker:
                                      stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=env, text=True)
 
-    def run(self, request: dict[str, Any], timeout_s: float | None, log_path: Path | None) -> dict[str, Any]:
+    def run(self, request: dict[str, Any], timeout_s: float | None, log_path: Path | None,
+            on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
         started = time.time()  # a spare's imports before this are not the request's time
+        watch = None
+        if on_progress is not None:
+            request = {**request, "progress_path": str(self.result_path) + ".progress"}
+            watch = _progress_watch(request["progress_path"], on_progress)
         if log_path is not None and log_path != self.log_path:
             try:
                 os.replace(self.log_path, log_path)
@@ -71,7 +77,7 @@ class _Worker:
         except BrokenPipeError:  # it died before its request (killed, out of memory): said below
             pass
         try:
-            _wait(self.proc, timeout_s)
+            _wait(self.proc, timeout_s, watch)
             status = None
         except subprocess.TimeoutExpired:
             self.proc.kill()
@@ -113,11 +119,27 @@ class _Worker:
         self.tmp.cleanup()
 
 
-def _wait(proc: subprocess.Popen, timeout_s: float | None) -> None:
-    """``proc.wait(timeout_s)`` that also ends on a stop request whose interrupt was swallowed."""
+def _progress_watch(path: str, on_progress: Callable[[str], None]) -> Callable[[], None]:
+    """A poll of the worker's progress file that passes each new state on, in words."""
+    last: list[Any] = [None]
+
+    def poll() -> None:
+        state = progress.read(path)
+        if state is not None and state != last[0]:
+            last[0] = state
+        on_progress(progress.words(last[0]))  # the seconds in it move on between states
+
+    return poll
+
+
+def _wait(proc: subprocess.Popen, timeout_s: float | None, poll: Callable[[], None] | None = None) -> None:
+    """``proc.wait(timeout_s)`` that also ends on a stop request whose interrupt was swallowed,
+    and calls ``poll`` about twice a second (the worker's progress)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         stop.check()
+        if poll is not None:
+            poll()
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
             raise subprocess.TimeoutExpired(proc.args, timeout_s)
@@ -184,7 +206,8 @@ def start_spare(request: dict[str, Any], log_dir: Path | None = None) -> None:
 
 
 def run_worker(request: dict[str, Any], *, timeout_s: float | None = None,
-               log_path: Path | None = None, spare: bool = False) -> dict[str, Any]:
+               log_path: Path | None = None, spare: bool = False,
+               on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run ``python -m autotune.trial.worker`` on ``request``; always returns a result dict.
 
     status is "ok", "oom", "error" (an exception in the trial), "crashed" (the process died
@@ -198,6 +221,7 @@ def run_worker(request: dict[str, Any], *, timeout_s: float | None = None,
     this request runs (the search's trials on a GPU: their measurement is on the GPU, which the
     spare's imports on another CPU core leave alone).
     A trial of a ``--ddp N`` search runs in N rank processes instead (``autotune.trial.ddp_launch.run_ranks``).
+    ``on_progress(words)`` hears what the worker is doing while it runs (autotune.trial.progress).
     """
     from autotune.trial.ddp_launch import request_world_size, run_ranks
 
@@ -215,6 +239,6 @@ def run_worker(request: dict[str, Any], *, timeout_s: float | None = None,
         worker = _Worker(env, log_path=log_path)
     if spare:
         start_spare(request, log_dir=log_path.parent if log_path is not None else None)
-    return worker.run(request, timeout_s, log_path)
+    return worker.run(request, timeout_s, log_path, on_progress)
 
 

@@ -36,6 +36,7 @@ from autotune.trial.loader_feed import LoaderFeed  # noqa: E402
 from autotune.trial.measure import Measurement, MeasureSettings, TooSlow, measure, memory_figures  # noqa: E402
 from autotune.trial.memory_fit import cap_memory, is_out_of_memory, largest_fit  # noqa: E402
 from autotune.trial.process import PRELOAD_CUDA, PRELOAD_IMPORTS  # noqa: E402
+from autotune.trial import progress  # noqa: E402
 from autotune.trial.request import read_request  # noqa: E402
 from autotune.workload.models import WorkloadSpec, build  # noqa: E402
 
@@ -195,8 +196,10 @@ def run_trial(request: dict[str, Any]) -> dict[str, Any]:
     limit = request.get("memory_limit_bytes")
     if limit and device == "cuda":
         cap_memory(int(limit))
+    progress.say("building the model")
     run = _Steps(cfg, trial.spec, data_spec=data_spec, input_on_device=trial.input_on_device, seed=seed)
     timings["build_s"] = time.perf_counter() - t0
+    progress.say("compiling, then warming up" if run.step.num_setup_steps else "warming up and measuring")
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     monitor, windows = nvml_monitor(device, request), []
@@ -236,6 +239,7 @@ def run_trial(request: dict[str, Any]) -> dict[str, Any]:
         # its own short window after the timed one: the profiler slows the host, so no reported
         # time includes it; shares are taken of the step time measured above
         t1 = time.perf_counter()
+        progress.say("profiling")
         try:
             result["profile"] = profile_window(one_step, request, cfg.batch_size, m.step_time_ms)
         except Exception as exc:  # the measurement stands; only its explanation is missing
@@ -303,6 +307,7 @@ def _add_rate_and_loss(figures: dict[str, Any], run: _Steps, cfg: TunedConfig, m
 def main(argv: list[str]) -> int:
     result_path = argv[1]
     request = json.load(sys.stdin)
+    progress.start(request.get("progress_path"))
     try:
         if request.get("mode") == "probe":
             result = {"status": "ok", **probe(request)}
