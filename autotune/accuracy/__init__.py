@@ -18,4 +18,8 @@ size, memory format, padding, cuDNN and streams do not, so each *numerics key* i
 with the check's own batch size and step count, and the result is reused by every configuration
 that shares it. The training runs in a worker (mode "accuracy"), isolated like a trial; the study
 side (:class:`AccuracyGate`) decides when to check and caches results in study user attributes.
+
+With a budget the checks cost in proportion: their steps are planned from the FP32 baseline's
+measured step time to fit in a share of it (``plan``), and the FP32 reference is trained once per
+workload, settings, torch and device and kept across searches (``reference_cache``).
 """

@@ -31,6 +31,8 @@ def run_check(request: Mapping[str, Any]) -> dict[str, Any]:
         # reasons that have nothing to do with precision; a drop within that is not a loss
         reshuffled = train_run(spec, {}, space, settings, data, order_seed=settings.seed + 1)
         reference["reshuffled"] = {k: reshuffled.get(k) for k in ("final_loss", "held_out_accuracy", "wall_s")}
+        # what the reference was trained on: the study keeps it for later searches by these (reference_cache)
+        reference.update(_trained_on(space.device))
     if numerics_key(knobs) == numerics_key({}):
         run = dict(reference)
     else:
@@ -38,6 +40,13 @@ def run_check(request: Mapping[str, Any]) -> dict[str, Any]:
         run["numerics"] = step_numerics(spec, knobs, space, settings, data)
     run["numerics_key"] = numerics_key(knobs)
     return {"status": "ok", "reference": reference, "run": run}
+
+
+def _trained_on(device: str) -> dict[str, str]:
+    import torch
+
+    name = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu"
+    return {"device_name": name, "torch": torch.__version__}
 
 
 def _datasets(spec, settings: AccuracySettings, device: str):

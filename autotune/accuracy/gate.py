@@ -1,14 +1,21 @@
 """The study side of the accuracy check: judge a run against the reference (judge), cache the
-checks in the study's user attributes, decide which trials to check (AccuracyGate), and compare
-precision modes (`autotune accuracy`)."""
+checks in the study's user attributes (and the FP32 reference across searches: reference_cache),
+decide which trials to check and at how many steps (AccuracyGate, plan), and compare precision
+modes (`autotune accuracy`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
+import threading
+import time
 from pathlib import Path
 from typing import Any, Mapping
 
+from autotune.accuracy.plan import DEFAULT_SHARE, PLAN_ATTR, step_time
+from autotune.accuracy.plan import plan as make_plan
+from autotune.accuracy.reference_cache import ReferenceCache, reference_key
 from autotune.accuracy.settings import (
     DIVERGED_FACTOR,
     MAX_SKIPPED_FRACTION,
@@ -43,6 +50,8 @@ def judge(run: Mapping[str, Any], reference: Mapping[str, Any], *, max_accuracy_
         "numerics_key": run.get("numerics_key"),
         "max_accuracy_drop": max_accuracy_drop,
         "max_loss_drift": max_loss_drift,
+        # "trained" by a check of this study, or "cache": an earlier search's (reference_cache)
+        "reference_source": reference.get("reference_source"),
     }
     has_accuracy = run.get("held_out_accuracy") is not None and reference.get("held_out_accuracy") is not None
     if has_accuracy:
@@ -162,32 +171,96 @@ def accuracy_of(study, trial) -> dict[str, Any] | None:
 
 class AccuracyGate:
     """The study side of the check: reuse by numerics key, check near the speed frontier, and
-    make sure the recommended configuration has passing evidence."""
+    make sure the recommended configuration has passing evidence. With a budget, the checks cost in
+    proportion: their steps are planned from the measured step time (autotune.accuracy.plan), and
+    during the search they spend at most ``share`` of it; the FP32 reference is trained once per
+    workload and device (autotune.accuracy.reference_cache)."""
 
     def __init__(self, *, settings: AccuracySettings, space, workload: dict[str, Any], timeout_s: float,
-                 log_dir: Path | None = None) -> None:
+                 log_dir: Path | None = None, budget_s: float | None = None, share: float = DEFAULT_SHARE,
+                 scale_steps: bool = False, cache: ReferenceCache | None = None) -> None:
         self.settings = settings
         self.space = space
         self.workload = workload
         self.timeout_s = timeout_s
         self.log_dir = log_dir
+        self.budget_s = budget_s
+        """The search's --budget (None: --trials alone): the checks' steps and spending follow it."""
+        self.share = share
+        """What the checks may spend of ``budget_s`` while trials run (--accuracy-share)."""
+        self.scale_steps = scale_steps
+        """The steps may be planned (no --accuracy-steps given)."""
+        self.pending = scale_steps and budget_s is not None
+        """The steps are still to be planned, from the first measured step time, before the first check."""
+        self.cache = cache if cache is not None else ReferenceCache()
+        self.spent_s = 0.0
+        """Seconds this run's checks took."""
         self.unavailable: str | None = None
         """Why no configuration can be checked (the FP32 reference failed), or None."""
+        self._lock = threading.Lock()
+        self._looked_up: set[str] = set()
 
     def attach(self, study) -> None:
+        """Record the settings on the study; the steps are settled here unless they are to be planned."""
+        kept = self._kept_steps(study) if self.scale_steps else None
+        if kept is not None:
+            # a resume checks at the steps of the study's earlier runs, so every check compares
+            self.settings = dataclasses.replace(self.settings, steps=kept)
+            self.pending = False
+            if not study.user_attrs.get(PLAN_ATTR):
+                study.set_user_attr(PLAN_ATTR, {"how": "kept", "steps": kept})
+        elif not self.pending:
+            how = "default" if self.scale_steps else "explicit"
+            study.set_user_attr(PLAN_ATTR, {"how": how, "steps": self.settings.steps})
         study.set_user_attr(SETTINGS_ATTR, self.settings.to_dict())
+
+    @staticmethod
+    def _kept_steps(study) -> int | None:
+        plan = study.user_attrs.get(PLAN_ATTR) or {}
+        if plan.get("steps"):
+            return int(plan["steps"])
+        old = study_settings(study)
+        if old is not None and study.user_attrs.get(REFERENCE_ATTR.format(fingerprint=old.fingerprint())):
+            return old.steps  # a study from before plans: its checks ran at these steps
+        return None
+
+    def settle(self, study, *, force: bool = False) -> None:
+        """Plan the check's steps (autotune.accuracy.plan) once a trial was measured, or with
+        ``force`` (a check is due) from the default when none was; then they are fixed."""
+        if not self.pending:
+            return
+        with self._lock:  # --gpus: trials conclude in threads
+            if not self.pending:
+                return
+            plan = study.user_attrs.get(PLAN_ATTR)  # another process of a shared study planned first
+            if not plan:
+                measured = step_time(study)
+                if measured is None and not force:
+                    return
+                plan = (make_plan(self.settings, budget_s=self.budget_s, share=self.share, measured=measured)
+                        if measured else {"how": "unmeasured", "steps": self.settings.steps})
+                study.set_user_attr(PLAN_ATTR, plan)
+            self.settings = dataclasses.replace(self.settings, steps=int(plan["steps"]))
+            study.set_user_attr(SETTINGS_ATTR, self.settings.to_dict())
+            self.pending = False
 
     def judge(self, run: Mapping[str, Any], reference: Mapping[str, Any]) -> dict[str, Any]:
         return judge(run, reference, max_accuracy_drop=self.settings.max_accuracy_drop,
                      max_loss_drift=self.settings.max_loss_drift)
 
-    def evidence(self, study, knobs: Mapping[str, Any], *, check: bool, timeout_s: float | None = None
-                 ) -> dict[str, Any] | None:
+    def evidence(self, study, knobs: Mapping[str, Any], *, check: bool, timeout_s: float | None = None,
+                 within_share: bool = True) -> dict[str, Any] | None:
         """The judged accuracy of ``knobs``: reused when its numerics key was checked, else
-        measured in a worker when ``check``, else None."""
+        measured in a worker when ``check`` (and, ``within_share``, while the checks have not spent
+        their share of the budget), else None."""
+        self.settle(study, force=check)
+        if not self.pending:
+            self._reference(study)  # an earlier search's, from the file cache
         found = cached_run(study, self.settings, knobs)
         if found is None and check and self.unavailable is None:
-            found = self._measure(study, knobs, timeout_s or self.timeout_s)
+            timeout = self._timeout(timeout_s, within_share)
+            if timeout is not None:
+                found = self._measure(study, knobs, timeout)
         if found is None:
             return None
         run, reference = found
@@ -196,16 +269,61 @@ class AccuracyGate:
                     "numerics_key": run.get("numerics_key")}
         return self.judge(run, reference)
 
+    def _timeout(self, timeout_s: float | None, within_share: bool) -> float | None:
+        """How long the next check may take; None: it is not started (the share is spent)."""
+        timeout = timeout_s or self.timeout_s
+        if within_share and self.budget_s is not None:
+            left = self.share * self.budget_s - self.spent_s
+            if left < MIN_CHECK_S:
+                return None  # the recommendation is still checked at the end, with what is left
+            timeout = min(timeout, left)
+        return timeout
+
+    def _reference(self, study) -> dict[str, Any] | None:
+        """The FP32 reference of these settings: the study's, else one an earlier search kept in the
+        file cache (then the study's too), else None (the next check's worker trains it)."""
+        name = REFERENCE_ATTR.format(fingerprint=self.settings.fingerprint())
+        reference = study.user_attrs.get(name)
+        if reference is not None:
+            return reference
+        if name in self._looked_up:  # one look a run: a miss is trained by the next check
+            return None
+        self._looked_up.add(name)
+        key = self._cache_key(study)
+        reference = self.cache.load(key) if key is not None else None
+        if reference is not None:
+            reference = {**reference, "reference_source": "cache"}
+            study.set_user_attr(name, reference)
+        return reference
+
+    def _cache_key(self, study, reference: Mapping[str, Any] | None = None) -> str | None:
+        """The file cache's key: of a reference trained here, by the device and torch its worker
+        reported; before one is, by this study's device (its probed GPU). None where unknown."""
+        if reference is not None:
+            device, version = reference.get("device_name"), reference.get("torch")
+        else:
+            import torch
+
+            gpu = (study.user_attrs.get("provenance") or {}).get("gpu")
+            device, version = ("cpu" if self.space.device == "cpu" else gpu), torch.__version__
+        if not device or not version:
+            return None
+        return reference_key(self.workload, self.settings, device_name=device, torch_version=version)
+
     def _measure(self, study, knobs: Mapping[str, Any], timeout_s: float) -> tuple[dict, dict] | None:
         from autotune.trial.runner import run_worker
 
         fingerprint = self.settings.fingerprint()
-        reference = study.user_attrs.get(REFERENCE_ATTR.format(fingerprint=fingerprint))
+        reference = self._reference(study)
         key = numerics_key(knobs)
         request = {"mode": "accuracy", "workload": self.workload, "space": self.space.to_dict(),
                    "knobs": numerics_knobs(knobs), "settings": self.settings.to_dict(), "reference": reference}
         log = self.log_dir / f"accuracy-{_key_hash(key)}.log" if self.log_dir else None
-        result = run_worker(request, timeout_s=timeout_s, log_path=log)
+        started = time.time()
+        try:
+            result = run_worker(request, timeout_s=timeout_s, log_path=log)
+        finally:
+            self.spent_s += time.time() - started
         if result["status"] == "timeout" and timeout_s < self.timeout_s:
             return None  # cut by the search budget: not the configuration's fault, check again later
         if result["status"] != "ok":
@@ -219,12 +337,24 @@ class AccuracyGate:
                 return None
             run = {"status": "error", "reason": reason, "numerics_key": key}
         else:
-            reference, run = result["reference"], result["run"]
-            study.set_user_attr(REFERENCE_ATTR.format(fingerprint=fingerprint), reference)
+            run = result["run"]
+            if reference is None:
+                self._keep(study, result["reference"])
+                reference = {**result["reference"], "reference_source": "trained"}
+                study.set_user_attr(REFERENCE_ATTR.format(fingerprint=fingerprint), reference)
         if key != numerics_key({}):
             study.set_user_attr(RESULT_ATTR.format(fingerprint=fingerprint, key=_key_hash(key)),
                                 {**run, "knobs": numerics_knobs(knobs)})
         return run, reference
+
+    def _keep(self, study, reference: Mapping[str, Any]) -> None:
+        """Keep a reference trained here for later searches (autotune.accuracy.reference_cache)."""
+        key = self._cache_key(study, reference)
+        if key is not None:
+            about = {**self.workload, "data": self.settings.data, "steps": self.settings.steps,
+                     "batch_size": self.settings.batch_size, "seed": self.settings.seed,
+                     "device": reference.get("device_name"), "torch": reference.get("torch")}
+            self.cache.store(key, reference, about)
 
     def near_frontier(self, study, value: float) -> bool:
         """Whether an objective value (samples/s, or joules per sample or peak memory, which are
@@ -243,8 +373,6 @@ class AccuracyGate:
         """Check the best trials (under the study's objective) without evidence, best first, until
         one passes, while ``deadline`` (time.time(); the search budget's end) leaves time for a
         check. Returns the recommended trial (best with passing evidence) or None."""
-        import time
-
         from optuna.study import StudyDirection
         from optuna.trial import TrialState
 
@@ -256,7 +384,8 @@ class AccuracyGate:
                 left = None if deadline is None else deadline - time.time()
                 if left is not None and left < MIN_CHECK_S:
                     return None  # the budget is spent: the export says the numerics were not checked
-                acc = self.evidence(study, TrialRecord.of(t).knobs, check=True,
+                # the search is over: the recommendation may take what is left of the budget
+                acc = self.evidence(study, TrialRecord.of(t).knobs, check=True, within_share=False,
                                     timeout_s=None if left is None else min(self.timeout_s, left))
             if passed(acc):
                 return t

@@ -18,6 +18,8 @@ MAX_SKIPPED_FRACTION = 0.5
 """A GradScaler that skips more than this fraction of the steps does not train: unstable."""
 DIVERGED_FACTOR = 1.5
 """Final training loss above this multiple of the initial loss: the run diverged."""
+MIN_STEPS = 10
+"""The fewest steps of a check's training run: a shorter run says nothing."""
 
 
 @dataclass(kw_only=True)
@@ -47,8 +49,9 @@ class AccuracySettings:
     def __post_init__(self) -> None:
         from autotune.errors import ConfigError
 
-        if self.steps < 10:
-            raise ConfigError(f"--accuracy-steps must be at least 10 (a shorter run says nothing), got {self.steps}")
+        if self.steps < MIN_STEPS:
+            raise ConfigError(f"--accuracy-steps must be at least {MIN_STEPS} (a shorter run says nothing), "
+                              f"got {self.steps}")
         if self.batch_size < 2:
             raise ConfigError(f"the accuracy check's batch size must be at least 2, got {self.batch_size}")
         if self.held_out_size < 1:

@@ -1,0 +1,94 @@
+"""How many steps the accuracy check trains, so that the checks cost in proportion: scaled to the
+model's measured step time and to the share of ``--budget`` they may spend (``--accuracy-share``).
+
+Before a search's first check, the FP32 baseline trial's throughput gives the time of one check
+step (per sample, at the check's own batch size). The checks a search usually runs are the FP32
+reference with its reshuffled twin (one worker), then about two configurations, an fp16 and a bf16
+class (a worker each); their steps are as many as fit in the share, between MIN_STEPS and the
+default. The plan is then fixed for the study (the steps are part of the check's fingerprint, so
+every check compares) and recorded, so the summary can say how it was chosen.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from autotune.accuracy.settings import MIN_STEPS, AccuracySettings
+from autotune.trial.record import TrialRecord
+
+PLAN_ATTR = "accuracy_plan"
+"""Study user attribute: the plan (``plan``'s dict, or how the steps were otherwise fixed)."""
+DEFAULT_SHARE = 0.25
+"""What the accuracy checks may spend of --budget by default."""
+CHECK_RUNS = 4
+"""Training runs the checks are planned for: the FP32 reference, its reshuffled twin, and about two
+configurations (an fp16 and a bf16 class)."""
+CHECK_WORKERS = 3
+"""Workers those runs take (the reference and the first configuration share one)."""
+EVAL_COST = 1 / 3
+"""A held-out batch (forward only, no gradients) costs about a third of a training step."""
+
+
+def step_time(study) -> dict[str, Any] | None:
+    """What the search measured that a check's step time follows from: the FP32 baseline's
+    throughput (the slowest measured trial's when no baseline was measured), with that trial's worker
+    start and build as each check worker's overhead. None before any trial was measured."""
+    measured = []
+    for t in study.get_trials(deepcopy=False):
+        record = TrialRecord.of(t)
+        # under --ddp a check trains in one process: one GPU's share of the throughput
+        rate = record.figures.get("per_gpu_samples_per_s") or record.samples_per_s
+        if record.status == "ok" and rate:
+            measured.append((record.role != "baseline", rate, record))
+    if not measured:
+        return None
+    _, rate, record = min(measured, key=lambda m: (m[0], m[1]))
+    overhead = (record.timing.get("worker_start_s") or 0.0) + (record.timing.get("build_s") or 0.0)
+    return {"samples_per_s": rate, "trial": record.number, "baseline": record.role == "baseline",
+            "overhead_s": overhead}
+
+
+def plan(settings: AccuracySettings, *, budget_s: float, share: float, measured: dict[str, Any]) -> dict[str, Any]:
+    """The check's steps for a search of ``budget_s`` whose checks may spend ``share`` of it, from
+    ``step_time``'s figures; ``settings.steps`` (the default) is the most."""
+    step_s = settings.batch_size / measured["samples_per_s"]
+    eval_steps = math.ceil(settings.held_out_size / settings.batch_size) * EVAL_COST
+    room = share * budget_s - CHECK_WORKERS * measured["overhead_s"]
+    fit = math.floor(room / (CHECK_RUNS * step_s) - eval_steps)
+    steps = max(MIN_STEPS, min(settings.steps, fit))
+    estimate = CHECK_WORKERS * measured["overhead_s"] + CHECK_RUNS * (steps + eval_steps) * step_s
+    return {"how": "scaled", "steps": steps, "default_steps": settings.steps, "share": share,
+            "budget_s": budget_s, "step_s": round(step_s, 6), "estimate_s": round(estimate, 1),
+            "from_trial": measured["trial"], "from_baseline": measured["baseline"]}
+
+
+def describe(plan: dict[str, Any] | None) -> str | None:
+    """'40 steps (scaled to 25% of the 3 min budget)', for the summary and the report."""
+    if not plan or not plan.get("steps"):
+        return None
+    steps, how = plan["steps"], plan.get("how")
+    if how == "explicit":
+        return f"{steps} steps (--accuracy-steps)"
+    if how == "kept":
+        return f"{steps} steps (as in this study's earlier runs)"
+    if how == "unmeasured":
+        return f"{steps} steps (the default: no trial was measured to scale it by)"
+    if how != "scaled":
+        return f"{steps} steps (the default, without a --budget to scale it to)"
+    within = f"{plan['share']:.0%} of the {duration(plan['budget_s'])} budget"
+    if steps >= plan["default_steps"]:
+        return f"{steps} steps (the full check fits in {within})"
+    if plan["estimate_s"] > plan["share"] * plan["budget_s"]:
+        return (f"{steps} steps, the fewest that say anything (scaled to {within}, the checks may take "
+                f"about {plan['estimate_s']:.0f} s)")
+    return f"{steps} steps (scaled to {within})"
+
+
+def duration(seconds: float) -> str:
+    """40 -> '40 s', 180 -> '3 min', 5400 -> '1.5 h'."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{round(seconds / 60, 1):g} min"
+    return f"{round(seconds / 3600, 1):g} h"
