@@ -85,6 +85,9 @@ def _add_search(sub: argparse._SubParsersAction) -> None:
     _add_accuracy_options(p)
     p.add_argument("--no-accuracy-check", action="store_true",
                    help="skip the accuracy check (speed only: a configuration may then cost accuracy)")
+    p.add_argument("--accuracy-share", type=float, default=0.25, metavar="SHARE",
+                   help="what the accuracy checks may spend of --budget while trials run (default 0.25); "
+                        "without --accuracy-steps their steps are scaled to fit in it")
 
 
 def _add_accuracy_options(p: argparse.ArgumentParser) -> None:
@@ -95,7 +98,8 @@ def _add_accuracy_options(p: argparse.ArgumentParser) -> None:
                    help="when the data has no held-out set: the share of FP32's training-loss decrease a "
                         "configuration may lose (default 0.1)")
     p.add_argument("--accuracy-steps", type=int,
-                   help="training steps of the accuracy check (default 300 on GPU, 100 on CPU)")
+                   help="training steps of the accuracy check (default: in a search with --budget, scaled to the "
+                        "measured step time and --accuracy-share; at most 300 on GPU, 100 on CPU)")
     p.add_argument("--data", help="real data: a folder in ImageFolder layout (DIR/<class>/<image>) "
                                   "or package.module:factory returning (train, held_out) datasets; it feeds the "
                                   "timed steps through a DataLoader (whose workers, pinning and prefetch are "
@@ -199,6 +203,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         trial_timeout_s=args.trial_timeout, command=_command_line(args),
         accuracy_check=not args.no_accuracy_check, max_accuracy_drop=args.max_accuracy_drop,
         max_loss_drift=args.max_loss_drift, accuracy_steps=args.accuracy_steps, data=args.data,
+        accuracy_share=args.accuracy_share,
         mlflow=args.mlflow,
     )
     if args.min_measure_time is not None:

@@ -57,7 +57,11 @@ class SearchConfig:
     max_loss_drift: float = 0.1
     """Without held-out accuracy: the share of FP32's training-loss decrease a configuration may lose."""
     accuracy_steps: int | None = None
-    """Steps of the accuracy check's training run; None: 300 on a GPU, 100 on a CPU."""
+    """Steps of the accuracy check's training run; None: scaled to the measured step time and
+    accuracy_share of the budget (autotune.accuracy.plan), at most 300 on a GPU, 100 on a CPU."""
+    accuracy_share: float = 0.25
+    """What the accuracy checks may spend of --budget while trials run (more than 0, at most 1);
+    their steps are planned to fit in it."""
     data: str | None = None
     """The accuracy check's data: None (synthetic), an ImageFolder folder, or package.module:factory."""
     profile: bool = True
@@ -168,18 +172,21 @@ class SearchConfig:
         from autotune.search.goal import goal
 
         goal(self.objective)  # an unknown name gets the list of objectives
-        if self.accuracy_check:
-            from autotune.workload.data import check_data_spec
-
-            self.accuracy_settings("cpu")  # validates the thresholds and the step count
-            check_data_spec(self.data)
-        elif self.data is not None:
-            from autotune.workload.data import check_data_spec
-
-            check_data_spec(self.data)  # it still feeds the timed steps, through a DataLoader
+        self._check_accuracy_options()
         if self.data is not None and self.input_on_device:
             raise ConfigError("--input-on-device keeps synthetic batches on the GPU, but --data feeds the timed "
                               "steps from a DataLoader; drop one of them")
+
+    def _check_accuracy_options(self) -> None:
+        """The accuracy check's options, and --data (which feeds the accuracy check and the timed steps)."""
+        from autotune.workload.data import check_data_spec
+
+        if not 0 < self.accuracy_share <= 1:
+            raise ConfigError(f"--accuracy-share {self.accuracy_share:g}: give the share of --budget the accuracy "
+                              "checks may spend, more than 0 and at most 1 (default 0.25)")
+        if self.accuracy_check:
+            self.accuracy_settings("cpu")  # validates the thresholds and the step count
+        check_data_spec(self.data)  # without the check it still feeds the timed steps, through a DataLoader
 
     def accuracy_settings(self, device: str):
         """The accuracy check's settings on ``device`` (validated: a bad value raises ConfigError)."""

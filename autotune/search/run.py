@@ -196,9 +196,12 @@ def _accuracy_gate(config: SearchConfig, device: str, space: SearchSpace, out_di
         return None
     from autotune.accuracy.gate import AccuracyGate
 
+    # without --accuracy-steps the check's steps are planned from the first measured step time to
+    # fit in --accuracy-share of the budget; the FP32 reference comes from the file cache when kept
     gate = AccuracyGate(settings=config.accuracy_settings(device), space=space,
                         workload=config.workload.to_dict(), timeout_s=config.trial_timeout_s,
-                        log_dir=out_dir / "logs")
+                        log_dir=out_dir / "logs", budget_s=config.budget_s, share=config.accuracy_share,
+                        scale_steps=config.accuracy_steps is None)
     gate.attach(study)
     return gate
 
