@@ -174,6 +174,10 @@ def print_summary(out_dir: Path, elapsed_s: float | None = None, phases: dict[st
     acc = data.get("accuracy")
     if acc:
         console.print(f"accuracy: {acc.get('verdict')}: {acc.get('reason')}")
+        from autotune.accuracy.plan import describe as describe_plan
+
+        if plan := describe_plan(acc.get("plan")):
+            console.print(f"accuracy check: {plan}")
     else:
         console.print("accuracy: not checked (--no-accuracy-check, or a config exported before the check existed)")
     for note in data.get("notes", []):

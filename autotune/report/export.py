@@ -13,6 +13,7 @@ import pandas as pd
 import autotune
 import strategies
 from autotune.accuracy.gate import SETTINGS_ATTR, UNAVAILABLE_ATTR, accuracy_of
+from autotune.accuracy.plan import PLAN_ATTR
 from autotune.deploy.config import TunedConfig
 from autotune.deploy.space import SearchSpace
 from autotune.search.trials import baseline_trial, best_trial, counted_trials
@@ -209,5 +210,8 @@ def _add_objective_and_accuracy(info: dict[str, Any], study: optuna.Study, best:
     elif study.user_attrs.get(SETTINGS_ATTR):
         # the check was on, but the budget ended before this configuration's numerics were checked
         info["accuracy"] = {"verdict": "not checked", "reason": (
-            "the search budget ran out before this configuration's numerics were checked against FP32; "
-            "give a longer --budget, or check it with `autotune accuracy`")}
+            "the search budget ran out before this configuration's numerics were checked against FP32: not "
+            "checked within the budget, so it is recommended for its speed alone; give a longer --budget or a "
+            "larger --accuracy-share, or check it with `autotune accuracy`")}
+    if "accuracy" in info and study.user_attrs.get(PLAN_ATTR):
+        info["accuracy"]["plan"] = study.user_attrs[PLAN_ATTR]  # how the check's steps were chosen

@@ -59,6 +59,31 @@ def _energy_of(d: ReportData, row: pd.Series | None) -> dict[str, Any]:
     return (d.records[int(row["number"])].energy or {}) if row is not None else {}
 
 
+def _accuracy_text(d: ReportData, best: pd.Series | None) -> str:
+    """The best's accuracy evidence; or, as config.json says, why it was not checked (the budget ran
+    out, the reference failed); and how many steps the check trained (autotune.accuracy.plan)."""
+    from autotune.accuracy.plan import describe as describe_plan
+
+    acc = (d.records[int(best["number"])].accuracy or {}) if best is not None else {}
+    exported = (d.config or {}).get("accuracy") or {}
+    if acc.get("accuracy_drop") is not None:
+        text = f"accuracy drop {fmt_g(acc['accuracy_drop'], 3)} vs FP32"
+        if acc.get("accuracy") is not None:
+            text += f" (accuracy {fmt_g(acc['accuracy'])})"
+        if acc.get("stable") is False:
+            text += ", training was not stable"
+    elif acc.get("accuracy") is not None:
+        text = f"accuracy {fmt_g(acc['accuracy'])}"
+    elif exported.get("verdict") == "not checked":
+        text = f"not checked: {exported.get('reason')}"
+    elif d.has["accuracy"]:
+        text = "measured on some trials, not on the best one"
+    else:
+        return NOT_MEASURED
+    plan = describe_plan(exported.get("plan"))
+    return f"{text}; accuracy check: {plan}" if plan else text
+
+
 def summary_items(d: ReportData) -> list[dict[str, str]]:
     """The summary, as (label, text) items shared by HTML and Markdown."""
     items = [{"label": "Device", "text": _device_text(d)}, {"label": "Model", "text": _model_text(d)}]
@@ -114,21 +139,7 @@ def summary_items(d: ReportData) -> list[dict[str, str]]:
         items.append({"label": "Energy", "text": text})
     else:
         items.append({"label": "Energy", "text": f"{NOT_MEASURED}"})
-    if d.has["accuracy"]:
-        acc = (d.records[int(best["number"])].accuracy or {}) if best is not None else {}
-        if acc.get("accuracy_drop") is not None:
-            text = f"accuracy drop {fmt_g(acc['accuracy_drop'], 3)} vs FP32"
-            if acc.get("accuracy") is not None:
-                text += f" (accuracy {fmt_g(acc['accuracy'])})"
-            if acc.get("stable") is False:
-                text += ", training was not stable"
-        elif acc.get("accuracy") is not None:
-            text = f"accuracy {fmt_g(acc['accuracy'])}"
-        else:
-            text = "measured on some trials, not on the best one"
-        items.append({"label": "Accuracy", "text": text})
-    else:
-        items.append({"label": "Accuracy", "text": NOT_MEASURED})
+    items.append({"label": "Accuracy", "text": _accuracy_text(d, best)})
     c = d.cost
     items.append({"label": "Search cost", "text": (
         f"{c.get('num_trials', 0)} trials ({c.get('num_measured', 0)} measured), "
