@@ -20,6 +20,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def accuracy_cache_dir(tmp_path_factory):
+    """The accuracy check's file cache of FP32 references (autotune.accuracy.reference_cache) is a
+    folder of this test session, never the user's ~/.cache: searches run here, and their workers,
+    inherit it."""
+    from autotune.accuracy.reference_cache import CACHE_ENV
+
+    before = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("autotune-cache"))
+    yield Path(os.environ[CACHE_ENV])
+    if before is None:
+        os.environ.pop(CACHE_ENV, None)
+    else:
+        os.environ[CACHE_ENV] = before
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     """This process's environment for a child Python: tests/ (fake_models) and the checkout first on
     PYTHONPATH, and the caller's own PYTHONPATH kept (on the GPU machine it holds the carried wheels)."""

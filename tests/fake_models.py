@@ -193,3 +193,23 @@ class _NanLoss(nn.Module):
 
 def nan_loss(num_classes: int = 10) -> nn.Module:
     return _NanLoss(num_classes)
+
+
+class _SlowToEvaluate(nn.Module):
+    """Trains at a tiny CNN's speed plus a short sleep a step, but evaluates slowly: only the accuracy
+    check evaluates (its held-out set, in eval mode), so the speed trials stay short while the check
+    outlasts any short budget."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.net = tiny_cnn(num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import time
+
+        time.sleep(0.02 if self.training else 1.0)
+        return self.net(x)
+
+
+def slow_check_cnn(num_classes: int = 10) -> nn.Module:
+    return _SlowToEvaluate(num_classes)
