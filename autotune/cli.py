@@ -8,6 +8,7 @@ import os
 import shlex
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from autotune import stop
@@ -54,6 +55,9 @@ def _add_search(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-steer", dest="steer", action="store_false",
                    help="plain TPE over the whole space: do not queue the configurations the findings suggest, "
                         "nor stop exploring knobs measured to have no effect")
+    p.add_argument("--early-stop-below", type=float, default=0.5, metavar="SHARE",
+                   help="stop a trial in its warm-up when it runs below this share of the best throughput so far "
+                        "(default 0.5; 0 measures every trial in full)")
     p.add_argument("--objective", default="throughput", choices=["throughput", "energy", "memory"],
                    help="what to optimize: throughput (samples/s, the default), energy (joules per sample; "
                         "needs NVML on an NVIDIA GPU) or memory (peak memory)")
@@ -196,6 +200,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         max_batch_size=args.max_batch_size,
         precisions=[m.strip() for m in args.precisions.split(",")] if args.precisions else None,
         input_on_device=args.input_on_device, compile=args.compile, profile=args.profile, steer=args.steer,
+        early_stop_below=args.early_stop_below, started_at=getattr(args, "started_at", None),
         objective=args.objective,
         seed=args.seed, gpus=args.gpus, ddp=args.ddp, replay=args.replay, resume=args.resume,
         memory_limit=args.memory_limit, memory_headroom=args.memory_headroom,
@@ -385,7 +390,9 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.time()  # --budget is a promise for the whole command, counted from here
     args = build_parser().parse_args(argv)
+    args.started_at = started
     stop.install()
     handler = {"search": cmd_search, "verify": cmd_verify, "report": cmd_report, "compare": cmd_compare,
                "show": cmd_show, "models": cmd_models, "accuracy": cmd_accuracy,

@@ -31,7 +31,9 @@ class SearchView:
                                  TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
                                  console=console, transient=False)
         self.task = None
-        self.started = time.time()
+        self.summary = "starting"
+        """The live line's first part: trials done and the best; what runs now follows it."""
+        self.started = getattr(config, "started_at", None) or time.time()  # --budget counts from the command's start
         self.walls: list[float] = []
 
     def __call__(self, kind: str, payload: Any) -> None:
@@ -39,7 +41,13 @@ class SearchView:
             self._start(payload)
             return
         if kind == "end":
+            if self.task is not None:
+                self.progress.update(self.task, description=self.summary)
             self.progress.stop()
+            return
+        if kind == "phase":
+            if self.task is not None:
+                self.progress.update(self.task, description=f"{self.summary} · {payload}")
             return
         if kind == "fixed":
             for param, entry in payload.items():
@@ -85,6 +93,10 @@ class SearchView:
             self.walls.append(record.timing["wall_s"])
         outcome = (f"{fig['samples_per_s']:,.0f} samples/s, {fig['step_time_ms']:.1f} ms/step, "
                    f"{fig['peak_memory_bytes'] / 2**30:.2f} GiB") if fig else (record.reason or trial.state.name)
+        compiled = record.timing.get("compile_s") or 0.0
+        if fig and compiled >= 0.5:
+            cached = {"hit": ", its graphs from the cache", "partial": ", some graphs from the cache"}
+            outcome += f", compiled in {compiled:.0f} s{cached.get(record.timing.get('compile_cache'), '')}"
         if record.backed_off_to:
             outcome += f"; queued again at batch {record.backed_off_to}"
         if record.unstable:
@@ -114,7 +126,8 @@ class SearchView:
         from autotune.search.goal import goal_of
 
         best_text = f"best {goal_of(self.study).format(best.value)} (#{best.number})" if best else "no result yet"
-        self.progress.update(self.task, description=f"{done} trials, {best_text}", status=f"~{left_s:,.0f}s left")
+        self.summary = f"{done} trials, {best_text}"
+        self.progress.update(self.task, description=self.summary, status=f"~{left_s:,.0f}s left")
 
 
 def print_summary(out_dir: Path, elapsed_s: float | None = None, phases: dict[str, float] | None = None, *,
@@ -166,7 +179,8 @@ def print_summary(out_dir: Path, elapsed_s: float | None = None, phases: dict[st
     for param, entry in (data.get("fixed_knobs") or {}).items():
         console.print(f"no longer explored: {param} = {entry['value']!r} ({entry['reason']})")
     s = data["search"]
-    console.print(f"search cost over {s['num_trials']} trials ({s['num_measured']} measured): worker start "
+    early = f", {s['num_stopped_early']} stopped early" if s.get("num_stopped_early") else ""
+    console.print(f"search cost over {s['num_trials']} trials ({s['num_measured']} measured{early}): worker start "
                   f"{s['worker_start_s']:.0f}s, build {s['build_s']:.0f}s, warm-up {s['warmup_s']:.0f}s, "
                   f"measuring {s['measure_s']:.0f}s, trials in all {s['trial_wall_s']:.0f}s"
                   + (f"; this run {elapsed_s:.0f}s" if elapsed_s is not None else "")

@@ -142,7 +142,9 @@ def summary_items(d: ReportData) -> list[dict[str, str]]:
     items.append({"label": "Accuracy", "text": _accuracy_text(d, best)})
     c = d.cost
     items.append({"label": "Search cost", "text": (
-        f"{c.get('num_trials', 0)} trials ({c.get('num_measured', 0)} measured), "
+        f"{c.get('num_trials', 0)} trials ({c.get('num_measured', 0)} measured"
+        + (f", {c['num_stopped_early']} stopped early in their warm-up as clearly slower than the best"
+           if c.get("num_stopped_early") else "") + "), "
         f"{fmt_s(c.get('trial_wall_s'))} of trials: worker start {fmt_s(c.get('worker_start_s'))}, "
         f"build {fmt_s(c.get('build_s'))}, "
         + (f"compiling {fmt_s(c['compile_s'])}, " if c.get("compile_s") else "")

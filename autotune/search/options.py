@@ -69,6 +69,13 @@ class SearchConfig:
     steer: bool = True
     """Queue the configurations the findings suggest, and stop exploring knobs shown to have no
     effect (autotune.search.knob_effects)."""
+    started_at: float | None = None
+    """When the command started (time.time()): --budget counts from it, so the interpreter's and
+    torch's imports are inside the budget too; None: from run_search's call."""
+    early_stop_below: float = 0.5
+    """A trial whose warm-up runs below this share of the best throughput so far is stopped there
+    (status "pruned", its warm-up windows reported to Optuna as intermediate values); 0: every
+    trial is measured in full. Only with --objective throughput."""
     objective: str = "throughput"
     """What the search optimizes: "throughput" (samples/s), "energy" (joules per sample, NVML) or
     "memory" (peak memory); see autotune.search.goal."""
@@ -110,6 +117,9 @@ class SearchConfig:
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cuda", "cpu"):
             raise ConfigError(f"--device {self.device!r}: use cuda, cpu or auto")
+        if not 0 <= self.early_stop_below < 1:
+            raise ConfigError(f"--early-stop-below {self.early_stop_below}: give a share of the best throughput "
+                              "so far, from 0 (measure every trial in full) to below 1, e.g. 0.5")
         if isinstance(self.gpus, str):
             self.gpus = parse_gpus(self.gpus)
         if self.gpus is not None and self.device == "cpu":

@@ -17,7 +17,7 @@ from autotune import stop
 from autotune.deploy.space import SearchSpace
 from autotune.errors import ConfigError
 from autotune.search.artifacts import Artifacts
-from autotune.search.budget import StopRule
+from autotune.search.budget import StopRule, deadline
 from autotune.search.distributed import SharedStudy
 from autotune.search.goal import Goal, goal, nvml_refusal
 from autotune.search.objective import Objective, TrialFailed
@@ -30,6 +30,7 @@ from autotune.search.options import (
 )
 from autotune.search.outputs import check_writable, write_outputs
 from autotune.search.runlog import run_log
+from autotune.search.seeds import SeedFeeder
 from autotune.search.space import build_space, check_ddp, probe
 from autotune.search.storage import open_storage
 from autotune.search.study import SearchLock, prepare_study, recover_dead_trials
@@ -60,7 +61,8 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
     device, prestart, storage, target = _check_before_device_time(config)
     # a tracking store MLflow refuses is refused here, before any device time
     tracking = _mlflow_log(config)
-    started = time.time()
+    # --budget counts from the command's start (its imports and checks too), else from here
+    started = config.started_at or time.time()
     phases: dict[str, float] = {}
     # --gpus: the probe sees the requested GPUs (its device 0 the first) and names them, which
     # makes the pool; a mix of GPU models or a missing one is refused here
@@ -90,6 +92,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         gate = _accuracy_gate(config, device, space, out_dir, study)
         objective = _objective(config, device, info, space, out_dir, started, target=target, gate=gate,
                                prestart=prestart, limit=limit)
+        objective.on_phase = lambda words: emit("phase", words)
         emit("start", {"space": space, "probe": info, "out_dir": out_dir, "study": study,
                        "recovered": recovered, "done": len(counted_trials(study)), "config": config})
         stop_rule = StopRule(config, shared, started, emit)
@@ -97,7 +100,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         if tracking is not None:
             tracking.start(study, config.command)
         interrupted = _optimize(config, study, artifacts.wrap(objective), shared, gpu_pool,
-                                [stop_rule] + ([tracking] if tracking is not None else []), started)
+                                [SeedFeeder(), stop_rule] + ([tracking] if tracking is not None else []), started)
         if gate is not None and interrupted is None:
             # the recommendation must have passing accuracy evidence: check the fastest trials
             # that have none, fastest first, until one passes
@@ -106,6 +109,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
             gate.ensure_recommendation(study, deadline=_deadline(config, started))
             phases["final accuracy checks"] = time.time() - t
         t = time.time()
+        emit("phase", "writing config.json, trials.csv and the report")
         files = write_outputs(study, out_dir, config, space, info)
         artifacts.attach_outputs(study, files)
         if tracking is not None:
@@ -186,8 +190,9 @@ def _slug(config: SearchConfig, device: str, info: dict[str, Any]) -> str:
 
 
 def _deadline(config: SearchConfig, started: float) -> float | None:
-    """When the budget ends (time.time()); None without --budget."""
-    return None if config.budget_s is None else started + config.budget_s
+    """When trials and checks must be done (time.time()): the budget less the export's reserve
+    (autotune.search.budget.deadline); None without --budget."""
+    return deadline(config, started)
 
 
 def _accuracy_gate(config: SearchConfig, device: str, space: SearchSpace, out_dir: Path, study: optuna.Study):
@@ -214,6 +219,7 @@ def _objective(config: SearchConfig, device: str, info: dict[str, Any], space: S
                      trial_timeout_s=config.trial_timeout_s, log_dir=out_dir / "logs",
                      deadline=_deadline(config, started),
                      profile=config.profile, steer=config.steer, goal=target,
+                     early_stop_below=config.early_stop_below if target.name == "throughput" else 0.0,
                      misaligned=(info.get("misaligned") or {}).get("8"),
                      prestart_workers=prestart,
                      memory_limit_bytes=limit,
@@ -223,13 +229,14 @@ def _objective(config: SearchConfig, device: str, info: dict[str, Any], space: S
 def _optimize(config: SearchConfig, study: optuna.Study, objective: Callable[[optuna.Trial], float],
               shared: SharedStudy, gpu_pool: GpuPool | None, callbacks: list[Callable], started: float,
               ) -> KeyboardInterrupt | None:
-    """Run trials until the stop rule (the first of ``callbacks``, Optuna's after each trial) or the
+    """Run trials until the stop rule (one of ``callbacks``, Optuna's after each trial) or the
     time left of the budget ends them; a Ctrl-C or SIGTERM is returned, not raised, so what was
     measured is still exported."""
     remaining = None if config.trials is None else config.trials - len(counted_trials(study))
     interrupted = None
     if remaining is None or remaining > 0:
-        timeout = None if config.budget_s is None else max(1.0, config.budget_s - (time.time() - started))
+        end = _deadline(config, started)
+        timeout = None if end is None else max(1.0, end - time.time())
         try:
             # --gpus: Optuna's own parallel loop, a thread (and a GPU) per trial in flight
             guarded = shared.guard(objective)
