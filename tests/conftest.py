@@ -22,10 +22,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def accuracy_cache_dir(tmp_path_factory):
-    """The accuracy check's file cache of FP32 references (autotune.accuracy.reference_cache) is a
+    """autotune's caches (autotune.cache: compiled graphs, the accuracy check's FP32 references) are a
     folder of this test session, never the user's ~/.cache: searches run here, and their workers,
     inherit it."""
-    from autotune.accuracy.reference_cache import CACHE_ENV
+    from autotune.cache import CACHE_ENV
 
     before = os.environ.get(CACHE_ENV)
     os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("autotune-cache"))

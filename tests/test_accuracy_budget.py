@@ -19,7 +19,7 @@ from autotune.deploy.space import SearchSpace
 from autotune.errors import ConfigError
 from autotune.search.options import SearchConfig
 from autotune.workload.models import WorkloadSpec
-from conftest import run_cli
+from conftest import ROOT, run_cli
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -220,3 +220,29 @@ def test_a_search_whose_accuracy_check_is_slow_ends_within_its_budget_and_says_s
     for report in ("report.md", "report.html"):
         text = " ".join((out / report).read_text().split())
         assert "not checked within the budget" in text and "accuracy check:" in text, report
+
+
+@pytest.mark.slow
+def test_the_live_line_hears_the_checks_steps_and_a_hopeless_final_check_is_not_started(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))  # the worker imports fake_models
+    settings = AccuracySettings.for_device("cpu", steps=20)
+    # slow_cnn sleeps 50 ms a step: each 20-step run lasts a second, several polls
+    gate = AccuracyGate(settings=settings, space=SPACE, workload={**TINY, "model": "fake_models:slow_cnn"},
+                        timeout_s=300, cache=ReferenceCache(tmp_path))
+    heard: list[str] = []
+    gate.on_phase = heard.append
+    study = optuna.create_study(direction="maximize")
+    gate.attach(study)
+    judged = gate.evidence(study, {"precision": {"mode": "bf16"}}, check=True, label="#3")
+    assert judged["verdict"] in ("passed", "violated", "unstable")
+    steps = [w for w in heard if w.startswith("accuracy check of #3: ") and w.endswith("/20 steps")]
+    assert any(w.startswith("accuracy check of #3: FP32 reference") for w in steps)
+    assert any(w.startswith("accuracy check of #3: bf16 ") for w in steps)
+    # a final check whose planned cost is more than the budget left is not started
+    study.set_user_attr(PLAN_ATTR, {"how": "scaled", "steps": 20, "estimate_s": 400.0})
+    assert gate.estimate_s(study) == pytest.approx(100.0)  # the reference is known: one run of four
+    slow = _study_with_baseline(100.0)
+    slow.set_user_attr(PLAN_ATTR, {"how": "scaled", "steps": 20, "estimate_s": 400.0})
+    started = time.time()
+    assert gate.ensure_recommendation(slow, deadline=time.time() + 60) is None
+    assert time.time() - started < 2

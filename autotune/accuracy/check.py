@@ -9,7 +9,7 @@ import time
 import warnings
 from typing import Any, Mapping
 
-from autotune.accuracy.settings import AccuracySettings, numerics_key, numerics_knobs
+from autotune.accuracy.settings import AccuracySettings, describe_numerics, numerics_key, numerics_knobs
 
 
 def run_check(request: Mapping[str, Any]) -> dict[str, Any]:
@@ -25,18 +25,19 @@ def run_check(request: Mapping[str, Any]) -> dict[str, Any]:
     reference = request.get("reference")
     data = _datasets(spec, settings, space.device)
     if reference is None:
-        reference = train_run(spec, {}, space, settings, data)
+        reference = train_run(spec, {}, space, settings, data, label="FP32 reference")
         reference["numerics"] = step_numerics(spec, {}, space, settings, data)
         # FP32 again with the data in another order: how much a short run's result moves for
         # reasons that have nothing to do with precision; a drop within that is not a loss
-        reshuffled = train_run(spec, {}, space, settings, data, order_seed=settings.seed + 1)
+        reshuffled = train_run(spec, {}, space, settings, data, order_seed=settings.seed + 1,
+                               label="FP32 reference, reshuffled")
         reference["reshuffled"] = {k: reshuffled.get(k) for k in ("final_loss", "held_out_accuracy", "wall_s")}
         # what the reference was trained on: the study keeps it for later searches by these (reference_cache)
         reference.update(_trained_on(space.device))
     if numerics_key(knobs) == numerics_key({}):
         run = dict(reference)
     else:
-        run = train_run(spec, knobs, space, settings, data)
+        run = train_run(spec, knobs, space, settings, data, label=describe_numerics(knobs))
         run["numerics"] = step_numerics(spec, knobs, space, settings, data)
     run["numerics_key"] = numerics_key(knobs)
     return {"status": "ok", "reference": reference, "run": run}
@@ -97,9 +98,12 @@ def _build(spec, knobs: Mapping[str, Any], space, settings: AccuracySettings):
 
 
 def train_run(spec, knobs: Mapping[str, Any], space, settings: AccuracySettings, data, *,
-              order_seed: int | None = None) -> dict[str, Any]:
+              order_seed: int | None = None, label: str = "training") -> dict[str, Any]:
     """``settings.steps`` optimizer steps of the configuration, then the held-out evaluation.
-    ``order_seed`` draws another data order (same initial weights): the FP32 noise run."""
+    ``order_seed`` draws another data order (same initial weights): the FP32 noise run. Its steps
+    are told to the search's live line as ``label`` k/N (autotune.trial.progress)."""
+    from autotune.trial import progress
+
     import torch
 
     from autotune.deploy import runtime
@@ -126,8 +130,11 @@ def train_run(spec, knobs: Mapping[str, Any], space, settings: AccuracySettings,
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
         scaler = runtime.grad_scaler(recipe)
         losses, skipped = [], 0
-        for indices in batch_order(len(data.train), settings.batch_size, settings.steps,
-                                   settings.seed if order_seed is None else order_seed):
+        every = max(1, settings.steps // 50)
+        for step, indices in enumerate(batch_order(len(data.train), settings.batch_size, settings.steps,
+                                   settings.seed if order_seed is None else order_seed)):
+            if step % every == 0:
+                progress.say(label, step, settings.steps)
             x, y = _to(collate(data.train, indices), device, recipe)
             optimizer.zero_grad(set_to_none=True)
             with runtime.autocast(recipe):
@@ -145,6 +152,7 @@ def train_run(spec, knobs: Mapping[str, Any], space, settings: AccuracySettings,
             losses.append(loss.detach().float())
         curve = torch.stack(losses).cpu()
         params_finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+        progress.say(f"{label}: held-out evaluation")
         held = _evaluate(model, workload, recipe, data.held_out, settings, device) if data.held_out is not None else {}
     finite = torch.isfinite(curve)
     head = curve[: max(1, len(curve) // 10)]

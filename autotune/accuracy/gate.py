@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from autotune.accuracy.plan import DEFAULT_SHARE, PLAN_ATTR, step_time
+from autotune.accuracy.plan import CHECK_RUNS, DEFAULT_SHARE, PLAN_ATTR, step_time
 from autotune.accuracy.plan import plan as make_plan
 from autotune.accuracy.reference_cache import ReferenceCache, reference_key
 from autotune.accuracy.settings import (
@@ -195,6 +195,8 @@ class AccuracyGate:
         self.cache = cache if cache is not None else ReferenceCache()
         self.spent_s = 0.0
         """Seconds this run's checks took."""
+        self.on_phase = None
+        """Hears what a running check does ("accuracy check of #2: FP32 reference 40/100 steps")."""
         self.unavailable: str | None = None
         """Why no configuration can be checked (the FP32 reference failed), or None."""
         self._lock = threading.Lock()
@@ -249,7 +251,7 @@ class AccuracyGate:
                      max_loss_drift=self.settings.max_loss_drift)
 
     def evidence(self, study, knobs: Mapping[str, Any], *, check: bool, timeout_s: float | None = None,
-                 within_share: bool = True) -> dict[str, Any] | None:
+                 within_share: bool = True, label: str = "") -> dict[str, Any] | None:
         """The judged accuracy of ``knobs``: reused when its numerics key was checked, else
         measured in a worker when ``check`` (and, ``within_share``, while the checks have not spent
         their share of the budget), else None."""
@@ -260,7 +262,7 @@ class AccuracyGate:
         if found is None and check and self.unavailable is None:
             timeout = self._timeout(timeout_s, within_share)
             if timeout is not None:
-                found = self._measure(study, knobs, timeout)
+                found = self._measure(study, knobs, timeout, label)
         if found is None:
             return None
         run, reference = found
@@ -310,7 +312,7 @@ class AccuracyGate:
             return None
         return reference_key(self.workload, self.settings, device_name=device, torch_version=version)
 
-    def _measure(self, study, knobs: Mapping[str, Any], timeout_s: float) -> tuple[dict, dict] | None:
+    def _measure(self, study, knobs: Mapping[str, Any], timeout_s: float, label: str = "") -> tuple[dict, dict] | None:
         from autotune.trial.runner import run_worker
 
         fingerprint = self.settings.fingerprint()
@@ -321,7 +323,10 @@ class AccuracyGate:
         log = self.log_dir / f"accuracy-{_key_hash(key)}.log" if self.log_dir else None
         started = time.time()
         try:
-            result = run_worker(request, timeout_s=timeout_s, log_path=log)
+            said = None
+            if self.on_phase is not None:
+                said = lambda words: self.on_phase(f"accuracy check{' of ' + label if label else ''}: {words}")  # noqa: E731
+            result = run_worker(request, timeout_s=timeout_s, log_path=log, on_progress=said)
         finally:
             self.spent_s += time.time() - started
         if result["status"] == "timeout" and timeout_s < self.timeout_s:
@@ -356,6 +361,16 @@ class AccuracyGate:
                      "device": reference.get("device_name"), "torch": reference.get("torch")}
             self.cache.store(key, reference, about)
 
+    def estimate_s(self, study) -> float:
+        """About how long the next check takes, from the plan (autotune.accuracy.plan): one training
+        run, or three when the FP32 reference and its reshuffled twin must be trained first; 0 when
+        the steps were not planned from a measured step time."""
+        plan = study.user_attrs.get(PLAN_ATTR) or {}
+        if plan.get("how") != "scaled" or not plan.get("estimate_s"):
+            return 0.0
+        per_run = plan["estimate_s"] / CHECK_RUNS
+        return per_run if self._reference(study) is not None else 3 * per_run
+
     def near_frontier(self, study, value: float) -> bool:
         """Whether an objective value (samples/s, or joules per sample or peak memory, which are
         minimized) is on or near the frontier of what is recommendable."""
@@ -382,11 +397,12 @@ class AccuracyGate:
             acc = accuracy_of(study, t)
             if acc is None:
                 left = None if deadline is None else deadline - time.time()
-                if left is not None and left < MIN_CHECK_S:
+                if left is not None and left < max(MIN_CHECK_S, self.estimate_s(study)):
                     return None  # the budget is spent: the export says the numerics were not checked
                 # the search is over: the recommendation may take what is left of the budget
                 acc = self.evidence(study, TrialRecord.of(t).knobs, check=True, within_share=False,
-                                    timeout_s=None if left is None else min(self.timeout_s, left))
+                                    timeout_s=None if left is None else min(self.timeout_s, left),
+                                    label=f"#{t.number}")
             if passed(acc):
                 return t
         return None

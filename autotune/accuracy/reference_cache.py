@@ -19,17 +19,16 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from autotune.accuracy.settings import AccuracySettings
+from autotune.cache import CACHE_ENV, cache_root
 
-CACHE_ENV = "AUTOTUNE_CACHE_DIR"
 FORMAT = 1
 """Part of every key: bumped when what a reference holds changes, so an older file is never read as
 a newer one."""
 
 
 def cache_dir() -> Path:
-    """``$AUTOTUNE_CACHE_DIR/accuracy``, else ``~/.cache/autotune/accuracy``."""
-    root = os.environ.get(CACHE_ENV)
-    return (Path(root).expanduser() if root else Path.home() / ".cache" / "autotune") / "accuracy"
+    """``$AUTOTUNE_CACHE_DIR/accuracy``, else ``~/.cache/autotune/accuracy`` (autotune.cache)."""
+    return cache_root() / "accuracy"
 
 
 def reference_key(workload: Mapping[str, Any], settings: AccuracySettings, *, device_name: str,

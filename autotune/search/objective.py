@@ -335,7 +335,8 @@ class Objective:
             check = check and left > 5
             timeout = min(self.accuracy.timeout_s, max(1.0, left))
         try:
-            accuracy = self.accuracy.evidence(trial.study, TrialRecord.of(trial).knobs, check=check, timeout_s=timeout)
+            accuracy = self.accuracy.evidence(trial.study, TrialRecord.of(trial).knobs, check=check, timeout_s=timeout,
+                                              label=f"#{trial.number}")
         except KeyboardInterrupt:
             write(trial, reason="the search was interrupted during this trial's accuracy check; "
                                           "re-queued for the next run")

@@ -93,6 +93,8 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         objective = _objective(config, device, info, space, out_dir, started, target=target, gate=gate,
                                prestart=prestart, limit=limit)
         objective.on_phase = lambda words: emit("phase", words)
+        if gate is not None:
+            gate.on_phase = objective.on_phase
         emit("start", {"space": space, "probe": info, "out_dir": out_dir, "study": study,
                        "recovered": recovered, "done": len(counted_trials(study)), "config": config})
         stop_rule = StopRule(config, shared, started, emit)
