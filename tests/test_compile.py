@@ -179,7 +179,7 @@ def test_worker_trial_records_compile_time_apart(tmp_path: Path, monkeypatch: py
 def test_objective_gives_compile_trials_time_to_compile(monkeypatch: pytest.MonkeyPatch) -> None:
     seen = {}
 
-    def fake_worker(request, *, timeout_s, log_path, spare=False):
+    def fake_worker(request, *, timeout_s, log_path, spare=False, on_progress=None):
         seen[request["knobs"]["compile"]["mode"]] = timeout_s
         figures = {"samples_per_s": 100.0, "step_time_ms": 80.0, "peak_memory_bytes": 1, "warmup_s": 1.0,
                    "measure_s": 2.0, "build_s": 0.5, "compile_s": 30.0, "loss_finite": True}

@@ -111,7 +111,7 @@ def fake_probe(config, device, list_devices=False):
             "input_shape": [3, 8, 8], "num_parameters": 10}
 
 
-def fake_worker(request, timeout_s=None, log_path=None, spare=False):
+def fake_worker(request, timeout_s=None, log_path=None, spare=False, on_progress=None):
     knobs = request["knobs"]
     # the optimizer implementation matters (25%); memory format and threads do not
     rate = 1000.0 * (1.25 if knobs["optimizer"]["implementation"] == "fused" else 1.0)

@@ -99,7 +99,7 @@ def fake_probe(config, device, list_devices=False):
             "input_shape": [8], "num_parameters": 10}
 
 
-def fake_worker(request, timeout_s=None, log_path=None, spare=False):
+def fake_worker(request, timeout_s=None, log_path=None, spare=False, on_progress=None):
     knobs = request["knobs"]
     batch = knobs["batch_size"]["batch_size"]
     rate = 100.0 * batch
