@@ -64,6 +64,8 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -172,34 +174,39 @@ def run_command(command: list[str], out_dir: Path, budget_s: float, *, cold: boo
     machine that never ran autotune, so no run profits from the compiles or FP32 references of
     the runs before it. A search still running at twice its budget plus 10 minutes is stopped
     with SIGTERM (a clean stop: it writes its outputs) and recorded as timed out."""
-    import tempfile
-
     cache_dir = Path(tempfile.mkdtemp(prefix="autotune-yield-cache-")) if cold else None
     engine = checkout()
     started_at = dt.datetime.now()
     started = time.monotonic()
     lines: list[str] = []
-    timed_out = False
-    with subprocess.Popen(command, cwd=ROOT, env=search_env(cache_dir), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, errors="replace") as proc:
-        deadline = started + 2 * budget_s + 600
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            if echo:
-                print(f"    {line.rstrip()}", flush=True)
-            if time.monotonic() > deadline and not timed_out:
-                timed_out = True
-                proc.terminate()
-        returncode = proc.wait()
-    wall_s = round(time.monotonic() - started, 2)
+    # in the caller's folder, as the user would run it (a relative --out means the same to both)
+    with subprocess.Popen(command, env=search_env(cache_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, errors="replace") as proc:
+        reader = threading.Thread(target=_follow, args=(proc.stdout, lines, echo), daemon=True)
+        reader.start()
+        try:
+            returncode, timed_out = proc.wait(timeout=2 * budget_s + 600), False
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            returncode, timed_out = proc.wait(), True
+        wall_s = round(time.monotonic() - started, 2)
+        reader.join()
     if cache_dir is not None:
         shutil.rmtree(cache_dir, ignore_errors=True)
-    record = {"command": command, "checkout": engine, "started": started_at.isoformat(timespec="seconds"), "wall_s": wall_s,
-              "budget_s": budget_s, "returncode": returncode, "timed_out": timed_out, "caches": "cold" if cold else
-              "shared", "console": lines}
+    record = {"command": command, "checkout": engine, "started": started_at.isoformat(timespec="seconds"),
+              "wall_s": wall_s, "budget_s": budget_s, "returncode": returncode, "timed_out": timed_out,
+              "caches": "cold" if cold else "shared", "console": lines}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MARKER).write_text(json.dumps(record, indent=1))
     return record
+
+
+def _follow(stream, lines: list[str], echo: bool) -> None:
+    """Keep (and show, indented) a search's console output as it comes."""
+    for line in stream:
+        lines.append(line.rstrip("\n"))
+        if echo:
+            print(f"    {line.rstrip()}", flush=True)
 
 
 def ensure_run(target: str, budget: str, out_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -510,7 +517,7 @@ def verify(folder: Path, name: str, args: argparse.Namespace) -> float | None:
         return json.loads(store.read_text())["median"]
     command = [sys.executable, "-m", "autotune", "verify", str(folder), "--repeat", str(args.verify)]
     print(f"  $ {' '.join(command[1:])}", flush=True)
-    proc = subprocess.run(command, cwd=ROOT, env=search_env(None), capture_output=True, text=True, check=False)
+    proc = subprocess.run(command, env=search_env(None), capture_output=True, text=True, check=False)
     found = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not found:
         print(f"    re-measurement failed: {(proc.stdout + proc.stderr).strip().splitlines()[-1:]}", flush=True)
