@@ -21,7 +21,9 @@ import strategies
 from autotune.errors import ConfigError
 from conftest import ROOT, run_cli, subprocess_env
 
-SMALL = ["--device", "cpu", "--input-shape", "3x32x32", "--num-classes", "10", "--min-measure-time", "0.3"]
+# every trial measured in full: these tests count completed trials (screening: tests/test_early_stop.py)
+SMALL = ["--device", "cpu", "--input-shape", "3x32x32", "--num-classes", "10", "--min-measure-time", "0.3",
+         "--early-stop-below", "0"]
 
 
 def _study(out):
