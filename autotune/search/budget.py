@@ -13,6 +13,7 @@ from optuna.trial import TrialState
 from autotune.search.distributed import SharedStudy
 from autotune.search.knob_effects import fix_no_effect_knobs
 from autotune.search.options import SearchConfig
+from autotune.search.trials import planned_params
 from autotune.trial.record import TrialRecord
 
 
@@ -47,7 +48,7 @@ def estimate_next_wall(study: optuna.Study, walls: list[tuple[float, bool]]) -> 
 
     waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
     if waiting:
-        fixed = waiting[0].params or waiting[0].system_attrs.get("fixed_params", {})
+        fixed = planned_params(waiting[0])
         return kind_median(fixed.get("compile.mode", "off") != "off")
     share = len(by_kind[True]) / len(walls)
     return share * kind_median(True) + (1 - share) * kind_median(False)

@@ -12,6 +12,7 @@ from optuna.trial import TrialState
 
 import strategies
 from autotune import stop
+from autotune.search.trials import planned_params
 from autotune.trial.instruments import cache_outcome
 from autotune.trial.record import TrialRecord, copy, queue_attrs, write
 from autotune.trial.runner import run_worker
@@ -256,7 +257,7 @@ class Objective:
             return
         params = {**trial.params, "batch_size.batch_size": batch}
         for other in trial.study.get_trials(deepcopy=False):
-            if (other.params or other.system_attrs.get("fixed_params")) == params:
+            if planned_params(other) == params:
                 return
         role = TrialRecord.of(trial).role
         # the baseline is measured next, not after the seeds: every figure is compared with it

@@ -13,7 +13,7 @@ from optuna.trial import TrialState
 import strategies
 from autotune.deploy.space import SearchSpace
 from autotune.errors import ConfigError
-from autotune.search.trials import FINISHED
+from autotune.search.trials import FINISHED, planned_params
 from autotune.trial.record import TrialRecord, queue_attrs
 from strategies.batch_size import nearest
 
@@ -157,7 +157,7 @@ def _answered(study: optuna.Study, trials: list[optuna.trial.FrozenTrial], param
     from autotune.accuracy.gate import accuracy_of, failed
 
     for t in trials:
-        if (t.params or t.system_attrs.get("fixed_params")) == params:
+        if planned_params(t) == params:
             return True
     mode = params.get("precision.mode")
     for t in trials:

@@ -20,6 +20,7 @@ import optuna
 import strategies
 from autotune.deploy.space import SearchSpace
 from autotune.search.findings import Finding
+from autotune.search.trials import planned_params
 from autotune.trial.record import queue_attrs
 
 MAX_STEERED_PER_TRIAL = 2
@@ -80,9 +81,7 @@ def steer(study: optuna.Study, trial: optuna.trial.FrozenTrial | optuna.Trial, f
     """Queue the remedies of ``findings`` on top of ``trial``'s parameters; returns what was queued."""
     from autotune.search.knob_effects import fixed_knobs
 
-    # a queued trial has no params until it runs: its parameters wait in its fixed_params
-    known = [complete_params(t.params or t.system_attrs.get("fixed_params", {}), space)
-             for t in study.get_trials(deepcopy=False)]
+    known = [complete_params(planned_params(t), space) for t in study.get_trials(deepcopy=False)]
     fixed = {param: entry["value"] for param, entry in fixed_knobs(study).items()}
     queued: list[dict[str, Any]] = []
     for finding in findings:

@@ -11,6 +11,12 @@ from autotune.trial.record import TrialRecord
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
+def planned_params(trial: optuna.trial.FrozenTrial) -> dict:
+    """A trial's parameters, run or not: a queued trial has none until it runs, and its parameters
+    wait in its ``fixed_params`` system attribute."""
+    return trial.params or trial.system_attrs.get("fixed_params") or {}
+
+
 def counted_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     """Finished trials with a recorded outcome. A trial whose search process was killed has
     none (it is failed on resume and re-run), so no trial is counted twice."""

@@ -120,14 +120,13 @@ class _Worker:
 
 
 def _progress_watch(path: str, on_progress: Callable[[str], None]) -> Callable[[], None]:
-    """A poll of the worker's progress file that passes each new state on, in words."""
+    """A poll of the worker's progress file that passes its last state on, in words (the seconds
+    in them move on between states)."""
     last: list[Any] = [None]
 
     def poll() -> None:
-        state = progress.read(path)
-        if state is not None and state != last[0]:
-            last[0] = state
-        on_progress(progress.words(last[0]))  # the seconds in it move on between states
+        last[0] = progress.read(path) or last[0]
+        on_progress(progress.words(last[0]))
 
     return poll
 
