@@ -48,7 +48,8 @@ def test_gpus_all_runs_one_worker_per_gpu_in_parallel(tmp_path):
         pytest.skip("needs two GPUs or more (nvidia-h200-x2)")
     out = tmp_path / "out"
     run_cli("search", "--model", "resnet18", "--gpus", "all", "--trials", str(2 * torch.cuda.device_count() + 2),
-            "--no-accuracy-check", "--no-compile", "--min-measure-time", "1", "--out", str(out), timeout=1800)
+            "--no-accuracy-check", "--no-compile", "--min-measure-time", "1", "--early-stop-below", "0",
+            "--out", str(out), timeout=1800)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.load_study(study_name=None, storage=f"sqlite:///{out / 'study.db'}")
     measured = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE
