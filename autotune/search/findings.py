@@ -28,6 +28,13 @@ DDP_EFFICIENCY = 0.90
 """A DDP step whose per-GPU rate is below this share of the same step alone on one GPU spends
 enough on its gradient all-reduces to try DDP's own settings (on two H200s, ResNet-18 at batch
 128 ran at 70% with PyTorch's defaults and 89% with 100 MB buckets, bucket views and static_graph)."""
+MISALIGNED_SHARE = 0.05
+"""A share of the step in GEMMs and convolutions on widths off the Tensor Cores' multiple worth a padded trial."""
+TENSOR_CORE_MULTIPLE = {"fp16": 8, "bf16": 8, "fp8": 16}
+"""The width multiple (in elements) each precision's Tensor Core GEMMs need: 16 bytes of fp16/bf16,
+16 of FP8 (torch._scaled_mm's rule)."""
+VOCAB_MULTIPLE = 64
+"""What vocab_padding pads a vocabulary to (nanoGPT's 50,257 -> 50,304)."""
 CONTENTION_WAIT_SHARE = DATA_WAIT_SHARE
 """A data-bound step with workers that waited for its batches less than this share of the time
 was slowed by the workers' CPU use, not by their pace: the remedy is fewer of them."""
@@ -235,6 +242,41 @@ def without_tensor_cores(x: Evidence) -> list[Finding]:
     return []
 
 
+def _shown(record: Mapping[str, Any]) -> str:
+    dims = "x".join(str(d) for d in record.get("dims", []))
+    what = f"{record['layer']} ({dims})" if record.get("layer") else f"{record.get('op')} {dims}"
+    return f"{what} {_pct(record.get('share') or 0.0)}"
+
+
+def misaligned_gemms(x: Evidence) -> list[Finding]:
+    """The profile's GEMMs and convolutions on widths that are not multiples of what the trial's
+    precision needs, by layer (``autotune.trial.gemm_shapes``), and the padding that fixes them:
+    channel_alignment for Conv/Linear widths, vocab_padding for a vocabulary's head or embedding."""
+    p = x.profile
+    precision = x.knob("precision", "mode", "fp32")
+    needed = TENSOR_CORE_MULTIPLE.get(precision)
+    share = p.get("misaligned_share") or 0.0
+    records = p.get("misaligned_gemms") or []
+    if not (p.get("steps") and needed and records and share >= MISALIGNED_SHARE):
+        return []
+    suggest: dict[str, Any] = {}
+    fixes = []
+    if (any(r.get("kind") in ("linear", "conv") for r in records)
+            and x.knob("channel_alignment", "multiple", 1) < needed
+            and needed in x.offered.get("channel_alignment.multiple", [])):
+        suggest["channel_alignment.multiple"] = needed
+        fixes.append(f"Conv/Linear widths padded to {needed} (channel_alignment)")
+    if (any(r.get("vocab") for r in records) and x.knob("vocab_padding", "multiple", 1) < VOCAB_MULTIPLE
+            and VOCAB_MULTIPLE in x.offered.get("vocab_padding.multiple", [])):
+        suggest["vocab_padding.multiple"] = VOCAB_MULTIPLE
+        fixes.append(f"the vocabulary padded to {VOCAB_MULTIPLE} (vocab_padding)")
+    shown = ", ".join(_shown(r) for r in records[:3]) + (f" and {len(records) - 3} more" if len(records) > 3 else "")
+    text = (f"{_pct(share)} of GPU time is in GEMMs/convolutions whose widths are not multiples of {needed}, "
+            f"which {precision} Tensor Cores need: {shown}")
+    text += f"; {' and '.join(fixes)} would align them" if fixes else "; no knob of this search pads them"
+    return [Finding("misaligned-gemms", text, suggest)]
+
+
 def elementwise(x: Evidence) -> list[Finding]:
     p = x.profile
     if not p.get("steps"):
@@ -276,7 +318,8 @@ def thermal(x: Evidence) -> list[Finding]:
 
 
 RULES: list[Callable[[Evidence], list[Finding]]] = [
-    compile_inert, data_bound, ddp_scaling, layout, idle, copies, without_tensor_cores, elementwise, power_cap, thermal,
+    compile_inert, data_bound, ddp_scaling, layout, idle, copies, without_tensor_cores, misaligned_gemms, elementwise,
+    power_cap, thermal,
 ]
 """The rules in the order their findings are listed (the report's order, and the steering's)."""
 

@@ -41,6 +41,9 @@ def offered(space: SearchSpace) -> dict[str, list[Any]]:
         **({"ddp.bucket_cap_mb": list(space.ddp_bucket_caps_mb),
             "ddp.gradient_as_bucket_view": list(space.ddp_gradient_as_bucket_view),
             "ddp.static_graph": list(space.ddp_static_graph)} if space.ddp_world_size > 1 else {}),
+        # a knob of its own module (strategies/vocab_padding.py) keeps its choices in space.choices
+        **({"vocab_padding.multiple": list(space.choices["vocab_padding"])}
+           if "vocab_padding" in space.choices else {}),
     }
 
 

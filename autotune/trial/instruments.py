@@ -53,15 +53,18 @@ def cache_outcome(counts: dict[str, int] | None) -> str | None:
     return "hit" if not misses else "miss" if not hits else "partial"
 
 
-def profile_window(one_step, request: dict[str, Any], batch_size: int, step_time_ms: float) -> dict[str, Any]:
+def profile_window(one_step, request: dict[str, Any], batch_size: int, step_time_ms: float, *,
+                   model: Any = None, multiple: int = 8) -> dict[str, Any]:
     """Profile a few more steps of ``one_step`` (torch.profiler) and analyze them against the step time
-    measured without the profiler; the Chrome trace is kept, gzipped, where the request asks."""
+    measured without the profiler; the Chrome trace is kept, gzipped, where the request asks. The
+    GEMMs and convolutions of ``model``'s layers whose widths are not multiples of ``multiple`` (what
+    the trial's precision needs for Tensor Cores) are named with their share of the step."""
     trace_path = request.get("trace_path")
     trace = record(one_step, int(request.get("profile_steps", 3)), device="cuda", chrome_trace=trace_path,
-                   meta={"batch": batch_size, "step_time_ms": step_time_ms})
+                   meta={"batch": batch_size, "step_time_ms": step_time_ms}, model=model)
     if trace_path:
         _gzip_in_place(trace_path)
-    return analyze(trace, step_time_ms=step_time_ms)
+    return analyze(trace, step_time_ms=step_time_ms, multiple=multiple)
 
 
 def _gzip_in_place(path: str) -> None:

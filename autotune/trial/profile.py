@@ -14,7 +14,9 @@ The analysis answers what the findings need:
   copies), in exposed memcpy, and idle (no kernel or copy on any stream: CPU or launch bound);
 * kernels launched per step, and the host->device copy time that overlaps compute on another
   stream (what decides whether the stream knob pays);
-* the top kernels by time.
+* the top kernels by time;
+* the GEMMs and convolutions on widths that are not multiples of 8 (``autotune.trial.gemm_shapes``):
+  which layers, their dimensions and their share of the step.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
+
+from autotune.trial import gemm_shapes
 
 # kernel name -> category. Kernel names are the libraries' own (cuDNN, cuBLAS/cuBLASLt, CUTLASS,
 # PyTorch's ATen, Triton from torch.compile); the patterns were checked against traces recorded on
@@ -89,15 +93,24 @@ class ProfileTrace:
     """CUDA kernel (and graph) launch calls made by the host during the window."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Where it was recorded: GPU, torch, the configuration."""
+    ops: list[list[Any]] | None = None
+    """The window's GEMM/conv ops, ``[op, input shapes, time_ns, calls]`` (``gemm_shapes.collect``);
+    None when shapes were not recorded."""
+    layers: list[list[Any]] = field(default_factory=list)
+    """The model's layers and their widths (``gemm_shapes.model_layers``), to name the ops' layers."""
+    host_ns: int = 0
+    """The host time of the window's steps: what the ops' CPU time is a share of on a CPU."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "launches": self.launches, "meta": self.meta,
+        shapes = {"ops": self.ops, "layers": self.layers, "host_ns": self.host_ns} if self.ops is not None else {}
+        return {"steps": self.steps, "launches": self.launches, "meta": self.meta, **shapes,
                 "events": [[e.name, e.kind, e.stream, e.start_ns, e.dur_ns] for e in self.events]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ProfileTrace":
         return cls(steps=int(data["steps"]), launches=int(data.get("launches", 0)), meta=dict(data.get("meta", {})),
-                   events=[GpuEvent(str(n), str(k), int(s), int(t), int(d)) for n, k, s, t, d in data["events"]])
+                   events=[GpuEvent(str(n), str(k), int(s), int(t), int(d)) for n, k, s, t, d in data["events"]],
+                   ops=data.get("ops"), layers=list(data.get("layers", [])), host_ns=int(data.get("host_ns", 0)))
 
 
 def _kind(name: str) -> str:
@@ -120,10 +133,13 @@ def _is_annotation(ev: Any, host_names: set[str]) -> bool:
     return ev.name() in host_names or ev.name().startswith("ProfilerStep#")
 
 
-def from_profiler(prof: Any, steps: int, meta: dict[str, Any] | None = None) -> ProfileTrace:
+def from_profiler(prof: Any, steps: int, meta: dict[str, Any] | None = None, *, device: str = "cuda",
+                  layers: list[list[Any]] | None = None) -> ProfileTrace:
     """Read a finished ``torch.profiler.profile`` through its Kineto event API.
 
-    GPU-side user annotations are ranges, not work, and are left out (:func:`_is_annotation`)."""
+    GPU-side user annotations are ranges, not work, and are left out (:func:`_is_annotation`).
+    A window recorded with shapes keeps its GEMM/conv ops (their GPU time on ``device`` "cuda",
+    their CPU time otherwise) and ``layers``, the model's, to name them."""
     from torch.autograd import DeviceType
 
     raw = list(prof.profiler.kineto_results.events())
@@ -139,27 +155,34 @@ def from_profiler(prof: Any, steps: int, meta: dict[str, Any] | None = None) -> 
         elif name in LAUNCH_CALLS:
             launches += 1
     events.sort(key=lambda e: e.start_ns)
-    return ProfileTrace(steps=steps, events=events, launches=launches, meta=dict(meta or {}))
+    trace = ProfileTrace(steps=steps, events=events, launches=launches, meta=dict(meta or {}))
+    if getattr(prof, "record_shapes", False):  # a window recorded with shapes
+        trace.ops, trace.host_ns = gemm_shapes.collect(prof.events(), on_gpu=device == "cuda")
+        trace.layers = list(layers or [])
+    return trace
 
 
 def record(step: Callable[[], Any], steps: int, *, device: str = "cuda", warmup: int = 1,
-           chrome_trace: str | Path | None = None, meta: dict[str, Any] | None = None) -> ProfileTrace:
+           chrome_trace: str | Path | None = None, meta: dict[str, Any] | None = None,
+           shapes: bool = True, model: Any = None) -> ProfileTrace:
     """Profile ``steps`` calls of ``step`` (after ``warmup`` unrecorded ones) with torch.profiler,
-    optionally writing the Chrome trace."""
+    optionally writing the Chrome trace. With ``shapes``, the ops' input shapes are recorded, and the
+    GEMMs and convolutions kept with the layers of ``model`` (the step's) that they compute."""
     import torch
     from torch.profiler import ProfilerActivity, profile, schedule
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     with profile(activities=activities, schedule=schedule(wait=0, warmup=warmup, active=steps, repeat=1),
-                 record_shapes=False, with_stack=False) as prof:
+                 record_shapes=shapes, with_stack=False) as prof:
         for _ in range(warmup + steps):
             step()
             sync()
             prof.step()
     if chrome_trace is not None:
         prof.export_chrome_trace(str(chrome_trace))
-    return from_profiler(prof, steps, meta)
+    layers = gemm_shapes.model_layers(model) if shapes and model is not None else None
+    return from_profiler(prof, steps, meta, device=device, layers=layers)
 
 
 def _union(intervals: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -190,16 +213,24 @@ def _overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
     return total
 
 
-def analyze(trace: ProfileTrace, top: int = 10, *, step_time_ms: float | None = None) -> dict[str, Any]:
+def analyze(trace: ProfileTrace, top: int = 10, *, step_time_ms: float | None = None,
+            multiple: int = 8) -> dict[str, Any]:
     """Shares of the GPU's wall time per step and the figures the findings use (JSON-ready).
 
     ``step_time_ms``: the step time measured without the profiler (CUDA events). The profiler
     slows the host, so under it the gaps between kernels grow while the kernels themselves keep
     their durations; with the timed step as the denominator, the idle share is the one of the
     real step, not of the profiled one. Without it, shares are of the profiled window's span.
+
+    A window recorded with shapes also gives the GEMMs and convolutions whose widths are not
+    multiples of ``multiple`` (:func:`gemm_shapes.misaligned`), as shares of the same span; on a
+    CPU (no GPU activity), as shares of the steps' host time.
     """
     if not trace.events:
-        return {"steps": trace.steps, "gpu_events": 0, "note": "no GPU activity was recorded"}
+        result = {"steps": trace.steps, "gpu_events": 0, "note": "no GPU activity was recorded"}
+        if trace.ops is not None and trace.host_ns:
+            result.update(gemm_shapes.misaligned(trace.ops, trace.layers, multiple, trace.host_ns))
+        return result
     start = min(e.start_ns for e in trace.events)
     end = max(e.end_ns for e in trace.events)
     span = max(1, end - start)
@@ -252,6 +283,8 @@ def analyze(trace: ProfileTrace, top: int = 10, *, step_time_ms: float | None = 
                          "calls_per_step": n / trace.steps, "ms_per_step": t / trace.steps / 1e6}
                         for name, (t, n) in ranked],
     }
+    if trace.ops is not None:
+        result.update(gemm_shapes.misaligned(trace.ops, trace.layers, multiple, span))
     return result
 
 

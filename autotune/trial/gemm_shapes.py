@@ -1,0 +1,170 @@
+"""The GEMM and convolution shapes of a profiled window: which layers compute on widths that are not
+multiples of 8 (fp16/bf16 Tensor Cores; 16 for FP8), and their share of the step.
+
+cuBLAS and cuDNN run their Tensor Core kernels on fp16/bf16 operands only when the leading
+dimensions are multiples of 8 elements (16 bytes); otherwise they pick slower kernels or pad
+internally. The profile window records the input shapes of its ops (``record_shapes=True``); each
+GEMM or convolution op is read here as its dimensions (M, N, K of a GEMM, input and output channels
+of a convolution) with its own time (the GPU time of the kernels it launched; CPU time on a CPU),
+and matched to the model's layers by their widths, which the trial process knows: a Linear's
+(in_features, out_features) are two of its GEMMs' three dimensions, forward and backward alike; a
+Conv's (in_channels, out_channels) are the channels of its convolutions. A layer the
+channel_alignment knob padded computes on its padded widths, and is matched by those.
+
+Only small, JSON-ready lists leave the trial process: :func:`collect` (the ops, aggregated by name
+and shapes) and :func:`model_layers` (the layers' widths), which :func:`misaligned` turns into the
+profile's ``misaligned_gemms`` and ``misaligned_share``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from typing import Any, Iterable
+
+GEMM_OPS = {  # op -> the indices of its two matrix operands in its inputs
+    "aten::mm": (0, 1), "aten::bmm": (0, 1), "aten::matmul": (0, 1), "aten::_scaled_mm": (0, 1),
+    "aten::addmm": (1, 2), "aten::baddbmm": (1, 2), "aten::_addmm_activation": (1, 2),
+    "aten::linear": (0, 1),  # its weight is (out, in): the GEMM is x @ W.T
+}
+_CONV = re.compile(r"^aten::(conv(1d|2d|3d|_transpose\dd)|_?convolution(_backward)?|cudnn_convolution\w*|"
+                   r"mkldnn_convolution\w*|_slow_conv\w*|slow_conv\w*|miopen_convolution\w*|_nnpack\w*)$")
+TOP = 5
+"""Misaligned layers (or unmatched ops) listed in the profile, the largest shares first."""
+_WRAPPERS = ("_orig_mod.", "module.")  # torch.compile's and DDP's wrappers: not part of a layer's name
+
+
+def is_gemm_or_conv(name: str) -> bool:
+    return name in GEMM_OPS or bool(_CONV.match(name))
+
+
+def collect(events: Iterable[Any], on_gpu: bool) -> tuple[list[list[Any]], int]:
+    """The GEMM/conv ops of a profiled window and the host time of its steps, from the profiler's
+    ``FunctionEvent`` list (``prof.events()``, recorded with ``record_shapes=True``).
+
+    An op nested in another (``aten::linear`` -> ``aten::addmm``, ``aten::conv2d`` ->
+    ``aten::cudnn_convolution``) is counted with the outermost one, whose shapes say the most: its
+    own time is added to it, so nothing is counted twice and the ops around them (casts, views) are
+    not counted. Returns ``[[op, shapes, time_ns, calls], ...]`` and the steps' host time in ns."""
+    ops: dict[tuple[str, str], list[Any]] = {}
+    host_us = 0.0
+    for ev in events:
+        if ev.name.startswith("ProfilerStep"):
+            host_us += ev.cpu_time_total
+            continue
+        if not is_gemm_or_conv(ev.name):
+            continue
+        outer, parent = ev, ev.cpu_parent
+        while parent is not None:
+            if is_gemm_or_conv(parent.name):
+                outer = parent
+            parent = parent.cpu_parent
+        own_us = ev.self_device_time_total if on_gpu else ev.self_cpu_time_total
+        shapes = [list(s) for s in (outer.input_shapes or [])]
+        entry = ops.setdefault((outer.name, repr(shapes)), [outer.name, shapes, 0, 0])
+        entry[2] += int(own_us * 1e3)
+        if outer is ev:
+            entry[3] += 1
+    return [entry for entry in ops.values() if entry[1]], int(host_us * 1e3)
+
+
+def model_layers(model: Any) -> list[list[Any]]:
+    """``[[name, kind, in, out, vocab], ...]``: the model's Linear, Conv (ungrouped) and Embedding
+    layers with the widths they compute on. An Embedding's are (embedding_dim, num_embeddings), as
+    a head tied to it multiplies by its weight; ``vocab`` marks a layer whose width is the
+    vocabulary (an Embedding's size): the head or the embedding of a language model."""
+    from torch import nn
+    from torch.nn.modules.conv import _ConvNd
+
+    layers: list[list[Any]] = []
+    for name, layer in model.named_modules():
+        while name.startswith(_WRAPPERS):
+            name = name.split(".", 1)[1]
+        if isinstance(layer, nn.Linear):
+            widths, kind = (layer.in_features, layer.out_features), "linear"
+        elif isinstance(layer, _ConvNd) and layer.groups == 1:
+            widths, kind = (layer.in_channels, layer.out_channels), "conv"
+        elif isinstance(layer, nn.Embedding):
+            widths, kind = (layer.embedding_dim, layer.num_embeddings), "embedding"
+        else:
+            continue
+        widths = tuple(getattr(layer, "aligned_to", None) or widths)  # channel_alignment's padded widths
+        layers.append([name or type(layer).__name__, kind, int(widths[0]), int(widths[1]), False])
+    vocab = {out for _, kind, _, out, _ in layers if kind == "embedding"}
+    for entry in layers:
+        entry[4] = entry[3] in vocab
+    return layers
+
+
+def dims(op: str, shapes: list[list[int]]) -> tuple[str, list[int]] | None:
+    """``("gemm", [M, N, K])`` or ``("conv", [in_channels, out_channels])`` of one op, from its input
+    shapes; None where they are not those of a GEMM or a convolution."""
+    if op in GEMM_OPS:
+        i, j = GEMM_OPS[op]
+        if len(shapes) <= j or len(shapes[i]) < 2 or len(shapes[j]) < 1:
+            return None
+        a, b = shapes[i], shapes[j]
+        m, k = math.prod(a[:-1]) if op == "aten::linear" else a[-2], a[-1]
+        n = b[0] if op == "aten::linear" else b[-1]
+        return "gemm", [int(m), int(n), int(k)]
+    if len(shapes) < 2 or len(shapes[0]) < 3 or len(shapes[1]) < 3:
+        return None
+    if op.endswith("_backward") or "backward" in op:
+        # (grad_output, input, weight, ...): channels of the input, and of the output (the weight's first)
+        if len(shapes) < 3 or len(shapes[1]) < 3 or len(shapes[2]) < 3:
+            return None
+        return "conv", [int(shapes[1][1]), int(shapes[2][0])]
+    if "transpose" in op:  # its weight is (in, out / groups, ...)
+        return "conv", [int(shapes[0][1]), int(shapes[1][1])]
+    return "conv", [int(shapes[0][1]), int(shapes[1][0])]
+
+
+def _match(kind: str, found: list[int], layers: list[list[Any]]) -> list[list[Any]]:
+    """The layers whose widths these dimensions are: a Linear's (or tied Embedding's) in and out are
+    two of a GEMM's three dimensions; a Conv's are the convolution's channels."""
+    if kind == "conv":
+        return [layer for layer in layers if layer[1] == "conv" and [layer[2], layer[3]] == found]
+    have = Counter(found)
+    return [layer for layer in layers
+            if layer[1] in ("linear", "embedding") and not Counter([layer[2], layer[3]]) - have]
+
+
+def misaligned(ops: list[list[Any]], layers: list[list[Any]], multiple: int, span_ns: float,
+               top: int = TOP) -> dict[str, Any]:
+    """The profile's ``misaligned_gemms`` (the ``top`` largest: layer, op, dims, share, multiple, and
+    whether the layer is the vocabulary's) and ``misaligned_share`` (all of them together), of a
+    window of ``span_ns``. A GEMM matched to layers is misaligned when their widths are (what
+    padding them fixes); one matched to none when its N or K is (the leading dimensions of its
+    operands); a convolution when its channels are."""
+    groups: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for op, shapes, time_ns, _calls in ops:
+        read = dims(op, shapes)
+        if read is None:
+            continue
+        kind, found = read
+        matched = _match(kind, found, layers)
+        widths = [matched[0][2], matched[0][3]] if matched else (found[1:] if kind == "gemm" else found)
+        if not any(w % multiple for w in widths):
+            continue
+        key = (tuple(layer[0] for layer in matched),) if matched else (op, tuple(found))
+        group = groups.setdefault(key, {"names": [layer[0] for layer in matched], "ops": Counter(),
+                                        "dims": [matched[0][2], matched[0][3]] if matched else found,
+                                        "kind": matched[0][1] if matched else kind,
+                                        "vocab": any(layer[4] for layer in matched), "time_ns": 0})
+        group["ops"][op] += time_ns
+        group["time_ns"] += time_ns
+    span = max(float(span_ns), 1.0)
+    ranked = sorted(groups.values(), key=lambda g: -g["time_ns"])
+    records = [{"layer": _names(g["names"]), "kind": g["kind"], "op": g["ops"].most_common(1)[0][0],
+                "dims": g["dims"], "share": min(1.0, g["time_ns"] / span), "multiple": multiple, "vocab": g["vocab"]}
+               for g in ranked[:top]]
+    return {"misaligned_gemms": records, "alignment_multiple": multiple,
+            "misaligned_share": min(1.0, sum(g["time_ns"] for g in ranked) / span)}
+
+
+def _names(names: list[str]) -> str | None:
+    """Layers of the same widths, as one name: the first two, then how many more."""
+    if not names:
+        return None
+    return ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
