@@ -161,6 +161,7 @@ RULE_TITLES = {  # a finding's kind in a few words (autotune.search.findings nam
     "copies-hidden": "copies overlap compute",
     "no-tensor-cores": "no Tensor Cores",
     "misaligned": "misaligned channels",
+    "misaligned-gemms": "GEMM/conv widths off the Tensor Core multiple",
     "elementwise": "memory-bound elementwise kernels",
     "power-cap": "power-capped",
     "thermal": "thermal throttling",

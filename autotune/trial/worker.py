@@ -241,7 +241,10 @@ def run_trial(request: dict[str, Any]) -> dict[str, Any]:
         t1 = time.perf_counter()
         progress.say("profiling")
         try:
-            result["profile"] = profile_window(one_step, request, cfg.batch_size, m.step_time_ms)
+            # FP8 GEMMs need widths in multiples of 16 elements, fp16/bf16 ones multiples of 8
+            multiple = 16 if str(getattr(cfg.knobs.get("precision"), "mode", "")).startswith("fp8") else 8
+            result["profile"] = profile_window(one_step, request, cfg.batch_size, m.step_time_ms, model=run.model,
+                                               multiple=multiple)
         except Exception as exc:  # the measurement stands; only its explanation is missing
             first_line = str(exc).splitlines()[0][:300] if str(exc) else ''
             result["profile_error"] = f"{type(exc).__name__}: {first_line}"
