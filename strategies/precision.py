@@ -1,7 +1,11 @@
-"""precision: FP32, TF32, or automatic mixed precision (fp16 / bf16 autocast).
+"""precision: FP32, TF32, automatic mixed precision (fp16 / bf16 autocast), or FP8 training.
 
 Only modes the device supports are offered (TF32 needs Ampere or newer, bf16 needs hardware
-bf16: Ampere or newer on CUDA, AVX512-BF16 or AMX on a CPU; ``--precisions`` overrides). "fp32" really is FP32: PyTorch lets cuDNN use TF32 for convolutions by
+bf16: Ampere or newer on CUDA, AVX512-BF16 or AMX on a CPU; FP8 needs FP8 Tensor Cores, compute
+capability 8.9 or newer: Ada, e.g. the RTX 4090, and Hopper, and torchao; ``--precisions``
+overrides). "fp8" is bf16 autocast with the Linear layers whose widths are multiples of 16
+trained in float8 through torchao (``torchao.float8.convert_to_float8_training``: dynamic
+tensorwise scaling, e4m3 forward, e5m2 gradients); the accuracy check gates it like every mode. "fp32" really is FP32: PyTorch lets cuDNN use TF32 for convolutions by
 default, so the baseline switches TF32 off explicitly. Under autocast, the ops that stay in
 float32 may use TF32 where the device has it.
 """
@@ -18,10 +22,11 @@ from autotune.deploy.space import SearchSpace
 from autotune.errors import ConfigError
 from strategies.base import ReportKnob, Strategy
 
-AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
 
 
-MODES = ("fp32", "tf32", "fp16", "bf16")
+MODES = ("fp32", "tf32", "fp16", "bf16", "fp8")
+FP8_EXTRA = "pip install 'autotune[fp8]' (torchao)"
 
 
 class Precision(Strategy):
@@ -30,17 +35,23 @@ class Precision(Strategy):
     @dataclass(kw_only=True, frozen=True)
     class Config:
         mode: str = "fp32"
-        """fp32 | tf32 | fp16 | bf16 (the last two are autocast modes)."""
+        """fp32 | tf32 | fp16 | bf16 | fp8 (the last three autocast; fp8's Linear layers in float8)."""
 
     def offer(self, options, device: str, probe: Mapping[str, Any], offered: Mapping[str, Any]) -> dict[str, Any]:
         precisions = probe["precisions"]
         if options.precisions is not None:
             # bf16 on a CPU without native bf16 is emulated: slow, but the user may want to see it
-            unsupported = [m for m in options.precisions
-                           if m not in precisions and not (m == "bf16" and device != "cuda")]
+            # and FP8 on a CPU too, where torchao emulates it (a check of the numerics, not a speed)
+            unsupported = [m for m in options.precisions if m not in precisions
+                           and not (m in ("bf16", "fp8") and device != "cuda")]
+            if "fp8" in options.precisions and not torchao_installed():
+                raise ConfigError(f"--precisions {','.join(options.precisions)}: fp8 trains through torchao, "
+                                  f"which is not installed; {FP8_EXTRA}")
             if unsupported:
                 raise ConfigError(f"--precisions {','.join(options.precisions)}: this device does not support "
-                                  f"{', '.join(unsupported)} (it supports {', '.join(precisions)})")
+                                  f"{', '.join(unsupported)} (it supports {', '.join(precisions)}"
+                                  + ("; fp8 needs compute capability 8.9 or newer" if "fp8" in unsupported else "")
+                                  + ")")
             precisions = [m for m in MODES if m in options.precisions]
         return {"precisions": precisions}
 
@@ -58,11 +69,48 @@ class Precision(Strategy):
 
     def apply(self, config: Config, recipe: Recipe) -> None:
         recipe.autocast_dtype = AUTOCAST_DTYPES.get(config.mode)
+        if config.mode == "fp8":
+            recipe.model_transforms.append(to_float8_training)
         if recipe.device == "cuda":
             # a recipe depends on its knobs alone: on a GPU without TF32 the switch does nothing
             fp32_math = "ieee" if config.mode == "fp32" else "tf32"
             recipe.backend_flags["matmul_fp32_precision"] = fp32_math
             recipe.backend_flags["conv_fp32_precision"] = fp32_math
+
+
+def fp8_eligible(module: torch.nn.Module, fqn: str = "") -> bool:
+    """A Linear that float8 matmuls can run: both widths multiples of 16 (torch._scaled_mm's rule)."""
+    return (isinstance(module, torch.nn.Linear) and module.in_features % 16 == 0
+            and module.out_features % 16 == 0)
+
+
+def to_float8_training(model: torch.nn.Module) -> torch.nn.Module:
+    """Swap the eligible Linear layers for torchao's Float8Linear, in place (same parameters, so
+    an optimizer built before still steps them, and checkpoints keep their keys)."""
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError as exc:
+        raise ConfigError(f"this configuration trains in fp8 through torchao, which is not installed "
+                          f"({exc}); {FP8_EXTRA}") from exc
+    if not any(fp8_eligible(m) for m in model.modules()):
+        raise ConfigError("fp8: no Linear layer of this model has both widths a multiple of 16, so none can "
+                          "train in float8; search without fp8 (--precisions)")
+    converted = convert_to_float8_training(model, module_filter_fn=fp8_eligible)
+    if converted is not model:  # the model is itself one Linear: swap its parameters into a wrapper
+        raise ConfigError("fp8: the model is a single Linear layer, which torchao replaces rather than converts "
+                          "in place; wrap it in an nn.Sequential")
+    return model
+
+
+def torchao_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torchao") is not None
+
+
+def fp8_supported() -> bool:
+    """FP8 Tensor Cores exist from compute capability 8.9 (Ada) on; training them needs torchao."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9) and torchao_installed()
 
 
 def tf32_supported() -> bool:
@@ -90,4 +138,6 @@ def supported_modes(device: str) -> list[str]:
     modes.append("fp16")
     if torch.cuda.is_bf16_supported(including_emulation=False):
         modes.append("bf16")
+    if fp8_supported():
+        modes.append("fp8")
     return modes

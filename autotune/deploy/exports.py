@@ -99,6 +99,9 @@ def ddp_kwargs(values: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
 # where there is one; an export leaves out the settings it does express.
 def _common_unsupported(values: dict[str, dict[str, Any]], target: str) -> list[dict[str, Any]]:
     checks: list[tuple[str, Any, bool, str]] = [
+        ("precision.mode", values["precision"]["mode"], values["precision"]["mode"] == "fp8",
+         f"{target} has no float8 training option: its bf16 mixed precision is set; convert the Linear layers with "
+         "strategies.precision.to_float8_training(model) (torchao) before training"),
         ("memory_format.format", values["memory_format"]["format"], values["memory_format"]["format"] != "contiguous",
          f"{target} has no memory-format option: call model.to(memory_format=torch.channels_last) before training "
          "(a channels_last model's convolutions then run channels_last)"),
@@ -150,7 +153,7 @@ def hf_training_args(cfg: Any) -> HFExport:
     """``transformers.TrainingArguments`` keyword arguments for ``cfg`` (add output_dir and your own)."""
     values = knob_values(cfg)
     mode = values["precision"]["mode"]
-    args: dict[str, Any] = {"bf16": mode == "bf16", "fp16": mode == "fp16"}
+    args: dict[str, Any] = {"bf16": mode in ("bf16", "fp8"), "fp16": mode == "fp16"}  # fp8: see unsupported
     if cfg.device == "cuda":
         # autotune's fp32 is true FP32 (TF32 off for cuDNN too); every other mode lets TF32 in
         args["tf32"] = mode != "fp32"
@@ -192,7 +195,7 @@ def hf_training_args(cfg: Any) -> HFExport:
 
 # accelerate --------------------------------------------------------------------------------------
 
-ACCELERATE_MIXED_PRECISION = {"fp32": "no", "tf32": "no", "fp16": "fp16", "bf16": "bf16"}
+ACCELERATE_MIXED_PRECISION = {"fp32": "no", "tf32": "no", "fp16": "fp16", "bf16": "bf16", "fp8": "bf16"}
 
 
 def accelerate_config(cfg: Any) -> AccelerateExport:
@@ -246,12 +249,14 @@ def yaml_text(config: dict[str, Any], unsupported_items: list[dict[str, Any]]) -
 
 # Lightning ---------------------------------------------------------------------------------------
 
-LIGHTNING_PRECISION = {"fp32": "32-true", "tf32": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed"}
+# fp8: bf16-mixed, and the callback converts the Linear layers (a model transform of the recipe)
+LIGHTNING_PRECISION = {"fp32": "32-true", "tf32": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed",
+                       "fp8": "bf16-mixed"}
 
 # what the callback (autotune.deploy.lightning_callback.AutotuneCallback) applies itself, and so
 # is no gap of the Lightning export; cudnn.benchmark is also the Trainer's own benchmark flag
 LIGHTNING_CALLBACK_SETTINGS = {"memory_format.format", "channel_alignment.multiple", "fp32_layers.layers",
-                               "cudnn.benchmark", "threads.num_threads"}
+                               "cudnn.benchmark", "threads.num_threads", "precision.mode"}
 
 
 def lightning_settings(cfg: Any) -> dict[str, Any]:
@@ -267,7 +272,7 @@ def lightning_settings(cfg: Any) -> dict[str, Any]:
     if ddp is not None:
         trainer["devices"] = values["ddp"]["world_size"]
     recipe = cfg.recipe
-    applies = {"backend_flags": dict(recipe.backend_flags),
+    applies = {"backend_flags": dict(recipe.backend_flags), "float8_linear_layers": mode == "fp8",
                "memory_format": values["memory_format"]["format"],
                "channel_alignment.multiple": values["channel_alignment"]["multiple"],
                "fp32_layers.layers": values["fp32_layers"]["layers"],

@@ -19,7 +19,7 @@ from matplotlib.ticker import FuncFormatter, PercentFormatter
 from autotune.report.data import ReportData
 from autotune.report.format import sort_key, value_label
 
-PRECISION_COLORS = {"fp32": "#5b6b7f", "tf32": "#1b9e77", "fp16": "#d95f02", "bf16": "#7570b3"}
+PRECISION_COLORS = {"fp32": "#5b6b7f", "tf32": "#1b9e77", "fp16": "#d95f02", "bf16": "#7570b3", "fp8": "#e7298a"}
 FORMAT_MARKERS = {"contiguous": "o", "channels_last": "s"}
 FORMAT_COLORS = {"contiguous": "#8da0cb", "channels_last": "#fc8d62"}
 
