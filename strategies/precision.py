@@ -53,6 +53,11 @@ class Precision(Strategy):
                                   + ("; fp8 needs compute capability 8.9 or newer" if "fp8" in unsupported else "")
                                   + ")")
             precisions = [m for m in MODES if m in options.precisions]
+        if "fp8" in precisions and probe.get("fp8_eligible_share", 1.0) == 0:
+            if options.precisions is not None:
+                raise ConfigError(f"--precisions {','.join(options.precisions)}: no Linear layer of this model has "
+                                  "both widths a multiple of 16, so fp8 would train nothing in float8; leave fp8 out")
+            precisions = [m for m in precisions if m != "fp8"]  # a ResNet's one 2048 -> 1000 head, say
         return {"precisions": precisions}
 
     def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
@@ -82,6 +87,13 @@ def fp8_eligible(module: torch.nn.Module, fqn: str = "") -> bool:
     """A Linear that float8 matmuls can run: both widths multiples of 16 (torch._scaled_mm's rule)."""
     return (isinstance(module, torch.nn.Linear) and module.in_features % 16 == 0
             and module.out_features % 16 == 0)
+
+
+def fp8_eligible_share(model: torch.nn.Module) -> float:
+    """The share of the model's parameters in Linear layers fp8 can run (0: fp8 would change nothing)."""
+    total = sum(p.numel() for p in model.parameters())
+    eligible = sum(m.weight.numel() for m in model.modules() if fp8_eligible(m))
+    return eligible / total if total else 0.0
 
 
 def to_float8_training(model: torch.nn.Module) -> torch.nn.Module:

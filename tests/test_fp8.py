@@ -133,3 +133,16 @@ def test_a_cpu_search_measures_fp8_and_exports_a_config_that_trains_in_float8(tm
     step = cfg.train_step(model, optimizer, nn.functional.cross_entropy)
     x, y = torch.randn(64, 3, 4, 4), torch.randint(0, 10, (64,))
     assert all(torch.isfinite(step(x, y)) for _ in range(3))
+
+
+def test_fp8_is_not_offered_for_a_model_with_no_linear_it_can_run(monkeypatch):
+    fake_gpu(monkeypatch, (9, 0))
+    offered = ["fp32", "tf32", "fp16", "bf16", "fp8"]
+    p = precision.Precision()
+    none_eligible = {"precisions": offered, "fp8_eligible_share": 0.0}
+    assert p.offer(SimpleNamespace(precisions=None), "cuda", none_eligible, {})["precisions"] == offered[:-1]
+    with pytest.raises(ConfigError, match="leave fp8 out"):
+        p.offer(SimpleNamespace(precisions=["fp32", "fp8"]), "cuda", none_eligible, {})
+    some = {"precisions": offered, "fp8_eligible_share": precision.fp8_eligible_share(mlp16())}
+    assert 0.5 < some["fp8_eligible_share"] < 1
+    assert p.offer(SimpleNamespace(precisions=None), "cuda", some, {})["precisions"] == offered
