@@ -105,6 +105,73 @@ def test_layers_are_named_through_wrappers_and_a_tied_head_is_the_vocabulary():
                           "multiple": 8, "vocab": False}]
 
 
+class _Kineto:
+    """A Kineto event as ``prof.profiler.kineto_results.events()`` yields it, with what
+    gemm_shapes reads: thread, shapes, and the correlation ids that link a kernel to its op."""
+
+    def __init__(self, name, start, dur, *, thread=1, shapes=(), corr=0, linked=0, cuda=False):
+        self._name, self._start, self._dur, self._thread = name, start, dur, thread
+        self._shapes, self._corr, self._linked, self._cuda = [list(s) for s in shapes], corr, linked, cuda
+
+    def name(self):
+        return self._name
+
+    def device_type(self):
+        from torch.autograd import DeviceType
+
+        return DeviceType.CUDA if self._cuda else DeviceType.CPU
+
+    def start_ns(self):
+        return self._start
+
+    def end_ns(self):
+        return self._start + self._dur
+
+    def duration_ns(self):
+        return self._dur
+
+    def start_thread_id(self):
+        return self._thread
+
+    def shapes(self):
+        return self._shapes
+
+    def correlation_id(self):
+        return self._corr
+
+    def linked_correlation_id(self):
+        return self._linked
+
+
+def test_on_a_gpu_an_op_counts_the_kernels_it_and_the_gemms_inside_it_launched():
+    from autotune.trial.gemm_shapes import collect
+
+    linear = [[32, 37], [1001, 37], [1001]]
+    events = [
+        _Kineto("ProfilerStep#1", 0, 1000),
+        _Kineto("aten::linear", 10, 200, shapes=linear, corr=1),
+        _Kineto("aten::_to_copy", 12, 6, corr=2),  # autocast's cast of the weight: not GEMM time
+        _Kineto("aten::addmm", 20, 170, shapes=[[1001], [32, 37], [37, 1001], [], []], corr=3),
+        _Kineto("cudaLaunchKernel", 30, 5, corr=4, linked=3),
+        _Kineto("aten::mm", 300, 100, thread=2, shapes=[[1001, 32], [32, 37]], corr=5),  # the backward's thread
+        _Kineto("cast_kernel", 40, 5, cuda=True, linked=2),
+        _Kineto("sm90_xmma_gemm_bf16bf16", 50, 120, cuda=True, linked=3),
+        _Kineto("sm90_xmma_gemm_bf16bf16", 420, 80, cuda=True, linked=5),
+    ]
+    ops, host_ns = collect(events, on_gpu=True)
+    assert sorted(ops) == [["aten::linear", linear, 120, 1], ["aten::mm", [[1001, 32], [32, 37]], 80, 1]]
+    assert host_ns == 1000
+    layers = model_layers(nn.Sequential(nn.Linear(37, 1001)))
+    [record] = misaligned(ops, layers, 8, 1000)["misaligned_gemms"]
+    assert record == {"layer": "0", "kind": "linear", "op": "aten::linear", "dims": [37, 1001], "share": 0.2,
+                      "multiple": 8, "vocab": False}
+    # on a CPU the same ops count their own time: their duration less their children's (linear's
+    # less the cast and the addmm, the addmm's less its launch)
+    cpu_ops, _ = collect(events, on_gpu=False)
+    own = (200 - 6 - 170) + (170 - 5)
+    assert sorted(cpu_ops) == [["aten::linear", linear, own, 1], ["aten::mm", [[1001, 32], [32, 37]], 100, 1]]
+
+
 # --- the finding, on planted trial records (no profiling) -----------------------------------------
 
 HEAD = {"layer": "lm_head", "kind": "linear", "op": "aten::addmm", "dims": [512, 50257], "share": 0.31, "multiple": 8,

@@ -41,32 +41,64 @@ def is_gemm_or_conv(name: str) -> bool:
 
 def collect(events: Iterable[Any], on_gpu: bool) -> tuple[list[list[Any]], int]:
     """The GEMM/conv ops of a profiled window and the host time of its steps, from the profiler's
-    ``FunctionEvent`` list (``prof.events()``, recorded with ``record_shapes=True``).
+    Kineto events (``prof.profiler.kineto_results.events()`` of a window recorded with
+    ``record_shapes=True``).
 
     An op nested in another (``aten::linear`` -> ``aten::addmm``, ``aten::conv2d`` ->
     ``aten::cudnn_convolution``) is counted with the outermost one, whose shapes say the most: its
-    own time is added to it, so nothing is counted twice and the ops around them (casts, views) are
-    not counted. Returns ``[[op, shapes, time_ns, calls], ...]`` and the steps' host time in ns."""
-    ops: dict[tuple[str, str], list[Any]] = {}
-    host_us = 0.0
+    own time is added to it (on a GPU, its kernels', which Kineto links to the innermost op that
+    launched them; on a CPU, its duration less its children's), so nothing is counted twice and the
+    ops around them (casts, views) are not counted. Read here rather than through ``prof.events()``,
+    whose parse of every event into a tree costs about 20 times as much (1.3 s against 0.07 s for a
+    3-step ResNet-18 window on a shared 2-core VM). Returns ``[[op, shapes, time_ns, calls], ...]``
+    and the steps' host time in ns."""
+    from torch.autograd import DeviceType
+
+    by_thread: dict[int, list[Any]] = {}
+    kernel_ns: dict[int, int] = {}
     for ev in events:
-        if ev.name.startswith("ProfilerStep"):
-            host_us += ev.cpu_time_total
-            continue
-        if not is_gemm_or_conv(ev.name):
-            continue
-        outer, parent = ev, ev.cpu_parent
-        while parent is not None:
-            if is_gemm_or_conv(parent.name):
-                outer = parent
-            parent = parent.cpu_parent
-        own_us = ev.self_device_time_total if on_gpu else ev.self_cpu_time_total
-        shapes = [list(s) for s in (outer.input_shapes or [])]
-        entry = ops.setdefault((outer.name, repr(shapes)), [outer.name, shapes, 0, 0])
-        entry[2] += int(own_us * 1e3)
-        if outer is ev:
-            entry[3] += 1
-    return [entry for entry in ops.values() if entry[1]], int(host_us * 1e3)
+        if ev.device_type() == DeviceType.CPU:
+            by_thread.setdefault(ev.start_thread_id(), []).append(ev)
+        elif on_gpu and ev.linked_correlation_id() > 0:
+            kernel_ns[ev.linked_correlation_id()] = kernel_ns.get(ev.linked_correlation_id(), 0) + ev.duration_ns()
+    ops: dict[tuple[str, str], list[Any]] = {}
+    host_ns = 0
+    for thread_events in by_thread.values():
+        host_ns += _nest(thread_events, ops, kernel_ns if on_gpu else None)
+    return [entry for entry in ops.values() if entry[1]], host_ns
+
+
+def _nest(events: list[Any], ops: dict[tuple[str, str], list[Any]], kernel_ns: dict[int, int] | None) -> int:
+    """Walk one thread's CPU events as the tree their time ranges make, adding each GEMM/conv op's own
+    time to the entry of its outermost GEMM/conv ancestor in ``ops``; returns the ProfilerStep ranges' time."""
+    events.sort(key=lambda e: (e.start_ns(), -e.end_ns()))
+    stack: list[list[Any]] = []  # [end_ns, event, children's time, key of the entry it counts in]
+    host_ns = 0
+
+    def close(end: int, ev: Any, children_ns: int, key: tuple[str, str] | None) -> None:
+        if key is not None:
+            own = kernel_ns.get(ev.correlation_id(), 0) if kernel_ns is not None else ev.duration_ns() - children_ns
+            ops[key][2] += own
+
+    for ev in events:
+        while stack and stack[-1][0] <= ev.start_ns():
+            close(*stack.pop())
+        if stack:
+            stack[-1][2] += ev.duration_ns()
+        name = ev.name()
+        if name.startswith("ProfilerStep#"):
+            host_ns += ev.duration_ns()
+        key = None
+        if is_gemm_or_conv(name):
+            key = next((entry[3] for entry in stack if entry[3] is not None), None)
+            if key is None:  # the outermost: its shapes name the entry
+                shapes = [list(shape) for shape in ev.shapes()]
+                key = (name, repr(shapes))
+                ops.setdefault(key, [name, shapes, 0, 0])[3] += 1
+        stack.append([ev.end_ns(), ev, 0, key])
+    while stack:
+        close(*stack.pop())
+    return host_ns
 
 
 def model_layers(model: Any) -> list[list[Any]]:

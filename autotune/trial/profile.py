@@ -157,7 +157,7 @@ def from_profiler(prof: Any, steps: int, meta: dict[str, Any] | None = None, *, 
     events.sort(key=lambda e: e.start_ns)
     trace = ProfileTrace(steps=steps, events=events, launches=launches, meta=dict(meta or {}))
     if getattr(prof, "record_shapes", False):  # a window recorded with shapes
-        trace.ops, trace.host_ns = gemm_shapes.collect(prof.events(), on_gpu=device == "cuda")
+        trace.ops, trace.host_ns = gemm_shapes.collect(raw, on_gpu=device == "cuda")
         trace.layers = list(layers or [])
     return trace
 
