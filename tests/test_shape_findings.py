@@ -95,11 +95,19 @@ def test_layers_are_named_through_wrappers_and_a_tied_head_is_the_vocabulary():
     wrapped.add_module("module", LM())  # as DistributedDataParallel names it
     assert model_layers(wrapped) == [["wte", "embedding", 48, 1001, True], ["proj", "linear", 48, 48, False]]
     # the tied head's GEMM (tokens x 48) @ (48 x 1001) is the embedding's, and on a vocabulary
-    ops = [["aten::matmul", [[2, 16, 48], [48, 1001]], 9_000, 3], ["aten::linear", [[2, 16, 48], [48, 48], [48]], 1_000, 3]]
+    ops = [["aten::matmul", [[2, 16, 48], [48, 1001]], 9_000, 3],
+           ["aten::linear", [[2, 16, 48], [48, 48], [48]], 1_000, 3]]
     found = misaligned(ops, model_layers(wrapped), 8, 20_000)
     assert found["misaligned_gemms"] == [{"layer": "wte", "kind": "embedding", "op": "aten::matmul", "dims": [48, 1001],
                                           "share": 0.45, "multiple": 8, "vocab": True}]
-    # at 16 (FP8), 48 is aligned but 1001 still is not; an unmatched op keeps its own dimensions
+    # an untied head: a Linear of the embedding's widths, named first, and padding Linear widths reaches it
+    head = model_layers(wrapped) + [["lm_head", "linear", 48, 1001, True]]
+    [untied] = misaligned(ops[:1], head, 8, 20_000)["misaligned_gemms"]
+    assert (untied["layer"], untied["kind"], untied["vocab"]) == ("lm_head, wte", "linear", True)
+    # dimensions that fit an aligned layer (48 -> 48) and a misaligned one are the misaligned one's
+    fits_both = misaligned([["aten::mm", [[1001, 48], [48, 48]], 700, 1]], head, 8, 1_000)["misaligned_gemms"]
+    assert [(r["layer"], r["dims"]) for r in fits_both] == [("lm_head, wte", [48, 1001])]
+    # an unmatched op keeps its own dimensions
     unmatched = misaligned([["aten::bmm", [[8, 40, 20], [8, 20, 40]], 500, 1]], [], 8, 1_000)["misaligned_gemms"]
     assert unmatched == [{"layer": None, "kind": "gemm", "op": "aten::bmm", "dims": [40, 40, 20], "share": 0.5,
                           "multiple": 8, "vocab": False}]

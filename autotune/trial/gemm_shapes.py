@@ -175,9 +175,12 @@ def misaligned(ops: list[list[Any]], layers: list[list[Any]], multiple: int, spa
         if read is None:
             continue
         kind, found = read
-        matched = _match(kind, found, layers)
-        widths = [matched[0][2], matched[0][3]] if matched else (found[1:] if kind == "gemm" else found)
-        if not any(w % multiple for w in widths):
+        candidates = _match(kind, found, layers)
+        # of the layers these dimensions fit, the misaligned ones (an aligned layer of two of the same
+        # widths does not hide them); a Linear head before the Embedding it shares its widths with
+        matched = sorted((layer for layer in candidates if layer[2] % multiple or layer[3] % multiple),
+                         key=lambda layer: layer[1] == "embedding")
+        if not matched and (candidates or not any(w % multiple for w in (found[1:] if kind == "gemm" else found))):
             continue
         key = (tuple(layer[0] for layer in matched),) if matched else (op, tuple(found))
         group = groups.setdefault(key, {"names": [layer[0] for layer in matched], "ops": Counter(),
