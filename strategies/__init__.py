@@ -12,6 +12,7 @@ from typing import Any, Mapping
 from autotune.deploy.recipe import Recipe
 from autotune.deploy.space import SearchSpace
 from strategies.base import ReportKnob, Strategy
+from strategies.attention import Attention
 from strategies.batch_size import BatchSize
 from strategies.channel_alignment import ChannelAlignment
 from strategies.compile import Compile
@@ -26,11 +27,14 @@ from strategies.optimizer import Optimizer
 from strategies.precision import Precision
 from strategies.streams import Streams
 from strategies.threads import Threads
+from strategies.vocab_padding import VocabPadding
 
 REGISTRY: list[Strategy] = [
     Precision(),
     GradScalerStrategy(),
     BatchSize(),
+    # before channel padding: the padded LM head is no plain nn.Linear, so channel padding leaves it
+    VocabPadding(),
     ChannelAlignment(),
     FP32Layers(),  # after padding: it wraps the forward of the (possibly padded) layers
     MemoryFormat(),
@@ -42,6 +46,8 @@ REGISTRY: list[Strategy] = [
     # the step's execution, last: compile sees the model after every transform above, and
     # cuda_graphs decides after precision, optimizer and compile, which say whether capture is legal
     Optimizer(),
+    # the SDPA kernel of each step's forward and backward: a context the step enters, compiled or not
+    Attention(),
     Compile(),
     # after compile, whose mode it sees (static_graph only for eager steps); the wrapping order in
     # the runtime is fixed apart from this: device move, then DDP, then torch.compile
@@ -53,10 +59,10 @@ BY_NAME: dict[str, Strategy] = {s.name: s for s in REGISTRY}
 
 # How a configuration is shown: the order of its words in a one-line description, and of the knobs
 # in the report. A knob left out of a list comes after the listed ones, in registry order.
-DESCRIBED = ["precision", "memory_format", "batch_size", "cudnn", "channel_alignment", "streams", "dataloader",
-             "threads", "fp32_layers", "optimizer", "compile", "cuda_graphs", "ddp"]
-REPORTED = ["precision", "memory_format", "batch_size", "channel_alignment", "cudnn", "streams", "threads",
-            "grad_scaler", "ddp"]
+DESCRIBED = ["precision", "memory_format", "batch_size", "cudnn", "channel_alignment", "vocab_padding", "attention",
+             "streams", "dataloader", "threads", "fp32_layers", "optimizer", "compile", "cuda_graphs", "ddp"]
+REPORTED = ["precision", "memory_format", "batch_size", "channel_alignment", "vocab_padding", "attention", "cudnn",
+            "streams", "threads", "grad_scaler", "ddp"]
 
 
 def _in_order(names: list[str]) -> list[Strategy]:

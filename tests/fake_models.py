@@ -213,3 +213,48 @@ class _SlowToEvaluate(nn.Module):
 
 def slow_check_cnn(num_classes: int = 10) -> nn.Module:
     return _SlowToEvaluate(num_classes)
+
+
+# language models: SDPA attention and a vocabulary off a multiple of 64 -----------------------------
+
+class TinyLM(nn.Module):
+    """A one-block causal LM calling ``scaled_dot_product_attention``, its head tied to the token
+    embedding (``head.weight is embed.weight``), as GPT-2's is."""
+
+    def __init__(self, vocab_size: int = 1003, seq_len: int = 16, width: int = 32, num_heads: int = 2) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.embed = nn.Embedding(vocab_size, width)
+        self.pos = nn.Embedding(seq_len, width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.mlp = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab_size, bias=False)
+        self.head.weight = self.embed.weight
+        nn.init.normal_(self.embed.weight, std=0.02)  # GPT-2's: a loss near log(vocab) at the start
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        batch, seq = tokens.shape
+        x = self.embed(tokens) + self.pos(torch.arange(seq, device=tokens.device))
+        q, k, v = (t.view(batch, seq, self.num_heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + attended.transpose(1, 2).reshape(batch, seq, -1)
+        return self.head(self.norm(x + self.mlp(x)))
+
+
+def tiny_lm(num_classes: int = 1003):
+    """TinyLM as an autotune.Workload: random token sequences, next-token cross-entropy (``num_classes``
+    is the CLI's; the vocabulary stays 1,003 so that it is off a multiple of 64)."""
+    import autotune
+
+    vocab, seq_len = 1003, 16
+
+    def make_batch(batch_size: int, generator: torch.Generator):
+        tokens = torch.randint(0, vocab, (batch_size, seq_len + 1), generator=generator)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    return autotune.Workload(model=TinyLM(vocab, seq_len), make_batch=make_batch, loss_fn=loss_fn,
+                             input_shape=(seq_len,), num_classes=vocab)

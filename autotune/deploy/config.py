@@ -158,8 +158,12 @@ class TunedConfig:
             optimizer = runtime.prepare_optimizer(optimizer, self.recipe)
         return model, optimizer
 
-    def autocast(self) -> torch.autocast:
-        return runtime.autocast(self.recipe)
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """Around your forward pass (the loss too): autocast to the tuned precision, under the
+        tuned per-step contexts (the attention backend's ``sdpa_kernel``) when there are any."""
+        if not self.recipe.step_contexts:
+            return runtime.autocast(self.recipe)
+        return runtime.forward_context(self.recipe)
 
     def grad_scaler(self) -> torch.amp.GradScaler:
         return runtime.grad_scaler(self.recipe)

@@ -102,6 +102,9 @@ class Recipe:
     """Applied to the model in order, before it is moved to the device."""
     backend_flags: dict[str, Any] = field(default_factory=dict)
     """Process-global switches (see BACKEND_FLAGS)."""
+    step_contexts: list[Callable[[], contextlib.AbstractContextManager[Any]]] = field(default_factory=list)
+    """Each makes a context entered around every step's forward and backward (the attention
+    backend's ``sdpa_kernel``), in order; ``runtime.step_context`` enters them."""
     num_streams: int = 1
     """1: input copies on the compute stream; 2: the next batch is copied on a side stream."""
     optimizer_implementation: str = "default"

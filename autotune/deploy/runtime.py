@@ -7,7 +7,8 @@ step runs eagerly or, with the cuda_graphs knob, captured once in a CUDA graph a
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -18,6 +19,7 @@ from autotune.errors import ConfigError
 from autotune.workload.models import logits
 from strategies import optimizer as optimizer_strategy
 from strategies.compile import CUDAGRAPH_MODES
+from strategies.vocab_padding import pad_optimizer_state
 
 GRAPH_WARMUP_STEPS = 3
 """Eager steps on a side stream before the whole step is captured (PyTorch's CUDA graphs notes:
@@ -30,6 +32,24 @@ def autocast(recipe: Recipe, *, cache_enabled: bool = True) -> torch.autocast:
     dtype = recipe.autocast_dtype
     return torch.autocast(recipe.device, dtype=dtype or torch.float32, enabled=dtype is not None,
                           cache_enabled=cache_enabled)
+
+
+@contextlib.contextmanager
+def step_context(recipe: Recipe) -> Iterator[None]:
+    """The recipe's per-step contexts (``recipe.step_contexts``: the attention backend), entered in
+    order around a step's forward and backward, left in reverse order."""
+    with contextlib.ExitStack() as stack:
+        for make in recipe.step_contexts:
+            stack.enter_context(make())
+        yield
+
+
+@contextlib.contextmanager
+def forward_context(recipe: Recipe) -> Iterator[None]:
+    """``cfg.autocast()``: the step contexts, then autocast, for a training loop of the user's own
+    (the backward pass follows the kernels its forward chose, so the forward is where they act)."""
+    with step_context(recipe), autocast(recipe):
+        yield
 
 
 def grad_scaler(recipe: Recipe) -> torch.amp.GradScaler:
@@ -116,6 +136,7 @@ def prepare_optimizer(optimizer: torch.optim.Optimizer, recipe: Recipe) -> torch
     (and ``capturable=True`` when the step is captured in a CUDA graph); call it after the model
     is on the device, since a fused implementation checks where the parameters are."""
     move_optimizer_state(optimizer, recipe.device)
+    pad_optimizer_state(optimizer)  # a resumed optimizer's state follows its padded vocabulary
     optimizer = optimizer_strategy.rebuild(optimizer, recipe.optimizer_implementation, capturable=recipe.cuda_graphs)
     optimizer_strategy.prime_fused_sgd(optimizer)  # a GradScaler-skipped first step must not leave garbage
     return optimizer
@@ -188,9 +209,10 @@ class TrainStep:
             self.optimizer.zero_grad(set_to_none=self.recipe.zero_grad_set_to_none)
         if self.recipe.compile_mode in CUDAGRAPH_MODES:
             torch.compiler.cudagraph_mark_step_begin()
-        with autocast(self.recipe):
-            loss = self.loss_fn(logits(self.model(inputs)), targets)
-        self.scaler.scale(loss / steps).backward()
+        with step_context(self.recipe):
+            with autocast(self.recipe):
+                loss = self.loss_fn(logits(self.model(inputs)), targets)
+            self.scaler.scale(loss / steps).backward()
         self._micro += 1
         if self._micro == steps:
             self._micro = 0
@@ -200,9 +222,10 @@ class TrainStep:
 
     def _eager(self, inputs: Any, targets: torch.Tensor, *, cache_enabled: bool = True) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=self.recipe.zero_grad_set_to_none)
-        with autocast(self.recipe, cache_enabled=cache_enabled):
-            loss = self.loss_fn(logits(self.model(inputs)), targets)
-        self.scaler.scale(loss).backward()
+        with step_context(self.recipe):
+            with autocast(self.recipe, cache_enabled=cache_enabled):
+                loss = self.loss_fn(logits(self.model(inputs)), targets)
+            self.scaler.scale(loss).backward()
         self.scaler.step(self.optimizer)
         self.scaler.update()
         return loss.detach()

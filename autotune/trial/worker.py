@@ -116,9 +116,11 @@ def provenance() -> dict[str, Any]:
 
 def probe(request: dict[str, Any]) -> dict[str, Any]:
     """Describe the device and check the workload builds (before a study starts)."""
+    from strategies.attention import sdpa_calls
     from strategies.channel_alignment import misaligned_layers
     from strategies.fp32_layers import kinds_present
     from strategies.precision import supported_modes
+    from strategies.vocab_padding import vocab_size
 
     device = request["device"]
     result: dict[str, Any] = {}
@@ -143,6 +145,7 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     result["num_parameters"] = sum(p.numel() for p in workload.model.parameters())
     result["misaligned"] = {str(m): misaligned_layers(workload.model, m) for m in (8, 16)}
     result["fp32_layer_kinds"] = kinds_present(workload.model)
+    result.update(sdpa_calls(workload.model, x), vocab_size=vocab_size(workload.model))  # language models' knobs
     if request.get("check_compile"):
         from strategies.compile import check_compile
 

@@ -1,0 +1,210 @@
+"""attention: the SDPA backend a configuration pins runs in every training step's forward and backward
+(TrainStep and a user's own loop under cfg.autocast()), is offered only for models that call SDPA, and a
+backend that cannot run is a failed trial with its reason, not a crashed search. The end-to-end CPU search
+of a tiny language model offers both language-model knobs (attention and vocab_padding)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import optuna
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import autotune
+import fake_models
+import strategies
+from autotune.deploy.config import TunedConfig
+from autotune.deploy.recipe import Recipe
+from autotune.deploy.runtime import TrainStep
+from autotune.deploy.space import SearchSpace
+from autotune.trial.measure import MeasureSettings
+from autotune.workload.models import WorkloadSpec
+from conftest import ROOT, run_cli, subprocess_env
+from strategies.attention import Attention, BackendFailed, PinnedBackend, cpu_backends, sdpa_calls
+
+CPU_FLASH = "aten._scaled_dot_product_flash_attention_for_cpu"
+
+
+class AtenOps(TorchDispatchMode):
+    """The aten ops run inside the block, by name (the flash kernel shows as its own op; math as
+    the matmuls and softmax it is made of)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else func))
+        return func(*args, **(kwargs or {}))
+
+
+def flash_ops(ops: list[str]) -> list[str]:
+    return [op for op in ops if "scaled_dot_product_flash_attention_for_cpu" in op]
+
+
+def lm_step(backend: str) -> tuple[TrainStep, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    workload = fake_models.tiny_lm()
+    recipe = Recipe(device="cpu")
+    Attention().apply(Attention.Config(backend=backend), recipe)
+    optimizer = torch.optim.SGD(workload.model.parameters(), lr=0.1)
+    x, y = workload.batch(4, torch.Generator().manual_seed(0))
+    return TrainStep(workload.model, optimizer, workload.loss_fn, recipe), x, y
+
+
+@pytest.mark.parametrize("backend,forward_flash", [("flash", True), ("math", False)])
+def test_train_step_runs_forward_and_backward_on_the_pinned_backend(backend, forward_flash):
+    step, x, y = lm_step(backend)
+    with AtenOps() as seen:
+        loss = step(x, y)
+    assert torch.isfinite(loss)
+    flash = flash_ops(seen.ops)
+    # the forward's kernel, and its backward (the flash backward op) only when flash was pinned
+    assert bool([op for op in flash if "backward" not in op]) is forward_flash, flash
+    assert bool([op for op in flash if "backward" in op]) is forward_flash, flash
+
+
+def test_default_pins_nothing():
+    recipe = Recipe(device="cpu")
+    Attention().apply(Attention.Config(), recipe)
+    assert recipe.step_contexts == []
+    recipe = Recipe(device="cpu")
+    Attention().apply(Attention.Config(backend="math"), recipe)
+    assert recipe.step_contexts == [PinnedBackend("math")]  # a value: replayed recipes compare equal
+
+
+def test_pinned_backends_give_the_same_loss_and_gradients():
+    losses, grads = {}, {}
+    for backend in ("default", "math", "flash"):
+        step, x, y = lm_step(backend)
+        step.optimizer.param_groups[0]["lr"] = 0.0  # keep the weights: compare one step's gradients
+        losses[backend] = step(x, y)
+        grads[backend] = step.model.qkv.weight.grad.clone()
+    for backend in ("math", "flash"):
+        torch.testing.assert_close(losses[backend], losses["default"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(grads[backend], grads["default"], rtol=1e-4, atol=1e-6)
+
+
+def test_a_backend_that_cannot_run_raises_a_clear_error():
+    step, x, y = lm_step("efficient")  # CUDA-only kernel
+    with pytest.raises(BackendFailed, match="the efficient attention backend cannot run .* 'default' lets PyTorch choose"):
+        step(x, y)
+    # and an error that is not about the kernel is not rewritten
+    with pytest.raises(ValueError, match="not ours"), PinnedBackend("math")():
+        raise ValueError("not ours")
+
+
+def test_user_loop_under_cfg_autocast_gets_the_backend():
+    space = SearchSpace(device="cpu", batch_sizes=[8], base_batch_size=8, thread_counts=[1],
+                        choices={"attention": ["default", "math", "flash"]})
+    params = {"threads.num_threads": 1, "attention.backend": "math"}
+    cfg = TunedConfig.from_params(params, space)
+    assert cfg.knobs["attention"] == Attention.Config(backend="math")
+    q = torch.randn(1, 2, 8, 16, requires_grad=True)
+    with AtenOps() as default_ops:
+        F.scaled_dot_product_attention(q, q, q)
+    with AtenOps() as pinned_ops, cfg.autocast():
+        F.scaled_dot_product_attention(q, q, q)
+    assert flash_ops(default_ops.ops) and not flash_ops(pinned_ops.ops)
+    with AtenOps() as after:  # only inside the block
+        F.scaled_dot_product_attention(q, q, q)
+    assert flash_ops(after.ops)
+
+
+def test_offer_only_for_models_that_call_sdpa():
+    strategy = Attention()
+    assert strategy.offer(None, "cpu", {"sdpa_calls": 0}, {}) == {}
+    assert strategy.offer(None, "cuda", {}, {}) == {}
+    cpu = strategy.offer(None, "cpu", {"sdpa_calls": 2, "sdpa_head_dim": 16}, {})
+    assert cpu == {"choices": {"attention": ["default", "math", "flash"]}} == {"choices": {"attention": list(cpu_backends())}}
+    hopper = {"sdpa_calls": 1, "provenance": {"compute_capability": "9.0"}}
+    ampere = {"sdpa_calls": 1, "provenance": {"compute_capability": "8.0"}}
+    assert strategy.offer(None, "cuda", hopper, {})["choices"]["attention"] == ["default", "flash", "efficient",
+                                                                               "cudnn", "math"]
+    assert "cudnn" not in strategy.offer(None, "cuda", ampere, {})["choices"]["attention"]
+    assert "cudnn" in strategy.offer(None, "cuda", {"sdpa_calls": 1}, {})["choices"]["attention"]  # unknown: tried
+    space = SearchSpace(device="cpu", **cpu)
+    assert strategy.seed(space, tuned=True, chosen={}) == strategy.seed(space, tuned=False, chosen={}) \
+        == {"attention.backend": "default"}
+    assert strategy.seed(SearchSpace(device="cpu"), tuned=True, chosen={}) == {}
+    assert strategy.words({"backend": "flash"}) == "flash attention" and strategy.words({}) == ""
+    with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
+        Attention.Config(backend="fast")
+
+
+def test_probe_counts_sdpa_calls_direct_and_inside_torch_layers():
+    x, _ = fake_models.tiny_lm().batch(2, torch.Generator().manual_seed(0))
+    assert sdpa_calls(fake_models.TinyLM(), x) == {"sdpa_calls": 1, "sdpa_head_dim": 16}
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, batch_first=True), 2, enable_nested_tensor=False)
+    assert sdpa_calls(encoder, torch.randn(2, 5, 32)) == {"sdpa_calls": 2, "sdpa_head_dim": 8}
+    assert sdpa_calls(fake_models.tiny_cnn(), torch.randn(2, 3, 8, 8))["sdpa_calls"] == 0
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention  # put back
+    failed = sdpa_calls(nn.Linear(3, 3), torch.randn(2, 4))  # a forward that fails: no knob, and why
+    assert failed["sdpa_calls"] == 0 and failed["sdpa_probe_error"].startswith("RuntimeError")
+
+
+@pytest.mark.slow
+def test_a_trial_whose_backend_cannot_run_is_a_recorded_error(tmp_path):
+    """The worker process reports the failure (status error, the reason) instead of dying."""
+    space = SearchSpace(device="cpu", batch_sizes=[4], base_batch_size=4, thread_counts=[1],
+                        choices={"attention": ["default", "efficient"]})
+    knobs = strategies.sample(optuna.trial.FixedTrial({"threads.num_threads": 1, "attention.backend": "efficient"}), space)
+    request = {"space": space.to_dict(), "knobs": strategies.knobs_to_dict(knobs),
+               "workload": WorkloadSpec(model="fake_models:tiny_lm").to_dict(),
+               "measure": MeasureSettings(min_warmup_steps=1, min_steps=1, min_time_s=0.0).to_dict(), "seed": 0}
+    result_path = tmp_path / "result.json"
+    proc = subprocess.run([sys.executable, "-m", "autotune.trial.worker", str(result_path), str(os.getpid())],
+                          input=json.dumps(request), env=subprocess_env(), cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(result_path.read_text())
+    assert result["status"] == "error", result
+    assert result["reason"].startswith("BackendFailed: the efficient attention backend cannot run"), result["reason"]
+
+
+LOAD_AND_STEP = """
+import json, sys, torch, autotune, fake_models
+cfg = autotune.load(sys.argv[1])
+workload = fake_models.tiny_lm()
+model, optimizer = cfg.prepare(workload.model, torch.optim.AdamW(workload.model.parameters(), lr=1e-3))
+step = cfg.train_step(model, optimizer, workload.loss_fn)
+x, y = workload.batch(cfg.batch_size, torch.Generator().manual_seed(0))
+losses = [step(x, y).item() for _ in range(3)]
+print(json.dumps({"embed": list(model.embed.weight.shape), "tied": model.head.weight is model.embed.weight,
+                  "state": list(model.state_dict()["embed.weight"].shape), "losses": losses,
+                  "logits": list(model(x).shape), "backend": cfg.knobs["attention"].backend}))
+"""
+
+
+@pytest.mark.slow
+def test_cpu_search_of_a_language_model_offers_both_knobs_and_its_config_trains_padded(tmp_path):
+    out = tmp_path / "out"
+    run_cli("search", "--model", "fake_models:tiny_lm", "--device", "cpu", "--trials", "4", "--early-stop-below", "0",
+            "--no-accuracy-check", "--min-measure-time", "0.2", "--batch-size", "8", "--precisions", "fp32",
+            "--out", str(out), cwd=tmp_path)
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["space"]["choices"]["attention"] == ["default", "math", "flash"]
+    assert exported["space"]["choices"]["vocab_padding"] == [1, 64]
+    study = optuna.load_study(study_name=None, storage=f"sqlite:///{out / 'study.db'}")
+    for trial in study.trials:  # every trial chose both knobs
+        assert {"attention.backend", "vocab_padding.multiple"} <= set(trial.params), trial.params
+    # the exported configuration, with the vocabulary padded (whatever the 4 trials found best), loads
+    # through autotune.load and trains
+    exported["params"]["vocab_padding.multiple"] = 64
+    exported["knobs"]["vocab_padding"] = {"multiple": 64}
+    padded = tmp_path / "padded.json"
+    padded.write_text(json.dumps(exported))
+    proc = subprocess.run([sys.executable, "-c", LOAD_AND_STEP, str(padded)], env=subprocess_env(), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trained = json.loads(proc.stdout.splitlines()[-1])
+    assert trained["embed"] == [1024, 32] and trained["tied"] and trained["state"] == [1003, 32]
+    assert trained["logits"] == [8, 16, 1003] and all(map(lambda v: v == v and v < 1e3, trained["losses"]))
+    assert trained["backend"] == exported["knobs"]["attention"]["backend"]
