@@ -20,10 +20,7 @@ def _add_search(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("search", help="run (or resume) a search and export the best configuration",
                        description="Search precision, batch size, memory format, padding, cuDNN and stream "
                                    "settings by measuring each in an isolated worker.")
-    p.add_argument("--model", required=True,
-                   help="a torchvision classification model (see `autotune models`) or package.module:factory")
-    p.add_argument("--input-shape", help="one sample's shape, e.g. 3x224x224 (default: the model's)")
-    p.add_argument("--num-classes", type=int, default=1000, help="classes of the synthetic labels (default 1000)")
+    _add_model_options(p)
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                    help="where to tune (default: cuda when a GPU is present)")
     p.add_argument("--trials", type=int, help="stop when this many trials are finished (resumed ones count)")
@@ -94,6 +91,21 @@ def _add_search(sub: argparse._SubParsersAction) -> None:
                         "without --accuracy-steps their steps are scaled to fit in it")
 
 
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    """What a search trains: --model and the options that shape its workload."""
+    p.add_argument("--model", required=True,
+                   help="a torchvision classification model (see `autotune models`), hf:TYPE (a transformers "
+                        "causal LM, e.g. hf:gpt2), timm:NAME (a timm classifier) or package.module:factory")
+    p.add_argument("--input-shape", help="one sample's shape, e.g. 3x224x224 (default: the model's)")
+    p.add_argument("--num-classes", type=int, default=1000, help="classes of the synthetic labels (default 1000)")
+    p.add_argument("--model-config", metavar="FIELD=VALUE,...",
+                   help="an hf: model's configuration fields overriding its defaults, e.g. n_layer=2,n_embd=64 "
+                        "(ints, floats, true/false)")
+    p.add_argument("--seq-len", type=int, metavar="N",
+                   help="an hf: model's sequence length: tokens per sample (default 1024, or the model's "
+                        "longest if shorter); the report shows tokens/s next to samples/s")
+
+
 def _add_accuracy_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-accuracy-drop", type=float, default=0.5,
                    help="held-out accuracy drop versus FP32 allowed, in percentage points (default 0.5); "
@@ -138,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hf: TrainingArguments kwargs (hf_training_args.json); lightning: Trainer kwargs and "
                         "callback settings (lightning.json); accelerate: accelerate_config.yaml")
     p.add_argument("--out", type=Path, help="where to write (default: the config's folder)")
-    sub.add_parser("models", help="list the torchvision model names --model accepts")
+    sub.add_parser("models", help="list the torchvision model names --model accepts (and hf:TYPE, timm:NAME)")
     p = sub.add_parser("accuracy", help="train each precision mode briefly against FP32 and print the table",
                        description="Each precision mode of the device (fp16 with and without GradScaler) against "
                                    "an FP32 reference: same initial weights, same data, same order.")
@@ -189,10 +201,13 @@ def cmd_search(args: argparse.Namespace) -> int:
     from autotune.search.options import SearchConfig, parse_duration
     from autotune.search.run import run_search
     from autotune.trial.measure import MeasureSettings
+    from autotune.workload.hub import parse_model_config
     from autotune.workload.models import WorkloadSpec, parse_input_shape
 
     spec = WorkloadSpec(model=args.model, num_classes=args.num_classes,
-                        input_shape=parse_input_shape(args.input_shape) if args.input_shape else None)
+                        input_shape=parse_input_shape(args.input_shape) if args.input_shape else None,
+                        model_config=parse_model_config(args.model_config) if args.model_config else {},
+                        seq_len=args.seq_len)
     config = SearchConfig(
         workload=spec, device=args.device, out_dir=args.out, storage=args.storage, study_name=args.study_name,
         trials=args.trials, budget_s=parse_duration(args.budget) if args.budget else None,
@@ -384,8 +399,11 @@ def cmd_models(args: argparse.Namespace) -> int:
 
     for name in torchvision_models():
         print(name)
-    print("... or package.module:factory for your own model (a callable returning an nn.Module or autotune.Workload)",
-          file=sys.stderr)
+    print("... or hf:TYPE, a Hugging Face transformers causal LM built offline from its type's default "
+          "configuration (hf:gpt2, hf:llama; --model-config n_layer=2,n_embd=64 and --seq-len N; needs "
+          "pip install 'autotune[hf]'), timm:NAME, a timm classifier (timm:resnet18; timm.list_models() "
+          "lists them; needs pip install 'autotune[timm]'), or package.module:factory for your own model "
+          "(a callable returning an nn.Module or autotune.Workload)", file=sys.stderr)
     return 0
 
 

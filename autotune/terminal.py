@@ -91,7 +91,11 @@ class SearchView:
         fig = record.figures
         if record.timing.get("wall_s") and record.duplicate_of is None:
             self.walls.append(record.timing["wall_s"])
-        outcome = (f"{fig['samples_per_s']:,.0f} samples/s, {fig['step_time_ms']:.1f} ms/step, "
+        from autotune.workload.units import ATTR as UNITS_ATTR, Units
+
+        tokens = Units.from_dict(self.study.user_attrs.get(UNITS_ATTR)).tokens_per_s(fig.get("samples_per_s"))
+        outcome = (f"{fig['samples_per_s']:,.0f} samples/s" + (f" ({tokens:,.0f} tokens/s)" if tokens else "")
+                   + f", {fig['step_time_ms']:.1f} ms/step, "
                    f"{fig['peak_memory_bytes'] / 2**30:.2f} GiB") if fig else (record.reason or trial.state.name)
         compiled = record.timing.get("compile_s") or 0.0
         if fig and compiled >= 0.5:
@@ -146,12 +150,15 @@ def print_summary(out_dir: Path, elapsed_s: float | None = None, phases: dict[st
         return False
     data = json.loads(path.read_text())
     table = Table(title=f"{data['workload']['model']} on {data['provenance'].get('gpu', 'CPU')}")
-    for col in ("", "configuration", "samples/s", "step ms", "peak GiB"):
+    # a language model (config.json's units name its tokens per sample): tokens/s next to samples/s
+    tokens = bool((data.get("units") or {}).get("tokens_per_sample"))
+    for col in ("", "configuration", "samples/s", *(["tokens/s"] if tokens else []), "step ms", "peak GiB"):
         table.add_column(col)
     for label, entry in (("baseline", data.get("baseline")), ("best", data)):
         if entry:
             f = entry["figures"]
-            table.add_row(label, entry["summary"], f"{f['samples_per_s']:,.0f}", f"{f['step_time_ms']:.1f}",
+            table.add_row(label, entry["summary"], f"{f['samples_per_s']:,.0f}",
+                          *([f"{f.get('tokens_per_s') or 0:,.0f}"] if tokens else []), f"{f['step_time_ms']:.1f}",
                           f"{f['peak_memory_bytes'] / 2**30:.2f}")
     console.print(table)
     best = data.get("figures") or {}

@@ -105,8 +105,9 @@ def _lm_workload(*, vocab_size: int, seq_len: int, d_model: int, num_layers: int
         tokens = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=generator)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
+    # a sample is a sequence of seq_len tokens: the search reports tokens/s next to samples/s
     return autotune.Workload(model=model, make_batch=make_batch, loss_fn=lm_loss, input_shape=(seq_len,),
-                             num_classes=vocab_size)
+                             num_classes=vocab_size, sample_unit="sequence", tokens_per_sample=seq_len)
 
 
 def gpt_lm():

@@ -16,6 +16,7 @@ from autotune.report.effects import Effects, measure
 from autotune.report.export import trials_frame
 from autotune.search.trials import baseline_trial, best_trial, counted_trials
 from autotune.trial.record import TrialRecord
+from autotune.workload.units import ATTR as UNITS_ATTR, Units
 
 KNOBS = strategies.report_knobs()
 """The dimensions whose effect the report shows: each strategy says its own (Strategy.report_knobs)."""
@@ -44,9 +45,11 @@ class ReportData:
     """Which optional sections some trial has: energy, profile, findings, accuracy."""
     effects: Effects | None = None
     """Each parameter's effect from pairs of trials that differ in it alone, and its PED-ANOVA importance."""
+    units: Units = field(default_factory=Units)
+    """What a sample is: a language model's tables show tokens/s next to samples/s."""
 
 
-_FRAME_COLUMNS = ["number", "role", "state", "status", "reason", "duplicate_of", "config", "samples_per_s",
+_FRAME_COLUMNS = ["number", "role", "state", "status", "reason", "duplicate_of", "config", "samples_per_s", "tokens_per_s",
                   "ddp_world_size", "per_gpu_samples_per_s", "single_gpu_samples_per_s", "scaling_efficiency",
                   "loader_fed_samples_per_s", "compute_only_samples_per_s", "loader_wait_share", "data_bound",
                   "step_time_ms", "spread", "noisy", "peak_memory_gb", "worker_start_s", "build_s", "warmup_s",
@@ -100,6 +103,7 @@ def collect(study: optuna.Study, out_dir: Path, config: dict[str, Any] | None) -
                  baseline=baseline, records=records, cost=_search_cost(study, config))
     data.has = {key: any(getattr(r, key) for r in records.values()) for key in ("energy", "profile", "findings", "accuracy")}
     data.effects = measure(study, KNOBS)
+    data.units = Units.from_dict((config or {}).get("units") or study.user_attrs.get(UNITS_ATTR))
     return data
 
 

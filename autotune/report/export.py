@@ -18,11 +18,13 @@ from autotune.deploy.config import TunedConfig
 from autotune.deploy.space import SearchSpace
 from autotune.search.trials import baseline_trial, best_trial, counted_trials
 from autotune.trial.record import TrialRecord
+from autotune.workload.units import ATTR as UNITS_ATTR, Units
 
 
 def trials_frame(study: optuna.Study) -> pd.DataFrame:
     """One row per trial: identity, outcome, figures, the search's own cost, and the parameters."""
     rows = []
+    units = Units.from_dict(study.user_attrs.get(UNITS_ATTR))
     for t in study.get_trials(deepcopy=False):
         record = TrialRecord.of(t)
         fig, timing = record.figures, record.timing
@@ -35,6 +37,8 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
             "duplicate_of": record.duplicate_of,
             "config": strategies.describe(record.knobs) if record.knobs else "",
             "samples_per_s": fig.get("samples_per_s"),
+            # a language model's samples/s times its tokens per sample (sequence length); None otherwise
+            "tokens_per_s": units.tokens_per_s(fig.get("samples_per_s")),
             # with --ddp N: samples_per_s is over all N GPUs; per GPU, and against the same
             # configuration alone on one GPU measured in the same trial
             "ddp_world_size": fig.get("ddp_world_size"),
@@ -147,6 +151,8 @@ def _config_info(study: optuna.Study, out_dir: Path, best: optuna.trial.FrozenTr
     from autotune.search.storage import mask_url
 
     url = mask_url(config.storage) if config.storage else f"sqlite:///{out_dir.resolve() / 'study.db'}"
+    # what a sample is; for a language model tokens_per_s joins the figures (samples/s x sequence length)
+    units = Units.from_dict(study.user_attrs.get(UNITS_ATTR) or probe)
     info: dict[str, Any] = {
         "autotune_version": autotune.__version__,
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -157,11 +163,12 @@ def _config_info(study: optuna.Study, out_dir: Path, best: optuna.trial.FrozenTr
         "data": config.data,
         "measure": config.measure.to_dict(),
         "summary": strategies.describe(best_record.knobs),
-        "figures": best_record.figures,
+        "units": units.to_dict(),
+        "figures": units.with_tokens(best_record.figures),
         "baseline": None if base is None else {
             "summary": strategies.describe(base_record.knobs),
             "knobs": base_record.knobs,
-            "figures": base_record.figures,
+            "figures": units.with_tokens(base_record.figures),
             "trial_number": base.number,
             **baseline_batch(base, space),
         },

@@ -164,10 +164,12 @@ def render_markdown(d: ReportData) -> str:
 def _md_best_vs_baseline(d: ReportData) -> list[str]:
     """The best and baseline trials side by side, and their ratios (a search that completed)."""
     extra_cols = (["J/sample"] if d.has["energy"] else []) + (["accuracy drop"] if d.has["accuracy"] else [])
+    tokens = d.units.has_tokens  # a language model: tokens/s next to samples/s
     out = ["## Best vs baseline", ""]
 
     def line(label: str, r: pd.Series) -> list[Any]:
         cells = [label, f"#{int(r['number'])}", r["config"], fmt_rate(r["samples_per_s"]),
+                 *([fmt_rate(r["tokens_per_s"])] if tokens else []),
                  fmt_ms(r["step_time_ms"]), fmt_gib(r["peak_memory_gb"])]
         if d.has["energy"]:
             cells.append(fmt_g(r.get("joules_per_sample"), 3))
@@ -180,6 +182,7 @@ def _md_best_vs_baseline(d: ReportData) -> list[str]:
         rows.append(line("baseline", d.baseline))
         b, r = d.best, d.baseline
         ratio = ["best / baseline", "", "", fmt_ratio(b["samples_per_s"] / r["samples_per_s"]),
+                 *([fmt_ratio(b["samples_per_s"] / r["samples_per_s"])] if tokens else []),
                  fmt_ratio(b["step_time_ms"] / r["step_time_ms"]) if as_float(r["step_time_ms"]) else "",
                  fmt_ratio(b["peak_memory_gb"] / r["peak_memory_gb"]) if as_float(r["peak_memory_gb"]) else ""]
         if d.has["energy"]:
@@ -188,7 +191,8 @@ def _md_best_vs_baseline(d: ReportData) -> list[str]:
         if d.has["accuracy"]:
             ratio.append("")
         rows.append(ratio)
-    out += _md_table(["", "trial", "configuration", "samples/s", "step ms", "peak GiB", *extra_cols], rows)
+    out += _md_table(["", "trial", "configuration", "samples/s", *(["tokens/s"] if tokens else []), "step ms",
+                      "peak GiB", *extra_cols], rows)
     out.append("")
     return out
 
@@ -202,13 +206,14 @@ def _md_top(d: ReportData, cfg: dict[str, Any]) -> list[str]:
     base_rate = as_float(d.baseline["samples_per_s"]) if d.baseline is not None else None
     out = ["## Top 10 configurations", ""]
     ddp = is_ddp(d)  # --ddp: total samples/s, per GPU, and scaling efficiency versus one GPU
+    tokens = d.units.has_tokens
     out += _md_table(
-        ["rank", "trial", "role", "configuration", "samples/s",
+        ["rank", "trial", "role", "configuration", "samples/s", *(["tokens/s"] if tokens else []),
          *(["samples/s per GPU", "scaling efficiency"] if ddp else []),
          "step ms", "spread", "peak GiB", "vs baseline"],
         [[i + 1, f"#{int(r['number'])}", r["role"],
           r["config"] + (" (unstable: loss not finite, never chosen as best)" if r["unstable"] else ""),
-          fmt_rate(r["samples_per_s"]),
+          fmt_rate(r["samples_per_s"]), *([fmt_rate(r["tokens_per_s"])] if tokens else []),
           *([fmt_rate(r["per_gpu_samples_per_s"]), fmt_pct(r["scaling_efficiency"], 0)] if ddp else []),
           fmt_ms(r["step_time_ms"]), fmt_pct(r["spread"]), fmt_gib(r["peak_memory_gb"]),
           fmt_ratio(r["samples_per_s"] / base_rate) if base_rate else ""]

@@ -53,6 +53,8 @@ def trial_rows(d: ReportData) -> tuple[list[dict[str, Any]], list[dict[str, Any]
     if is_ddp(d):
         cols[5:5] = [("per_gpu_samples_per_s", "samples/s per GPU", "number"),
                      ("scaling_efficiency", "scaling efficiency", "number")]
+    if d.units.has_tokens:  # a language model: samples/s times its sequence length
+        cols.insert(5, ("tokens_per_s", "tokens/s", "number"))
     if d.has["energy"]:
         cols.append(("joules_per_sample", "J/sample", "number"))
     if d.has["accuracy"]:
@@ -60,7 +62,7 @@ def trial_rows(d: ReportData) -> tuple[list[dict[str, Any]], list[dict[str, Any]
     if (pd.to_numeric(d.frame["compile_s"], errors="coerce").fillna(0) > 0).any():
         cols.append(("compile_s", "compile s", "number"))
     cols += [("reason", "reason", "text"), ("trial_wall_s", "time s", "number")]
-    formats = {"samples_per_s": fmt_rate, "per_gpu_samples_per_s": fmt_rate,
+    formats = {"samples_per_s": fmt_rate, "tokens_per_s": fmt_rate, "per_gpu_samples_per_s": fmt_rate,
                "scaling_efficiency": lambda v: fmt_pct(v, 0), "step_time_ms": fmt_ms, "spread": lambda v: fmt_pct(v, 1),
                "peak_memory_gb": fmt_gib, "joules_per_sample": lambda v: fmt_g(v, 3),
                "accuracy_drop": lambda v: fmt_g(v, 3), "trial_wall_s": lambda v: fmt_g(v, 3),
@@ -273,17 +275,30 @@ def profile_rows(d: ReportData) -> list[dict[str, Any]]:
     return out
 
 
+def _model_lines(model: str, workload: dict[str, Any]) -> tuple[str, str]:
+    """The snippet's imports and the line that builds the tuned model, by how --model named it."""
+    num_classes = workload.get("num_classes", 1000)
+    if model.startswith(("hf:", "timm:")):
+        library, name = model.split(":", 1)
+        if library == "timm":
+            return ("import torch, timm\nimport autotune\n",
+                    f"model = timm.create_model({name!r}, num_classes={num_classes})")
+        fields = "".join(f", {k}={v!r}" for k, v in (workload.get("model_config") or {}).items())
+        return ("import torch\nimport autotune\nfrom transformers import AutoConfig, AutoModelForCausalLM\n",
+                f"model = AutoModelForCausalLM.from_config(AutoConfig.for_model({name!r}, use_cache=False{fields}))")
+    if ":" in model:
+        module, factory = model.split(":", 1)
+        return (f"import torch\nimport autotune\nfrom {module} import {factory}\n",
+                f"model = {factory}()  # the model you tuned (--model {model})")
+    return ("import torch, torchvision\nimport autotune\n",
+            f"model = torchvision.models.{model}(num_classes={num_classes})")
+
+
 def snippet(d: ReportData) -> str:
     """The README's training loop, with this report's config path and model."""
     model = str(d.workload.get("model", "your_model"))
     path = d.out_dir / "config.json"
-    if ":" in model:
-        module, factory = model.split(":", 1)
-        imports = f"import torch\nimport autotune\nfrom {module} import {factory}\n"
-        build = f"model = {factory}()  # the model you tuned (--model {model})"
-    else:
-        imports = "import torch, torchvision\nimport autotune\n"
-        build = f"model = torchvision.models.{model}(num_classes={d.workload.get('num_classes', 1000)})"
+    imports, build = _model_lines(model, d.workload)
     if is_ddp(d):
         # --ddp N: the script runs once per GPU under torchrun, in a process group, each rank on its shard
         n = int(pd.to_numeric(d.frame["ddp_world_size"], errors="coerce").max())

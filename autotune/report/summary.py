@@ -48,6 +48,10 @@ def _model_text(d: ReportData) -> str:
     text = str(w.get("model", "unknown model"))
     shape = w.get("input_shape")
     details = []
+    if d.units.has_tokens:  # a language model: sequences of tokens over a vocabulary
+        details.append(f"{d.units.tokens_per_sample:,} tokens a {d.units.sample_unit}")
+        details += [f"{key}={value}" for key, value in (w.get("model_config") or {}).items()]
+        return f"{text} ({', '.join(details)})"
     if shape:
         details.append("input " + "x".join(str(s) for s in shape))
     if w.get("num_classes"):
@@ -102,6 +106,9 @@ def summary_items(d: ReportData) -> list[dict[str, str]]:
         rate = f"{fmt_rate(best['samples_per_s'])} samples/s"
         rate += f" (FP32 baseline: {fmt_rate(base['samples_per_s'])} samples/s)" if base is not None else \
             " (the FP32 baseline did not complete)"
+        if d.units.has_tokens:
+            rate += (f"; {fmt_rate(best['tokens_per_s'])} tokens/s ({d.units.tokens_per_sample:,} tokens a "
+                     f"{d.units.sample_unit})")
         items.append({"label": "Throughput", "text": rate})
         if as_float(best.get("ddp_world_size")):
             items.append({"label": "Data parallel (DDP)", "text": _ddp_text(best, d.device)})
@@ -200,6 +207,9 @@ def kpis(d: ReportData) -> list[dict[str, str]]:
                     "label": "speed-up over the FP32 baseline"})
     out.append({"key": "best-rate", "value": repr(float(best["samples_per_s"])),
                 "text": fmt_rate(best["samples_per_s"]), "label": "samples/s, best"})
+    if d.units.has_tokens:
+        out.append({"key": "best-tokens", "value": repr(float(best["tokens_per_s"])),
+                    "text": fmt_rate(best["tokens_per_s"]), "label": "tokens/s, best"})
     if base is not None:
         out.append({"key": "baseline-rate", "value": repr(float(base["samples_per_s"])),
                     "text": fmt_rate(base["samples_per_s"]), "label": "samples/s, FP32 baseline"})

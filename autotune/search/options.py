@@ -117,6 +117,11 @@ class SearchConfig:
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cuda", "cpu"):
             raise ConfigError(f"--device {self.device!r}: use cuda, cpu or auto")
+        from autotune.workload.hub import check_options
+
+        # --model-config and --seq-len: an hf: model's alone, --seq-len at least 1 (the fields are
+        # checked against the model's configuration by check_spec, which imports transformers)
+        check_options(self.workload.model, self.workload.model_config, self.workload.seq_len)
         if not 0 <= self.early_stop_below < 1:
             raise ConfigError(f"--early-stop-below {self.early_stop_below}: give a share of the best throughput "
                               "so far, from 0 (measure every trial in full) to below 1, e.g. 0.5")

@@ -28,6 +28,7 @@ from autotune.search.seeds import enqueue_replay, enqueue_seeds, seed_configurat
 from autotune.search.space import same_space
 from autotune.search.storage import mask_url, open_storage
 from autotune.trial.record import TrialRecord
+from autotune.workload.units import ATTR as UNITS_ATTR, Units
 
 
 def _limit_words(limit: int | None) -> str:
@@ -158,6 +159,8 @@ def _set_up(config: SearchConfig, device: str, info: dict[str, Any], study: optu
     study.set_user_attr("provenance", info["provenance"])
     study.set_user_attr(MACHINE_ATTR, machine)
     study.set_user_attr("memory_limit_bytes", limit)
+    # what one sample is (a language model's tokens per sample): the report's tokens/s
+    study.set_user_attr(UNITS_ATTR, Units.from_dict(info).to_dict())
     seeds = seed_configurations(space)
     # the guides' best first; the rest fed as the search's own trials catch up (SeedFeeder),
     # all at once for --replay, which measures in the earlier search's order

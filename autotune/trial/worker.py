@@ -143,6 +143,8 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     result["input_dim"] = x.dim() if isinstance(x, torch.Tensor) else None
     result["input_shape"] = list(workload.input_shape)
     result["num_parameters"] = sum(p.numel() for p in workload.model.parameters())
+    # what one sample is: a language model's tokens/s is samples/s times tokens_per_sample
+    result.update(sample_unit=workload.sample_unit, tokens_per_sample=workload.tokens_per_sample)
     result["misaligned"] = {str(m): misaligned_layers(workload.model, m) for m in (8, 16)}
     result["fp32_layer_kinds"] = kinds_present(workload.model)
     result.update(sdpa_calls(workload.model, x), vocab_size=vocab_size(workload.model))  # language models' knobs

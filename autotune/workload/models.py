@@ -1,6 +1,7 @@
 """Workloads: a model, a synthetic batch maker and a loss, named on the command line.
 
-``--model`` takes any torchvision classification model by name (``resnet50``, ``vit_b_16``)
+``--model`` takes any torchvision classification model by name (``resnet50``, ``vit_b_16``),
+``hf:TYPE`` or ``timm:NAME`` (autotune.workload.hub: a transformers causal LM, a timm classifier)
 or ``package.module:factory``, a callable that returns an ``nn.Module`` or a :class:`Workload`.
 No weights are downloaded: random initialisation is enough to measure speed.
 """
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from autotune.errors import ConfigError, WorkloadError
+from autotune.workload import hub
 
 
 @dataclass(kw_only=True)
@@ -34,6 +36,11 @@ class Workload:
     """Shape of one input sample (used when make_batch is None)."""
     num_classes: int = 1000
     """Number of classes of the random labels (used when make_batch is None)."""
+    sample_unit: str = "sample"
+    """What one sample is, in words ("image", "sequence"); samples/s counts these."""
+    tokens_per_sample: int | None = None
+    """Tokens in one sample (a language model's sequence length): tokens/s is samples/s times
+    this; None: the samples are not token sequences."""
 
     def batch(self, batch_size: int, generator: torch.Generator) -> tuple[Any, torch.Tensor]:
         """One synthetic batch on the CPU: random normal inputs (never zeros, which can run
@@ -53,21 +60,27 @@ class WorkloadSpec:
     input_shape: tuple[int, ...] | None = None
     """None: the model's default (3x224x224; 3x299x299 for inception_v3)."""
     num_classes: int = 1000
+    model_config: dict[str, Any] = field(default_factory=dict)
+    """--model-config: fields of an hf: model's configuration overriding its defaults."""
+    seq_len: int | None = None
+    """--seq-len: an hf: model's sequence length; None: hub.DEFAULT_SEQ_LEN, clipped to the model's."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "input_shape": list(self.input_shape) if self.input_shape else None,
-                "num_classes": self.num_classes}
+                "num_classes": self.num_classes, "model_config": dict(self.model_config), "seq_len": self.seq_len}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "WorkloadSpec":
         shape = data.get("input_shape")
+        seq_len = data.get("seq_len")  # absent from dicts written before hf: models
         return cls(model=data["model"], input_shape=tuple(shape) if shape else None,
-                   num_classes=int(data.get("num_classes", 1000)))
+                   num_classes=int(data.get("num_classes", 1000)), model_config=dict(data.get("model_config") or {}),
+                   seq_len=int(seq_len) if seq_len is not None else None)
 
     @property
     def short_name(self) -> str:
-        """A name fit for a folder: the torchvision name or the factory's name."""
-        return self.model.rsplit(":", 1)[-1].replace(".", "_")
+        """A name fit for a folder: the torchvision, hf: or timm: name, or the factory's name."""
+        return self.model.rsplit(":", 1)[-1].replace(".", "_").replace("/", "_")
 
 
 def torchvision_models() -> list[str]:
@@ -96,6 +109,10 @@ def check_spec(spec: WorkloadSpec) -> None:
     """Fail early, with the fix, on a --model value that cannot work (without building it)."""
     if spec.num_classes < 1:
         raise ConfigError(f"--num-classes must be at least 1, got {spec.num_classes}")
+    hub.check_options(spec.model, spec.model_config, spec.seq_len)
+    if hub.is_hub_model(spec.model):
+        hub.check(spec.model, spec.model_config, spec.seq_len)
+        return
     if ":" in spec.model:
         import_factory(spec.model)
         return
@@ -105,7 +122,7 @@ def check_spec(spec: WorkloadSpec) -> None:
         hint = f"; did you mean {', '.join(close)}?" if close else "."
         raise WorkloadError(
             f"unknown model {spec.model!r}{hint} `autotune models` lists the torchvision names; "
-            "for your own model pass package.module:factory"
+            "hf:TYPE and timm:NAME build transformers and timm models; for your own model pass package.module:factory"
         )
 
 
@@ -142,7 +159,11 @@ def import_factory(target: str, *, option: str = "--model", error: type[Exceptio
 def build(spec: WorkloadSpec) -> Workload:
     """Build the workload on the CPU, in training mode, with random weights."""
     check_spec(spec)
-    if ":" in spec.model:
+    if spec.model.startswith(hub.HF_PREFIX):
+        workload = Workload(**hub.build_hf(spec.model, spec.model_config, spec.seq_len))
+    elif spec.model.startswith(hub.TIMM_PREFIX):
+        workload = Workload(**hub.build_timm(spec.model, spec.num_classes, spec.input_shape))
+    elif ":" in spec.model:
         factory = import_factory(spec.model)
         kwargs = {}
         try:
