@@ -9,7 +9,9 @@ import shlex
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
+from typing import Any
 
 from autotune import stop
 from autotune.errors import AutotuneError
@@ -407,11 +409,25 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: Any = None, line: str | None = None) -> None:
+    """Our warnings as one line a user reads ("warning: ..."), not Python's file:line form; others
+    (a library's deprecation, say) keep theirs."""
+    if issubclass(category, UserWarning) and f"{os.sep}autotune{os.sep}" in filename:
+        console.print(f"[yellow]warning:[/] {message}", highlight=False)
+    else:
+        _python_show_warning(message, category, filename, lineno, file, line)
+
+
+_python_show_warning = warnings.showwarning
+
+
 def main(argv: list[str] | None = None) -> int:
     started = time.time()  # --budget is a promise for the whole command, counted from here
     args = build_parser().parse_args(argv)
     args.started_at = started
     stop.install()
+    warnings.showwarning = _show_warning
     handler = {"search": cmd_search, "verify": cmd_verify, "report": cmd_report, "compare": cmd_compare,
                "show": cmd_show, "models": cmd_models, "accuracy": cmd_accuracy,
                "export": cmd_export}[args.command]

@@ -208,3 +208,18 @@ def test_cpu_search_of_a_language_model_offers_both_knobs_and_its_config_trains_
     assert trained["embed"] == [1024, 32] and trained["tied"] and trained["state"] == [1003, 32]
     assert trained["logits"] == [8, 16, 1003] and all(map(lambda v: v == v and v < 1e3, trained["losses"]))
     assert trained["backend"] == exported["knobs"]["attention"]["backend"]
+
+
+def test_the_probe_reports_the_language_model_knobs_questions_and_skips_the_forward_when_asked():
+    """worker.probe in this process: the attention calls, the vocabulary and the fp8-eligible share
+    of a tiny LM; with "forward": False (a first probe's forward killed its process) the model is
+    built and described but never run."""
+    from autotune.trial.worker import probe
+
+    request = {"mode": "probe", "device": "cpu", "workload": {"model": "fake_models:tiny_lm"}}
+    info = probe(request)
+    assert info["sdpa_calls"] == 1 and info["sdpa_head_dim"] == 16
+    assert info["vocab_size"] == 1003 and 0 <= info["fp8_eligible_share"] <= 1
+    quiet = probe({**request, "forward": False})
+    assert "sdpa_calls" not in quiet and quiet["vocab_size"] == 1003
+    assert Attention().offer(None, "cpu", quiet, {}) == {}  # the knob is not offered without the count

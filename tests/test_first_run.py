@@ -179,6 +179,8 @@ def test_a_model_that_segfaults_gets_one_line_per_trial_and_the_common_reason(tm
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr and "failed with parameters" not in proc.stderr
     assert "Fatal Python error: Segmentation fault, in forward at fake_models.py" in said
+    # the probe's forward pass met the crash first: it was probed again without it, in one line
+    assert "warning: the model's forward pass killed the probe (worker was killed by signal 11" in said
     assert f"(log:{out / 'logs' / 'trial-0000.log'})" in "".join(said.split())  # rich may break a long path
     assert "every trial failed (2 of 2); the common reason (2 of them): worker was killed by signal 11" in said
     run_log = (out / "logs" / "search.log").read_text()

@@ -3,6 +3,7 @@ it allows (build_space), and whether a stored space is this one."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import strategies
@@ -16,9 +17,19 @@ from strategies import compile as compile_strategy
 def probe(config: SearchConfig, device: str, list_devices: bool = False) -> dict[str, Any]:
     """Ask a worker what the device can do, and check the model builds; with list_devices, also
     the names of the CUDA devices it sees ("cuda_devices"; only those when it sees none)."""
-    result = run_worker({"mode": "probe", "device": device, "workload": config.workload.to_dict(),
-                         "check_compile": compile_strategy.wanted(config, device), "list_devices": list_devices},
-                        timeout_s=600)
+    request = {"mode": "probe", "device": device, "workload": config.workload.to_dict(),
+               "check_compile": compile_strategy.wanted(config, device), "list_devices": list_devices}
+    result = run_worker(request, timeout_s=600)
+    if result["status"] == "crashed":
+        # the probe's one forward pass (it counts attention calls) is the first time the model's own
+        # code runs: a model that kills its process there (a broken extension) is probed again
+        # without it, so that its trials run on the device and each says how it ends
+        crashed = result["reason"]
+        result = run_worker({**request, "forward": False}, timeout_s=600)
+        if result["status"] == "ok":
+            result["forward_crashed"] = crashed
+            warnings.warn(f"the model's forward pass killed the probe ({crashed}); the attention knob is not "
+                          "offered, and each trial says how the model runs on the device", stacklevel=3)
     if result["status"] != "ok":
         if "WorkloadError" in result.get("reason", "") or "ConfigError" in result.get("reason", ""):
             raise WorkloadError(result["reason"].split(": ", 1)[-1])

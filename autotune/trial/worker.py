@@ -119,7 +119,7 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     from strategies.attention import sdpa_calls
     from strategies.channel_alignment import misaligned_layers
     from strategies.fp32_layers import kinds_present
-    from strategies.precision import supported_modes
+    from strategies.precision import fp8_eligible_share, supported_modes
     from strategies.vocab_padding import vocab_size
 
     device = request["device"]
@@ -147,7 +147,10 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     result.update(sample_unit=workload.sample_unit, tokens_per_sample=workload.tokens_per_sample)
     result["misaligned"] = {str(m): misaligned_layers(workload.model, m) for m in (8, 16)}
     result["fp32_layer_kinds"] = kinds_present(workload.model)
-    result.update(sdpa_calls(workload.model, x), vocab_size=vocab_size(workload.model))  # language models' knobs
+    result["fp8_eligible_share"] = fp8_eligible_share(workload.model)
+    if request.get("forward", True):  # off when a first probe's forward killed its process
+        result.update(sdpa_calls(workload.model, x))  # the attention knob's question
+    result["vocab_size"] = vocab_size(workload.model)  # language models' knobs
     if request.get("check_compile"):
         from strategies.compile import check_compile
 
