@@ -47,7 +47,10 @@ def run_fault(fault: str, device: str, workdir: Path) -> tuple[bool, int, str]:
     cmd = [sys.executable, "-m", "autotune", "search", "--model", "fault_models:faulty", "--device", device,
            "--input-shape", "3x32x32", "--num-classes", "10", "--min-batch-size", "8", "--max-batch-size", "32",
            "--base-batch-size", "16", "--min-measure-time", "0.3", "--trial-timeout", "20",
-           "--trials", str(TRIALS), "--no-compile", "--no-accuracy-check", "--out", str(out)]
+           "--trials", str(TRIALS), "--no-compile", "--no-accuracy-check",
+           # every trial measured in full: the checks below expect each state, and searches run side by
+           # side (--jobs) on a shared CPU would otherwise stop a healthy or NaN trial as slower
+           "--early-stop-below", "0", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         return False, 0, f"the search itself failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"
