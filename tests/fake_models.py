@@ -121,6 +121,31 @@ def marks_its_build(num_classes: int = 10) -> nn.Module:
     return tiny_cnn(num_classes)
 
 
+_BUILDS = 0
+
+
+def leaves_state(num_classes: int = 10) -> nn.Module:
+    """tiny_cnn whose build changes process-wide state (torch's threads, a module global) after
+    noting what it found at $AUTOTUNE_TEST_MARKER ("PID BUILDS THREADS"): a worker that inherited
+    an earlier worker's state would show it."""
+    global _BUILDS
+    marker = os.environ.get("AUTOTUNE_TEST_MARKER")
+    if marker:
+        with open(marker, "a") as f:
+            f.write(f"{os.getpid()} {_BUILDS} {torch.get_num_threads()}\n")
+    _BUILDS += 1
+    torch.set_num_threads(1)
+    return tiny_cnn(num_classes)
+
+
+def hangs(num_classes: int = 10) -> nn.Module:
+    """A build that never ends (a model waiting on something that never comes)."""
+    import time
+
+    time.sleep(3600)
+    return tiny_cnn(num_classes)
+
+
 # accuracy checks: models that are numerically broken on purpose ---------------------------------
 
 def tiny_loss_cnn(num_classes: int = 10):

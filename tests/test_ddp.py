@@ -258,6 +258,7 @@ def test_ddp_study_is_not_resumed_without_ddp(ddp_search, tmp_path):
     assert len(optuna.load_study(study_name=name, storage=f"sqlite:///{out / 'study.db'}").trials) == before
 
 
+@pytest.mark.slow
 def test_exported_ddp_config_needs_a_process_group(ddp_search):
     out, _ = ddp_search
     cfg = autotune.load(out / "config.json")

@@ -107,6 +107,7 @@ def test_exports_say_fp8_where_the_framework_cannot_and_lightning_converts_throu
     assert precision.to_float8_training in exp.callback.recipe.model_transforms
 
 
+@pytest.mark.slow
 def test_a_cpu_search_measures_fp8_and_exports_a_config_that_trains_in_float8(tmp_path: Path):
     import optuna
     import pandas as pd

@@ -134,9 +134,10 @@ def test_a_bad_model_config_field_is_refused_by_the_cli(tmp_path):
     assert not (tmp_path / "o" / "study.db").exists()
 
 
+@pytest.mark.slow
 def test_cpu_search_of_a_tiny_gpt2_reports_tokens_and_its_config_trains(tmp_path):
     """The whole pipeline on a language model: search -> config.json, trials.csv and the report
-    with tokens/s -> autotune.load trains the same model. Not marked slow: CI runs it."""
+    with tokens/s -> autotune.load trains the same model."""
     out = tmp_path / "out"
     proc = run_cli("search", "--model", "hf:gpt2", "--model-config", TINY_FLAG, "--seq-len", "16",
                    "--device", "cpu", "--trials", "3", "--no-accuracy-check", "--early-stop-below", "0",

@@ -47,7 +47,10 @@ PROBE = {"mode": "probe", "device": "cpu",
 
 
 @pytest.fixture
-def no_spares_left():
+def no_spares_left(monkeypatch):
+    """Spares on this CPU: its requests are otherwise forked from a fork server (tests/test_zygote.py),
+    which AUTOTUNE_PRESTART=0 turns off while a caller may still ask for spares."""
+    monkeypatch.setenv("AUTOTUNE_PRESTART", "0")
     yield
     runner.discard_spares()
     assert not runner._spares
@@ -97,7 +100,7 @@ def test_a_spare_serves_only_its_own_gpu_and_a_dead_one_is_replaced(tmp_path, no
 
 
 @pytest.mark.slow
-def test_spares_nobody_takes_are_killed_and_their_files_removed(tmp_path):
+def test_spares_nobody_takes_are_killed_and_their_files_removed(tmp_path, no_spares_left):
     runner.run_worker(PROBE, timeout_s=120, log_path=tmp_path / "trial-0000.log", spare=True)
     (spare,) = runner._spares.values()
     tmp = spare.tmp.name
@@ -161,6 +164,7 @@ def test_a_spare_imports_the_model_module_ahead_and_a_failing_one_is_reported_by
     assert "cannot import module 'fake_models_missing'" in result["reason"]
 
 
+@pytest.mark.slow
 def test_the_live_line_hears_what_a_trial_worker_does(tmp_path, no_spares_left):
     """The worker's phases reach ``on_progress`` while it runs (the search's live line shows them)."""
     import optuna

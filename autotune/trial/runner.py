@@ -6,6 +6,7 @@ import atexit
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -20,6 +21,7 @@ from autotune.trial.process import (
     PRELOAD_IMPORTS,
     PYTHON_FLAGS,
     crash_reason,
+    exit_description,
     worker_env,
 )
 
@@ -32,9 +34,10 @@ _BOOT = ("import os, sys; cwd = os.getcwd(); "
          "import runpy; runpy.run_module('autotune.trial.worker', run_name='__main__', alter_sys=True)")
 
 
-def worker_command(*args: str) -> list[str]:
-    """The command line of a worker process (``args`` become its sys.argv[1:])."""
-    return [sys.executable, *PYTHON_FLAGS, "-c", _BOOT, *args]
+def worker_command(*args: str, module: str = "autotune.trial.worker") -> list[str]:
+    """The command line of a worker process (``args`` become its sys.argv[1:]), or of another
+    module booted the same way (the fork server, autotune.trial.zygote)."""
+    return [sys.executable, *PYTHON_FLAGS, "-c", _BOOT.replace("autotune.trial.worker", module), *args]
 
 
 class _Worker:
@@ -42,8 +45,10 @@ class _Worker:
     for the request on stdin. A spare (``run_worker(..., spare=True)``) is started while the
     previous trial runs, so its 3-4 s of imports are off the next trial's path."""
 
-    def __init__(self, env: dict[str, str], *, log_path: Path | None = None, log_dir: Path | None = None) -> None:
+    def __init__(self, env: dict[str, str], *, log_path: Path | None = None, log_dir: Path | None = None,
+                 zygote: _Zygote | None = None) -> None:
         self.tmp = tempfile.TemporaryDirectory(prefix="autotune-")
+        self.zygote = zygote  # a worker forked from it (on a CPU) starts with its request, in milliseconds
         self.result_path = Path(self.tmp.name) / "result.json"
         # a worker started with its request logs to the request's log; a spare next to the trial
         # logs, so that handing it over renames its log in place (readable while the trial runs)
@@ -53,10 +58,13 @@ class _Worker:
             self.log_path = log_dir / f".spare-{os.getpid()}-{id(self):x}.log"
         else:
             self.log_path = Path(self.tmp.name) / "worker.log"
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(worker_command(str(self.result_path), str(os.getpid())),
-                                     stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=env, text=True)
+        self.env = env
+        self.log = None if zygote is not None else open(self.log_path, "w")
+        self.proc: subprocess.Popen | _Forked | None = None
+        if zygote is None:
+            self.proc = subprocess.Popen(worker_command(str(self.result_path), str(os.getpid())),
+                                         stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
+                                         env=env, text=True)
 
     def run(self, request: dict[str, Any], timeout_s: float | None, log_path: Path | None,
             on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -71,11 +79,7 @@ class _Worker:
                 self.log_path = log_path
             except OSError:  # another file system: copied when the worker is done
                 pass
-        try:
-            self.proc.stdin.write(json.dumps(request))
-            self.proc.stdin.close()
-        except BrokenPipeError:  # it died before its request (killed, out of memory): said below
-            pass
+        self._start(request)
         try:
             _wait(self.proc, timeout_s, watch)
             status = None
@@ -87,8 +91,9 @@ class _Worker:
             self.discard()
             raise
         finished = time.time()
-        self.log.close()
-        text = self.log_path.read_text(errors="replace")[-50_000:]
+        if self.log is not None:
+            self.log.close()
+        text = self.log_path.read_text(errors="replace")[-50_000:] if self.log_path.exists() else ""
         if log_path is not None and self.log_path != log_path:
             shutil.copyfile(self.log_path, log_path)
             if self.log_path.name.startswith(".spare-"):
@@ -97,6 +102,10 @@ class _Worker:
             result = {"status": "timeout", "reason": f"no result after {timeout_s:.0f} s; the worker was killed"}
         elif self.result_path.exists():
             result = json.loads(self.result_path.read_text())
+        elif isinstance(self.proc, _Forked) and self.proc.returncode is None:
+            self.proc.kill()  # it ends by itself once it sees its server gone (orphan.watch_parent)
+            result = {"status": "crashed", "reason": f"the fork server of this worker "
+                                                     f"{exit_description(_exit_code(self.zygote.proc))} while it ran"}
         else:
             result = {"status": "crashed", "reason": crash_reason(self.proc.returncode, text)}
         self.tmp.cleanup()
@@ -108,14 +117,149 @@ class _Worker:
         result["log_tail"] = text[-2000:]
         return result
 
+    def _start(self, request: dict[str, Any]) -> None:
+        """Hand the request over: forked with it, or written to the started worker's stdin."""
+        if self.zygote is not None:
+            try:
+                self.proc = self.zygote.fork({"request": request, "result_path": str(self.result_path),
+                                              "log_path": str(self.log_path), "env": self.env})
+                return
+            except RuntimeError as exc:  # the fork server died: this request's worker starts afresh
+                print(f"autotune: {exc}; starting the worker afresh", file=sys.stderr)
+                self.zygote = None
+                self.log = open(self.log_path, "w")
+                self.proc = subprocess.Popen(worker_command(str(self.result_path), str(os.getpid())),
+                                             stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
+                                             env=self.env, text=True)
+        try:
+            self.proc.stdin.write(json.dumps(request))
+            self.proc.stdin.close()
+        except BrokenPipeError:  # it died before its request (killed, out of memory): said below
+            pass
+
     def discard(self) -> None:
         """Kill it (a spare never used, or a run interrupted) and remove its files."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        self.log.close()
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait()
+        if self.log is not None:
+            self.log.close()
         if self.log_path.name.startswith(".spare-"):
             self.log_path.unlink(missing_ok=True)
+        self.tmp.cleanup()
+
+
+def _exit_code(proc: subprocess.Popen) -> int | None:
+    """A process's exit code, waiting a little for one whose end is on its way (its pipe closed)."""
+    try:
+        return proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+class _Forked:
+    """A worker forked by a fork server, seen as subprocess.Popen shows a child: poll, wait, kill
+    and returncode (its exit, which the server reaps and answers)."""
+
+    def __init__(self, zygote: _Zygote, pid: int) -> None:
+        self.zygote, self.pid = zygote, pid
+        self.args = [f"autotune worker {pid}, forked"]
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        with self.zygote.changed:
+            self._read()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        with self.zygote.changed:
+            if not self.zygote.changed.wait_for(self._read, timeout):
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def _read(self) -> bool:
+        """Under the server's lock: whether it ended (its code read, or the server gone)."""
+        if self.pid in self.zygote.exited:
+            self.returncode = self.zygote.exited[self.pid]
+            return True
+        return self.zygote.gone
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:  # ended already: its code is on its way
+            pass
+
+
+class _Zygote:
+    """The fork server (autotune.trial.zygote) of one worker environment, and what it answers: a
+    reader thread files each forked pid and each ended worker's exit code."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.tmp = tempfile.TemporaryDirectory(prefix="autotune-zygote-")
+        self.log_path = Path(self.tmp.name) / "zygote.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(worker_command(str(os.getpid()), module="autotune.trial.zygote"),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     env=env, text=True, bufsize=1)
+        self.changed = threading.Condition()
+        self.forked: list[int] = []
+        self.exited: dict[int, int] = {}
+        self.gone = False
+        self.ready = False
+        self.one_fork = threading.Lock()  # a fork's answer is the next pid: one command at a time
+        threading.Thread(target=self._read_answers, daemon=True, name="autotune-zygote").start()
+
+    def _read_answers(self) -> None:
+        for line in self.proc.stdout:
+            answer = json.loads(line)
+            with self.changed:
+                if "pid" in answer:
+                    self.forked.append(answer["pid"])
+                elif "exited" in answer:
+                    self.exited[answer["exited"]] = answer["returncode"]
+                else:
+                    self.ready = True
+                self.changed.notify_all()
+        with self.changed:
+            self.gone = True
+            self.changed.notify_all()
+
+    def alive(self) -> bool:
+        return not self.gone and self.proc.poll() is None
+
+    def fork(self, command: dict[str, Any]) -> _Forked:
+        """A fresh worker forked for ``command`` (it starts on its request at once)."""
+        with self.one_fork:
+            with self.changed:
+                had = len(self.forked)
+            try:
+                self.proc.stdin.write(json.dumps(command) + "\n")
+                self.proc.stdin.flush()
+            except (BrokenPipeError, OSError):
+                pass  # the server died: said below
+            with self.changed:
+                # its imports first, if it is still at them: as long as a fresh worker's
+                self.changed.wait_for(lambda: len(self.forked) > had or self.gone, timeout=600)
+                if len(self.forked) > had:
+                    return _Forked(self, self.forked[had])
+        self.discard()
+        tail = self.log_path.read_text(errors="replace")[-2000:] if self.log_path.exists() else ""
+        raise RuntimeError(f"the trial workers' fork server {exit_description(_exit_code(self.proc))}: {tail}")
+
+    def discard(self) -> None:
+        """End it (its stdin closes: it kills any worker still running, then exits) and remove its files."""
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
         self.tmp.cleanup()
 
 
@@ -150,6 +294,7 @@ def _wait(proc: subprocess.Popen, timeout_s: float | None, poll: Callable[[], No
 
 
 _spares: dict[tuple[tuple[str, str], ...], _Worker] = {}
+_zygotes: dict[tuple[tuple[str, str], ...], _Zygote] = {}
 _spares_lock = threading.Lock()
 
 
@@ -157,8 +302,9 @@ _KEY_VARIABLES = ("CUDA_VISIBLE_DEVICES", "PYTHONPATH", PRELOAD_IMPORTS)
 
 
 def _env_key(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
-    """Which spare may serve a request: one started for the same GPUs, import path and model. The
-    rest of the environment is the search process's own, which autotune never changes; importing
+    """Which spare or fork server may serve a request: one started for the same GPUs, import path
+    and model (a forked worker takes the rest of its request's environment with its request). The
+    rest of a spare's environment is the search process's own, which autotune never changes; importing
     torch there adds its defaults (TORCHINDUCTOR_CACHE_DIR), which the worker's own imports set
     alike. A CUDA context made ahead does not matter: the probe's spare is started before
     ``--device auto`` is resolved, and where torch sees no GPU none is made."""
@@ -168,8 +314,9 @@ def _env_key(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
 def discard_spares() -> None:
     """Kill the spare workers no trial took (the search is over)."""
     with _spares_lock:
-        spares = list(_spares.values())
+        spares: list[_Worker | _Zygote] = [*_spares.values(), *_zygotes.values()]
         _spares.clear()
+        _zygotes.clear()
     for worker in spares:
         worker.discard()
 
@@ -179,8 +326,9 @@ atexit.register(discard_spares)
 
 def prestart_setting() -> bool | None:
     """$AUTOTUNE_PRESTART: True (1: every worker is started before its request, a trial's during
-    the trial before), False (0: each with its request, the probe's too), None (unset: the probe's
-    ahead, and trials' on a GPU)."""
+    the trial before; on a CPU, forked), False (0: each started afresh with its request, the
+    probe's too, none forked), None (unset: the probe's ahead, trials' on a GPU ahead, CPU
+    workers forked)."""
     text = os.environ.get("AUTOTUNE_PRESTART")
     if not text:
         return None
@@ -192,12 +340,37 @@ def prestart_setting() -> bool | None:
     return text == "1"
 
 
+def forks(request: dict[str, Any]) -> bool:
+    """Whether ``request``'s worker is forked from a fork server (autotune.trial.zygote): a CPU
+    request's, unless $AUTOTUNE_PRESTART=0 starts every worker afresh with its request. A GPU
+    request's never is (a CUDA context does not survive a fork): spares serve those."""
+    device = request.get("device") or (request.get("space") or {}).get("device")
+    return device == "cpu" and hasattr(os, "fork") and prestart_setting() is not False
+
+
+def _zygote(env: dict[str, str]) -> _Zygote:
+    """The fork server of this worker environment, started now if there is none (or it died)."""
+    key = _env_key(env)
+    with _spares_lock:
+        zygote = _zygotes.get(key)
+        if zygote is not None and zygote.alive():
+            return zygote
+        _zygotes[key] = _Zygote(env)
+    if zygote is not None:
+        zygote.discard()
+    return _zygotes[key]
+
+
 def start_spare(request: dict[str, Any], log_dir: Path | None = None) -> None:
     """Start a worker for a request like ``request`` to come (the same model and device; its
     environment is this thread's worker environment), unless one waits already: the search's
     probe, started before the search process imports torch itself (the two imports run at once),
-    or the next trial's."""
+    or the next trial's. On a CPU this starts the fork server instead, which imports once for
+    every worker to come."""
     env = worker_env(request)
+    if forks(request):
+        _zygote(env)
+        return
     key = _env_key(env)
     with _spares_lock:
         if key not in _spares:
@@ -215,7 +388,8 @@ def run_worker(request: dict[str, Any], *, timeout_s: float | None = None,
     ``wall_s`` runs from the request to the result.
 
     Every request gets a fresh process (one trial's state or crash never reaches the next), but
-    not necessarily a freshly started one: a spare started under the same environment (the same
+    not necessarily a freshly started one: on a CPU it is forked from a fork server that imported
+    everything once (``forks``); on a GPU a spare started under the same environment (the same
     GPU) is taken if there is one, and ``spare=True`` starts the next one now, to import while
     this request runs (the search's trials on a GPU: their measurement is on the GPU, which the
     spare's imports on another CPU core leave alone).
@@ -235,8 +409,8 @@ def run_worker(request: dict[str, Any], *, timeout_s: float | None = None,
         worker.discard()
         worker = None
     if worker is None:
-        worker = _Worker(env, log_path=log_path)
-    if spare:
+        worker = _Worker(env, log_path=log_path, zygote=_zygote(env) if forks(request) else None)
+    if spare and worker.zygote is None:
         start_spare(request, log_dir=log_path.parent if log_path is not None else None)
     return worker.run(request, timeout_s, log_path, on_progress)
 

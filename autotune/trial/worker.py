@@ -20,6 +20,7 @@ if __name__ == "__main__" and len(sys.argv) > 2:
     watch_parent(int(sys.argv[2]))  # before the heavy imports below
 
 import importlib  # noqa: E402
+import importlib.metadata  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
@@ -77,18 +78,11 @@ def provenance() -> dict[str, Any]:
         "cpu": platform.processor() or platform.machine(),
         "num_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
     }
-    try:
-        import torchvision
-
-        info["torchvision"] = torchvision.__version__
-    except ImportError:
-        pass
-    try:
-        import optuna
-
-        info["optuna"] = optuna.__version__
-    except ImportError:
-        pass
+    for package in ("torchvision", "optuna"):  # their versions without importing them (torchvision: 1-3 s)
+        try:
+            info[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            pass
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         info.update(
@@ -316,8 +310,12 @@ def _add_rate_and_loss(figures: dict[str, Any], run: _Steps, cfg: TunedConfig, m
 
 
 def main(argv: list[str]) -> int:
-    result_path = argv[1]
-    request = json.load(sys.stdin)
+    return serve(json.load(sys.stdin), argv[1])
+
+
+def serve(request: dict[str, Any], result_path: str, ready_at: float | None = None) -> int:
+    """Answer one request into ``result_path`` (written atomically); ``ready_at``: when this process
+    was ready for it (a worker forked by autotune.trial.zygote: the fork), else when its imports ended."""
     progress.start(request.get("progress_path"))
     try:
         if request.get("mode") == "probe":
@@ -334,7 +332,7 @@ def main(argv: list[str]) -> int:
         else:
             result = {"status": "error", "reason": f"{type(exc).__name__}: {exc}"[:2000],
                       "traceback": traceback.format_exc()[-4000:]}
-    result["ready_at"] = READY_AT
+    result["ready_at"] = READY_AT if ready_at is None else ready_at
     result["preloaded"] = PRELOADED
     result["done_at"] = time.time()
     result["pid"] = os.getpid()
