@@ -138,7 +138,9 @@ def test_gpu_search_isolates_a_sticky_cuda_error_and_exports(tmp_path):
     out = tmp_path / "out"
     run_cli("search", "--model", "fake_models:device_assert_under_autocast", "--device", "cuda",
             "--input-shape", "3x32x32", "--num-classes", "10", "--trials", "8", "--min-measure-time", "0.3",
-            "--max-batch-size", "256", "--no-compile", "--no-accuracy-check", "--out", str(out))
+            "--max-batch-size", "256", "--no-compile", "--no-accuracy-check",
+            "--early-stop-below", "0",  # its assertions count completed trials: none stopped early
+            "--out", str(out))
     trials = pd.read_csv(out / "trials.csv")
     amp = trials[trials["param.precision.mode"].isin(["fp16", "bf16"])]
     assert len(amp) >= 1 and (amp["state"] == "FAIL").all()

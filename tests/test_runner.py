@@ -35,6 +35,7 @@ def test_signals_are_named():
 # --- spare workers: a trial's worker started while the previous trial runs ----------------------
 
 import os  # noqa: E402
+import sys  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -198,3 +199,18 @@ def test_progress_in_words():
     import time
 
     assert progress.words({"phase": "compiling", "since": time.time() - 35}) == "compiling, 35 s"
+
+
+def test_cpu_requests_are_forked_and_gpu_ones_never(monkeypatch):
+    monkeypatch.delenv("AUTOTUNE_PRESTART", raising=False)
+    monkeypatch.setattr(sys, "platform", "linux")
+    trial = {"mode": "trial", "space": {"device": "cpu"}}
+    assert runner.forks(PROBE) and runner.forks(trial)
+    assert not runner.forks({**PROBE, "device": "cuda"}) and not runner.forks({"space": {"device": "cuda"}})
+    assert not runner.forks({**PROBE, "device": "auto"})  # the CLI's early probe: a GPU may be there
+    monkeypatch.setenv("AUTOTUNE_PRESTART", "0")  # every worker afresh
+    assert not runner.forks(PROBE)
+    monkeypatch.setenv("AUTOTUNE_PRESTART", "1")
+    assert runner.forks(PROBE)
+    monkeypatch.setattr(sys, "platform", "darwin")  # forking after torch's import is not safe there
+    assert not runner.forks(PROBE)

@@ -345,7 +345,9 @@ def forks(request: dict[str, Any]) -> bool:
     request's, unless $AUTOTUNE_PRESTART=0 starts every worker afresh with its request. A GPU
     request's never is (a CUDA context does not survive a fork): spares serve those."""
     device = request.get("device") or (request.get("space") or {}).get("device")
-    return device == "cpu" and hasattr(os, "fork") and prestart_setting() is not False
+    # Linux only: macOS's system libraries are not safe to use in a forked child (multiprocessing
+    # spawns there for that reason), and Windows has no fork
+    return device == "cpu" and sys.platform.startswith("linux") and prestart_setting() is not False
 
 
 def _zygote(env: dict[str, str]) -> _Zygote:
