@@ -67,6 +67,39 @@ def cli():
     return run_cli
 
 
+@pytest.fixture
+def cli_main(capsys, monkeypatch):
+    """`autotune ARGS` run in this process, for checks of what the CLI says and returns without a
+    new interpreter and its imports (seconds each on 2 cores): a function of the arguments that
+    returns a subprocess.CompletedProcess. What the CLI installs (signal handlers, the warnings'
+    display) is put back afterwards; a search's workers are still processes of their own."""
+    import signal
+    import warnings
+
+    from autotune import cli as cli_module
+    from autotune.trial import runner
+
+    # no probe worker started ahead: most of these end at the checks, before any probe
+    monkeypatch.setattr(cli_module, "_prestart_probe", lambda args: None)
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        try:
+            code = cli_module.main(list(args))
+        except SystemExit as exc:  # argparse's own refusals
+            code = exc.code
+        finally:
+            for s, handler in handlers.items():
+                signal.signal(s, handler)
+        said = capsys.readouterr()
+        return subprocess.CompletedProcess(["autotune", *args], code, said.out, said.err)
+
+    yield run
+    runner.discard_spares()
+
+
 def wait_ready(worker, timeout_s: float = 60) -> None:
     """Until the spare has imported everything and waits for its request: asleep in its read of
     stdin (the kernel names the wait pipe_read, anon_pipe_read...) or, where /proc does not say,

@@ -88,7 +88,7 @@ def test_step_numerics_of_an_overflowing_scale_are_those_of_the_step_taken():
     """At a scale of 2**60 every fp16 gradient overflows; the scaler would back off and take the
     step at a smaller scale, and those are the gradients compared with FP32 (not inf/NaN)."""
     knobs = {"precision": {"mode": "fp16"}, "grad_scaler": {"enabled": True, "init_scale": 2.0**60}}
-    judged, _ = _check("fake_models:tiny_cnn", knobs)
+    judged, _ = _check("fake_models:tiny_cnn", knobs, shape=(3, 8, 8))  # fp16 is emulated on a CPU: small images
     numerics = judged["numerics"]
     assert numerics["grad_cosine_vs_fp32"] > 0.99
     assert 0.9 < numerics["grad_norm_ratio_vs_fp32"] < 1.1
@@ -137,16 +137,18 @@ def test_fp32_and_bf16_pass_on_a_small_model(tiny_reference):
 
 @pytest.mark.slow
 def test_fp16_without_scaler_on_underflowing_gradients_is_violated():
-    no_scaler, reference = _check("fake_models:tiny_loss_cnn", FP16)
+    # 8x8 images: fp16 convolutions run emulated on a CPU, 110 s for these checks at 32x32 and 12 s here
+    small = (3, 8, 8)
+    no_scaler, reference = _check("fake_models:tiny_loss_cnn", FP16, shape=small)
     assert no_scaler["verdict"] == "violated", no_scaler["reason"]
     assert no_scaler["accuracy_drop"] > 10
     assert no_scaler["numerics"]["grad_cosine_vs_fp32"] < 0.9  # the gradients themselves are wrong
-    scaled, _ = _check("fake_models:tiny_loss_cnn", FP16_SCALED, reference)
+    scaled, _ = _check("fake_models:tiny_loss_cnn", FP16_SCALED, reference, shape=small)
     assert scaled["verdict"] == "passed", scaled["reason"]
     # a GradScaler whose scale overflows on every step skips them all
     overflowing = {"precision": {"mode": "fp16"}, "grad_scaler": {"enabled": True, "init_scale": 2.0**100,
                                                                   "backoff_factor": 0.9}}
-    broken, _ = _check("fake_models:tiny_loss_cnn", overflowing, reference)
+    broken, _ = _check("fake_models:tiny_loss_cnn", overflowing, reference, shape=small)
     assert broken["verdict"] == "unstable" and broken["skipped_steps"] == SETTINGS.steps
 
 

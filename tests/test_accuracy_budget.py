@@ -99,14 +99,13 @@ def test_without_a_budget_or_a_measured_trial_the_default_steps_are_kept(tmp_pat
     assert describe(empty.user_attrs[PLAN_ATTR]) == "100 steps (the default: no trial was measured to scale it by)"
 
 
-def test_accuracy_share_is_validated():
+def test_accuracy_share_is_validated(cli_main):
     spec = WorkloadSpec(model="fake_models:tiny_cnn")
     for share in (0.0, -0.1, 1.5, float("nan")):
         with pytest.raises(ConfigError, match="--accuracy-share .*more than 0 and at most 1"):
             SearchConfig(workload=spec, accuracy_share=share)
     assert SearchConfig(workload=spec, accuracy_share=1.0).accuracy_share == 1.0
-    proc = run_cli("search", "--model", "fake_models:tiny_cnn", "--accuracy-share", "2", "--trials", "1",
-                   check=False)
+    proc = cli_main("search", "--model", "fake_models:tiny_cnn", "--accuracy-share", "2", "--trials", "1")
     assert proc.returncode != 0 and "--accuracy-share 2" in proc.stderr
 
 

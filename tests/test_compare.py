@@ -20,7 +20,7 @@ from conftest import ROOT, run_cli
 
 GPU_REPORT = ROOT / "reports" / "resnet50-h200"
 SMALL = ["--model", "fake_models:tiny_cnn", "--device", "cpu", "--input-shape", "3x32x32", "--num-classes", "10",
-         "--min-measure-time", "0.3"]
+         "--min-measure-time", "0.3", "--no-accuracy-check"]  # compare shows speed and knobs, not accuracy
 
 
 @pytest.fixture(scope="module")

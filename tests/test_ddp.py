@@ -269,6 +269,7 @@ def test_exported_ddp_config_needs_a_process_group(ddp_search):
         cfg.prepare(tiny_cnn(10))
 
 
+@pytest.mark.slow
 def test_exported_ddp_config_wraps_the_model_in_a_process_group(ddp_search, restore_backend_flags):
     out, _ = ddp_search
     cfg = autotune.load(out / "config.json")

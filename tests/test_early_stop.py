@@ -87,7 +87,7 @@ def test_a_search_stops_clearly_slower_trials_and_the_sampler_sees_their_windows
     assert all(f"| #{t.number} | stopped early |" in report for t in stopped)
 
 
-def test_the_share_is_checked():
-    proc = run_cli("search", "--model", "fake_models:tiny_cnn", "--device", "cpu", "--early-stop-below", "1.5",
-                   "--trials", "1", check=False)
+def test_the_share_is_checked(cli_main):
+    proc = cli_main("search", "--model", "fake_models:tiny_cnn", "--device", "cpu", "--early-stop-below", "1.5",
+                    "--trials", "1")
     assert proc.returncode == 2 and "--early-stop-below 1.5" in proc.stdout + proc.stderr

@@ -269,10 +269,11 @@ def test_accelerate_launch_reads_the_compile_mode_of_a_gpu_config(gpu_cfg: Tuned
 @pytest.mark.parametrize("target, written", [("hf", ["hf_training_args.json"]), ("lightning", ["lightning.json"]),
                                              ("accelerate", ["accelerate_config.yaml", "accelerate_kwargs.json"])])
 def test_export_command_writes_the_files_and_prints_what_is_not_expressible(
-        cpu_cfg: TunedConfig, tmp_path: Path, cli, target: str, written: list[str]) -> None:
+        cpu_cfg: TunedConfig, tmp_path: Path, cli_main, target: str, written: list[str]) -> None:
     pytest.importorskip("yaml")
     cpu_cfg.save(tmp_path / "config.json")
-    proc = cli("export", str(tmp_path), "--to", target)
+    proc = cli_main("export", str(tmp_path), "--to", target)
+    assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)  # stdout: one JSON line; stderr: the same in words
     assert result["files"] == [str(tmp_path / name) for name in written]
     for name in written:
@@ -295,12 +296,11 @@ def test_a_missing_framework_names_the_package_to_install(monkeypatch) -> None:
         require("lightning", "lightning.pytorch")
 
 
-def test_a_gpu_config_exports_on_a_machine_without_a_gpu(tmp_path: Path) -> None:
+def test_a_gpu_config_exports_on_a_machine_without_a_gpu(tmp_path: Path, cli_main) -> None:
     """Exporting translates data: the committed H200 configuration exports here (autotune.load would refuse it)."""
     root = Path(__file__).resolve().parent.parent
     shutil.copy(root / "reports" / "resnet50-h200-compile" / "config.json", tmp_path / "config.json")
-    proc = subprocess.run([sys.executable, "-m", "autotune", "export", str(tmp_path), "--to", "hf"], cwd=root,
-                          capture_output=True, text=True, timeout=300)
+    proc = cli_main("export", str(tmp_path), "--to", "hf")
     assert proc.returncode == 0, proc.stderr
     exported = json.loads((tmp_path / "hf_training_args.json").read_text())
     recorded = json.loads((tmp_path / "config.json").read_text())["knobs"]

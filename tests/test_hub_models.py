@@ -126,9 +126,9 @@ def test_spec_round_trips_and_old_dicts_still_load():
     assert old.model_config == {} and old.seq_len is None
 
 
-def test_a_bad_model_config_field_is_refused_by_the_cli(tmp_path):
-    proc = run_cli("search", "--model", "hf:gpt2", "--model-config", "n_layers=1", "--device", "cpu",
-                   "--out", str(tmp_path / "o"), check=False, timeout=120)
+def test_a_bad_model_config_field_is_refused_by_the_cli(tmp_path, cli_main):
+    proc = cli_main("search", "--model", "hf:gpt2", "--model-config", "n_layers=1", "--device", "cpu",
+                    "--out", str(tmp_path / "o"))
     assert proc.returncode == 2
     assert "no field 'n_layers'; did you mean n_layer" in " ".join(proc.stderr.split())  # rich wraps lines
     assert not (tmp_path / "o" / "study.db").exists()
