@@ -24,6 +24,9 @@ import optuna
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 TRIALS = 4
+# a hung trial waits out its timeout: 12 s is still 3-4 times what a healthy trial of this model takes
+# on 2 busy cores (workers forked on a CPU start in milliseconds)
+TRIAL_TIMEOUT_S = {"hang": 12}
 
 # fault -> (expected state of the faulty trials, text their reason must contain, needs CUDA)
 FAULTS = {
@@ -46,8 +49,9 @@ def run_fault(fault: str, device: str, workdir: Path) -> tuple[bool, int, str]:
                PYTHONPATH=os.pathsep.join(p for p in [str(HERE), str(ROOT), os.environ.get("PYTHONPATH")] if p))
     cmd = [sys.executable, "-m", "autotune", "search", "--model", "fault_models:faulty", "--device", device,
            "--input-shape", "3x32x32", "--num-classes", "10", "--min-batch-size", "8", "--max-batch-size", "32",
-           "--base-batch-size", "16", "--min-measure-time", "0.3", "--trial-timeout", "20",
-           "--trials", str(TRIALS), "--no-compile", "--no-accuracy-check",
+           "--base-batch-size", "16", "--min-measure-time", "0.3",
+           "--trial-timeout", str(TRIAL_TIMEOUT_S.get(fault, 20)), "--trials", str(TRIALS), "--no-compile",
+           "--no-accuracy-check",
            # every trial measured in full: the checks below expect each state, and searches run side by
            # side (--jobs) on a shared CPU would otherwise stop a healthy or NaN trial as slower
            "--early-stop-below", "0", "--out", str(out)]

@@ -63,7 +63,7 @@ def cpu_search(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_cpu_search_exports_a_config_that_trains(cpu_search, tmp_path):
+def test_cpu_search_exports_a_config_that_trains(cpu_search, tmp_path, cli_main):
     out, proc = cpu_search
     assert "speed-up over the FP32 baseline" in proc.stderr
     data = json.loads((out / "config.json").read_text())
@@ -92,24 +92,26 @@ def test_cpu_search_exports_a_config_that_trains(cpu_search, tmp_path):
     assert len(_study(out).trials) == 7
 
     # the report came with the search, and `autotune report` rewrites it, from the folder or a URL
+    # (report and compare run in this process: their own processes are the searches' above)
     html = (out / "report.html").read_text()
     assert "fake_models:tiny_cnn" in html and 'id="trials"' in html
     (out / "report.html").unlink()
-    run_cli("report", str(out))
+    assert cli_main("report", str(out)).returncode == 0
     assert (out / "report.html").exists()
     elsewhere = tmp_path / "again"
-    run_cli("report", "--storage", f"sqlite:///{out / 'study.db'}", "--study-name", data["study"]["study_name"],
-            "--out", str(elsewhere))
+    assert cli_main("report", "--storage", f"sqlite:///{out / 'study.db'}", "--study-name",
+                    data["study"]["study_name"], "--out", str(elsewhere)).returncode == 0
     assert {p.name for p in elsewhere.iterdir()} == {"report.html", "report.md", "trials.csv"}
     assert pd.read_csv(elsewhere / "trials.csv").shape[0] == 7
-    bad = run_cli("report", "--storage", f"sqlite:///{out / 'study.db'}", "--study-name", "nope", check=False)
+    bad = cli_main("report", "--storage", f"sqlite:///{out / 'study.db'}", "--study-name", "nope")
     assert bad.returncode == 2 and "cannot load study 'nope'" in bad.stderr
 
     # compare against the committed GPU report: a different model is refused unless asked for
     gpu = ROOT / "reports" / "resnet50-h200"
-    refused = run_cli("compare", str(gpu), str(out), "--out", str(tmp_path / "cmp"), check=False)
+    refused = cli_main("compare", str(gpu), str(out), "--out", str(tmp_path / "cmp"))
     assert refused.returncode == 2 and "--allow-different-models" in " ".join(refused.stderr.split())
-    run_cli("compare", str(gpu), str(out), "--out", str(tmp_path / "cmp"), "--allow-different-models")
+    assert cli_main("compare", str(gpu), str(out), "--out", str(tmp_path / "cmp"),
+                    "--allow-different-models").returncode == 0
     assert (tmp_path / "cmp" / "compare.html").exists() and (tmp_path / "cmp" / "compare.md").exists()
 
     # re-measuring the exported config through autotune.load in a fresh worker (the 7th trial may have
