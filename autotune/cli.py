@@ -193,8 +193,11 @@ def _prestart_probe(args: argparse.Namespace) -> None:
         requested = parse_gpus(args.gpus)
     except ConfigError:  # refused, with its message, by the search's own checks
         return
+    device = args.device
+    if device == "auto" and sys.platform.startswith("linux") and not os.path.exists("/dev/nvidiactl"):
+        device = "cpu"  # no NVIDIA driver here: the search will run on the CPU, its workers forked
     with pinned(probe_view(requested, os.environ.get("CUDA_VISIBLE_DEVICES"))):
-        start_spare({"workload": {"model": args.model}, "device": args.device})
+        start_spare({"workload": {"model": args.model}, "device": device})
 
 
 def cmd_search(args: argparse.Namespace) -> int:

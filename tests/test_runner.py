@@ -214,3 +214,23 @@ def test_cpu_requests_are_forked_and_gpu_ones_never(monkeypatch):
     assert runner.forks(PROBE)
     monkeypatch.setattr(sys, "platform", "darwin")  # forking after torch's import is not safe there
     assert not runner.forks(PROBE)
+
+
+def test_without_an_nvidia_driver_the_clis_early_probe_is_a_cpu_one(monkeypatch):
+    """`--device auto` on a Linux machine without /dev/nvidiactl will search on the CPU: the worker
+    started at the top of `autotune search` is then its fork server, not a spare for a GPU."""
+    import argparse
+
+    from autotune import cli
+
+    started = []
+    monkeypatch.delenv("AUTOTUNE_PRESTART", raising=False)
+    monkeypatch.setattr(runner, "start_spare", lambda request, log_dir=None: started.append(request["device"]))
+    monkeypatch.setattr(sys, "platform", "linux")
+    args = argparse.Namespace(model="resnet18", device="auto", gpus=None)
+    for driver, expected in ((False, "cpu"), (True, "auto")):
+        monkeypatch.setattr(os.path, "exists", lambda path, driver=driver: driver if path == "/dev/nvidiactl" else False)
+        cli._prestart_probe(args)
+        assert started.pop() == expected
+    cli._prestart_probe(argparse.Namespace(model="resnet18", device="cuda", gpus=None))
+    assert started == ["cuda"]

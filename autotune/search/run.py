@@ -37,7 +37,7 @@ from autotune.search.study import SearchLock, prepare_study, recover_dead_trials
 from autotune.search.trials import counted_trials
 from autotune.trial.gpus import GpuPool, pinned, probe_view
 from autotune.trial.measure import MeasureSettings
-from autotune.trial.runner import discard_spares, prestart_setting
+from autotune.trial.runner import discard_spares, forks, prestart_setting, start_spare
 from autotune.workload.models import check_spec
 
 
@@ -69,6 +69,11 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
     with pinned(probe_view(config.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))):
         info = probe(config, device, list_devices=config.gpus is not None)
     phases["probe"] = time.time() - started
+    warm = {"workload": config.workload.to_dict(), "device": device}
+    if forks(warm) and config.ddp is None:
+        # `--device auto` probed in a worker of its own: the trials' fork server imports now, while
+        # the study is set up (a no-op where the probe was forked from it already)
+        start_spare(warm)
     gpu_pool = GpuPool.for_search(config.gpus, device, probed=info.get("cuda_devices"))
     if target.needs_nvml and (refusal := nvml_refusal(device, info.get("nvml"))):
         raise ConfigError(refusal)
