@@ -69,11 +69,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
     with pinned(probe_view(config.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))):
         info = probe(config, device, list_devices=config.gpus is not None)
     phases["probe"] = time.time() - started
-    warm = {"workload": config.workload.to_dict(), "device": device}
-    if forks(warm) and config.ddp is None:
-        # `--device auto` probed in a worker of its own: the trials' fork server imports now, while
-        # the study is set up (a no-op where the probe was forked from it already)
-        start_spare(warm)
+    _start_fork_server(config, device)
     gpu_pool = GpuPool.for_search(config.gpus, device, probed=info.get("cuda_devices"))
     if target.needs_nvml and (refusal := nvml_refusal(device, info.get("nvml"))):
         raise ConfigError(refusal)
@@ -175,6 +171,15 @@ def _prestart_workers(config: SearchConfig, device: str) -> bool:
         return config.prestart_workers
     setting = prestart_setting()
     return setting if setting is not None else device == "cuda" and not config.ddp
+
+
+def _start_fork_server(config: SearchConfig, device: str) -> None:
+    """Where trials fork (a CPU, autotune.trial.runner.forks) and ``--device auto`` probed in a worker
+    of its own: the trials' fork server imports now, while the study is set up (a no-op where the
+    probe was forked from it already)."""
+    warm = {"workload": config.workload.to_dict(), "device": device}
+    if forks(warm) and config.ddp is None:
+        start_spare(warm)
 
 
 def _warn_without_nvml(config: SearchConfig, device: str, info: dict[str, Any]) -> None:

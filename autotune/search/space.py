@@ -27,7 +27,6 @@ def probe(config: SearchConfig, device: str, list_devices: bool = False) -> dict
         crashed = result["reason"]
         result = run_worker({**request, "forward": False}, timeout_s=600)
         if result["status"] == "ok":
-            result["forward_crashed"] = crashed
             warnings.warn(f"the model's forward pass killed the probe ({crashed}); the attention knob is not "
                           "offered, and each trial says how the model runs on the device", stacklevel=3)
     if result["status"] != "ok":

@@ -59,12 +59,17 @@ class _Worker:
         else:
             self.log_path = Path(self.tmp.name) / "worker.log"
         self.env = env
-        self.log = None if zygote is not None else open(self.log_path, "w")
+        self.log = None
         self.proc: subprocess.Popen | _Forked | None = None
         if zygote is None:
-            self.proc = subprocess.Popen(worker_command(str(self.result_path), str(os.getpid())),
-                                         stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
-                                         env=env, text=True)
+            self._spawn()
+
+    def _spawn(self) -> None:
+        """Start the worker's own interpreter: it imports, then waits for its request on stdin."""
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(worker_command(str(self.result_path), str(os.getpid())),
+                                     stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=self.env, text=True)
 
     def run(self, request: dict[str, Any], timeout_s: float | None, log_path: Path | None,
             on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -127,10 +132,7 @@ class _Worker:
             except RuntimeError as exc:  # the fork server died: this request's worker starts afresh
                 print(f"autotune: {exc}; starting the worker afresh", file=sys.stderr)
                 self.zygote = None
-                self.log = open(self.log_path, "w")
-                self.proc = subprocess.Popen(worker_command(str(self.result_path), str(os.getpid())),
-                                             stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
-                                             env=self.env, text=True)
+                self._spawn()
         try:
             self.proc.stdin.write(json.dumps(request))
             self.proc.stdin.close()
@@ -207,7 +209,6 @@ class _Zygote:
         self.forked: list[int] = []
         self.exited: dict[int, int] = {}
         self.gone = False
-        self.ready = False
         self.one_fork = threading.Lock()  # a fork's answer is the next pid: one command at a time
         threading.Thread(target=self._read_answers, daemon=True, name="autotune-zygote").start()
 
@@ -217,10 +218,8 @@ class _Zygote:
             with self.changed:
                 if "pid" in answer:
                     self.forked.append(answer["pid"])
-                elif "exited" in answer:
-                    self.exited[answer["exited"]] = answer["returncode"]
                 else:
-                    self.ready = True
+                    self.exited[answer["exited"]] = answer["returncode"]
                 self.changed.notify_all()
         with self.changed:
             self.gone = True
@@ -234,19 +233,24 @@ class _Zygote:
         with self.one_fork:
             with self.changed:
                 had = len(self.forked)
-            try:
-                self.proc.stdin.write(json.dumps(command) + "\n")
-                self.proc.stdin.flush()
-            except (BrokenPipeError, OSError):
-                pass  # the server died: said below
-            with self.changed:
-                # its imports first, if it is still at them: as long as a fresh worker's
-                self.changed.wait_for(lambda: len(self.forked) > had or self.gone, timeout=600)
-                if len(self.forked) > had:
-                    return _Forked(self, self.forked[had])
+            if self._send(command):
+                with self.changed:
+                    # its imports first, if it is still at them: as long as a fresh worker's
+                    self.changed.wait_for(lambda: len(self.forked) > had or self.gone, timeout=600)
+                    if len(self.forked) > had:
+                        return _Forked(self, self.forked[had])
         self.discard()
         tail = self.log_path.read_text(errors="replace")[-2000:] if self.log_path.exists() else ""
         raise RuntimeError(f"the trial workers' fork server {exit_description(_exit_code(self.proc))}: {tail}")
+
+    def _send(self, command: dict[str, Any]) -> bool:
+        """Write one command line; False when the server is gone (its stdin closed with it)."""
+        try:
+            self.proc.stdin.write(json.dumps(command) + "\n")
+            self.proc.stdin.flush()
+            return True
+        except OSError:  # BrokenPipeError among them
+            return False
 
     def discard(self) -> None:
         """End it (its stdin closes: it kills any worker still running, then exits) and remove its files."""

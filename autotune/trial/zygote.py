@@ -132,7 +132,6 @@ def main() -> int:
     warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks", category=DeprecationWarning)
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # stray prints of the imports go to the server's log, not into the replies
-    replies.write(json.dumps({"ready": os.getpid(), "preloaded": worker.PRELOADED}) + "\n")
     serve(0, replies)
     return 0
 
