@@ -3,6 +3,7 @@ fp16 with a tuned GradScaler, channels_last, cudnn.benchmark and the fused optim
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,11 @@ def test_lightning_trains_in_fp16_with_the_callback_on_the_gpu(cfg: TunedConfig)
 def test_accelerate_launch_trains_in_fp16_on_the_gpu(cfg: TunedConfig, tmp_path: Path) -> None:
     pytest.importorskip("accelerate")
     cfg.export("accelerate", tmp_path)
+    kwargs_file = tmp_path / "accelerate_kwargs.json"
+    kwargs = json.loads(kwargs_file.read_text())
+    # the tuned 512 with drop_last would leave no batch of the 32 samples; the settings are the point
+    kwargs["dataloader_kwargs"]["batch_size"] = 8
+    kwargs_file.write_text(json.dumps(kwargs))
     result = accelerate_launch(tmp_path, "train")
     assert result["mixed_precision"] == "fp16" and not result["cpu"] and result["steps"] == 2
     assert result["dtypes"] == ["torch.float16"] and result["fused"] is True

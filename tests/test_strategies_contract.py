@@ -336,6 +336,18 @@ def test_tf32_on_cuda_allows_tf32() -> None:
     assert recipe.backend_flags == {"matmul_fp32_precision": "tf32", "conv_fp32_precision": "tf32"}
 
 
+@pytest.mark.parametrize("mode", ["tf32", "fp32", "fp16"])
+def test_the_legacy_matmul_query_agrees_with_the_flags_set(mode: str, restore_backend_flags) -> None:
+    # Lightning's CUDA accelerator calls torch.get_float32_matmul_precision(), which raises when
+    # CUDA's matmul says "tf32" and the legacy setting "highest" (seen on the H200 in the Lightning export)
+    mkldnn = torch.backends.mkldnn.matmul.fp32_precision
+    with backend_flags(_precision_recipe(mode).backend_flags):
+        tf32 = torch.backends.cuda.matmul.fp32_precision == "tf32"
+        assert torch.get_float32_matmul_precision() == ("high" if tf32 else "highest")
+        assert torch.backends.mkldnn.matmul.fp32_precision == mkldnn  # the CPU's matmul left alone
+    assert torch.get_float32_matmul_precision() in ("high", "highest")
+
+
 @pytest.mark.parametrize("mode", ["fp16", "bf16"])
 def test_autocast_float32_ops_may_use_tf32_whatever_gpu_builds_the_recipe(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # a recipe depends on its knobs alone (on a GPU without TF32 the switch is a no-op)

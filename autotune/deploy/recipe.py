@@ -27,6 +27,13 @@ def _matmul_get():
 def _matmul_set(value: str) -> None:
     m = torch.backends.cuda.matmul
     if hasattr(m, "fp32_precision"):
+        # The legacy query, torch.get_float32_matmul_precision() (Lightning's CUDA accelerator calls it),
+        # raises when CUDA's matmul is "tf32" and the legacy setting still says "highest": set both, and
+        # keep the CPU's oneDNN matmul, which torch.set_float32_matmul_precision also sets, as it was.
+        mkldnn = torch.backends.mkldnn.matmul
+        kept = mkldnn.fp32_precision
+        torch.set_float32_matmul_precision("high" if value == "tf32" else "highest")
+        mkldnn.fp32_precision = kept
         m.fp32_precision = value
     else:  # torch < 2.9
         m.allow_tf32 = value == "tf32"
