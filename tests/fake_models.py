@@ -108,6 +108,13 @@ class _OddWidths(nn.Module):
         return self.net(x)
 
 
+def fp8_mlp(num_classes: int = 10) -> nn.Module:
+    """An MLP on 3x32x32 images whose hidden Linear layers have widths that are multiples of 16, so
+    FP8 (torchao's Float8Linear) can train them; tiny_cnn has none."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(),
+                         nn.Linear(256, num_classes))
+
+
 def odd_widths(num_classes: int = 10) -> nn.Module:
     return _OddWidths(num_classes)
 

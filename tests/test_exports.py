@@ -69,7 +69,8 @@ class TinyNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.head(F.adaptive_avg_pool2d(torch.relu(self.conv(x)), 1).flatten(1))
         self.seen.append({"batch": x.shape[0], "channels_last": x.is_contiguous(memory_format=torch.channels_last),
-                          "dtype": logits.dtype})
+                          "dtype": logits.dtype, "device": x.device.type,
+                          "weight_channels_last": self.conv.weight.is_contiguous(memory_format=torch.channels_last)})
         return logits
 
 

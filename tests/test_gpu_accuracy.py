@@ -32,7 +32,7 @@ def _table(rows):
 def test_small_model_every_mode_on_cuda():
     """tiny_cnn on the GPU: fp32, tf32, fp16 (GradScaler), bf16 pass; fp16 with underflowing
     gradients and no scaler is caught."""
-    modes = supported_modes("cuda")
+    modes = [m for m in supported_modes("cuda") if m != "fp8"]  # no Linear of tiny_cnn can train in FP8
     space = SearchSpace(device="cuda", precisions=modes)
     settings = AccuracySettings.for_device("cuda", steps=200, batch_size=32)
     rows = compare_modes(workload=SMALL, space=space, settings=settings,
@@ -45,6 +45,19 @@ def test_small_model_every_mode_on_cuda():
                               settings=settings, configurations=mode_configurations(["fp32", "fp16"]))
     _table(underflow)
     assert {r["mode"]: r["verdict"] for r in underflow}["fp16, no GradScaler"] == "violated"
+
+
+def test_fp8_is_checked_against_fp32_beside_bf16_on_cuda():
+    """FP8 Linear layers (Ada, Hopper) pass the same accuracy check as bf16 on an MLP they apply to."""
+    if "fp8" not in supported_modes("cuda"):
+        pytest.skip("this GPU (or this install: torchao) has no FP8 training")
+    modes = ["fp32", "bf16", "fp8"]
+    space = SearchSpace(device="cuda", precisions=modes)
+    settings = AccuracySettings.for_device("cuda", steps=200, batch_size=32)
+    rows = compare_modes(workload={**SMALL, "model": "fake_models:fp8_mlp"}, space=space, settings=settings,
+                         configurations=mode_configurations(modes))
+    _table(rows)
+    assert {r["mode"]: r["verdict"] for r in rows} == {"fp32": "passed", "bf16": "passed", "fp8": "passed"}
 
 
 def test_resnet50_precision_modes_against_fp32(cli):
