@@ -43,6 +43,19 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=os.pathsep.join(path), **extra)
 
 
+def in_its_worker(trial, started_within_s: float) -> bool:
+    """A RUNNING trial that has chosen all its parameters (the objective records its knobs then; one
+    stopped before has only some of them, or none, to re-run with fresh samples for the rest) and
+    started under ``started_within_s`` ago: still in its worker when a signal sent now lands, for
+    tests whose trials take longer than that."""
+    import datetime
+
+    import optuna
+
+    return (trial.state == optuna.trial.TrialState.RUNNING and "knobs" in trial.user_attrs
+            and (datetime.datetime.now() - trial.datetime_start).total_seconds() < started_within_s)
+
+
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
     """Run `python -m autotune ...` as a user would, with tests/ importable for fake_models."""
     proc = subprocess.run([sys.executable, "-m", "autotune", *args], cwd=cwd or ROOT, env=subprocess_env(),

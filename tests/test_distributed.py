@@ -9,7 +9,6 @@ started here when PostgreSQL is installed; without either, those tests skip.
 
 from __future__ import annotations
 
-import datetime
 import os
 import signal
 import subprocess
@@ -30,7 +29,7 @@ from autotune.trial import gpus
 from autotune.search.distributed import OWNER, OWNER_ATTR, SharedStudy, SqliteSharedWarning, check_same_hardware, claim_setup
 from autotune.errors import ConfigError
 from autotune.search.storage import open_storage
-from conftest import ROOT, run_cli, subprocess_env
+from conftest import ROOT, in_its_worker, run_cli, subprocess_env
 
 SMALL = ["--device", "cpu", "--input-shape", "3x32x32", "--num-classes", "10", "--min-measure-time", "0.1",
          "--no-accuracy-check", "--no-compile", "--no-profile", "--no-steer"]
@@ -106,13 +105,8 @@ def test_two_processes_share_one_postgres_study_and_a_killed_ones_trial_is_rerun
                 trials = optuna.load_study(study_name=name, storage=db).trials
             except KeyError:  # not created yet
                 continue
-            # a trial that has chosen all its parameters (the objective records its knobs then; one
-            # killed before has only some of them, or none, to re-run with fresh samples for the
-            # rest), and started under 2 s ago, so that it is still running when the kill lands
-            # (a trial takes 5 s or more here)
-            running = [t for t in trials if _owner_pid(t) == a.pid and t.state == TrialState.RUNNING
-                       and "knobs" in t.user_attrs
-                       and (datetime.datetime.now() - t.datetime_start).total_seconds() < 2.0]
+            # one of A's trials still in its worker when the kill lands (a trial takes 5 s or more here)
+            running = [t for t in trials if _owner_pid(t) == a.pid and in_its_worker(t, started_within_s=2.0)]
             if running and any(t.state == TrialState.COMPLETE for t in trials):
                 a.send_signal(signal.SIGKILL)  # mid-trial: no chance to record anything
                 a.wait()
