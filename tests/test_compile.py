@@ -22,7 +22,7 @@ from autotune.report.export import trials_frame
 from autotune.trial.instruments import cache_outcome
 from autotune.trial.runner import run_worker
 from autotune.deploy.space import SearchSpace
-from autotune.search.budget import estimate_next_wall
+from autotune.search.budget import compile_prior_s, estimate_next_wall, expected_wall
 from autotune.search.options import SearchConfig
 from autotune.search.space import build_space
 from autotune.workload.models import WorkloadSpec
@@ -209,6 +209,52 @@ def test_budget_estimate_accounts_for_compile_trials() -> None:
     study2.enqueue_trial({"compile.mode": "off"})
     assert estimate_next_wall(study2, walls) == 11.0
     assert estimate_next_wall(study2, [(10.0, False)]) == 10.0
+
+
+def test_before_any_compiled_trial_a_compile_is_expected_to_cost_the_prior() -> None:
+    eager = [(10.0, False), (12.0, False)]
+    assert expected_wall(eager, True, compile_prior_s=60.0) == 71.0  # eager median + the prior
+    assert expected_wall(eager + [(200.0, True)], True, compile_prior_s=60.0) == 200.0  # measured wins
+    assert expected_wall([(200.0, True)], False) == 200.0 and expected_wall([], True, 60.0) == 0.0
+    # the prior grows with the model: ResNet-50's 126 leaf modules compiled in about a minute
+    assert compile_prior_s({"num_leaf_modules": 126}) == 60.0
+    assert compile_prior_s({"num_leaf_modules": 364}) == pytest.approx(173.3, abs=0.1)  # ResNet-152
+    assert compile_prior_s({"num_leaf_modules": 3}) == 15.0 and compile_prior_s({}) == 60.0
+    study = optuna.create_study()
+    study.enqueue_trial({"compile.mode": "default"})
+    assert estimate_next_wall(study, eager, compile_prior_s=60.0) == 71.0
+    # with less left than the compile needs, the queued compile gives way to its eager twin
+    assert estimate_next_wall(study, eager, left_s=50.0, compile_prior_s=60.0) == 11.0
+
+
+def test_a_compile_that_would_end_past_the_budget_is_not_started_and_its_eager_twin_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    ran = []
+
+    def fake_worker(request, *, timeout_s, log_path, spare=False, on_progress=None):
+        ran.append(request["knobs"]["compile"]["mode"])
+        figures = {"samples_per_s": 100.0, "step_time_ms": 80.0, "peak_memory_bytes": 1, "warmup_s": 1.0,
+                   "measure_s": 2.0, "build_s": 0.5, "compile_s": 0.0, "loss_finite": True}
+        return {"status": "ok", "figures": figures, "wall_s": 5.0, "worker_start_s": 1.0}
+
+    monkeypatch.setattr("autotune.search.objective.run_worker", fake_worker)
+    objective = Objective(space=CPU_SPACE, workload=TINY.to_dict(), measure={}, input_on_device=False, seed=0,
+                          trial_timeout_s=100.0, deadline=time.time() + 40.0)
+    objective.walls, objective.compile_prior_s = [(5.0, False)], 60.0  # a compile: about 65 s; 40 s left
+    study = optuna.create_study(direction="maximize")
+    study.enqueue_trial({"compile.mode": "default", "batch_size.batch_size": 8}, user_attrs={"role": "known-good"})
+    study.optimize(objective, n_trials=2)
+    skipped, twin = study.trials
+    assert skipped.state == optuna.trial.TrialState.PRUNED and "status" not in skipped.user_attrs  # not counted
+    assert skipped.user_attrs["reason"].startswith("not started: a compiled trial takes about 65 s here")
+    assert twin.params["compile.mode"] == "off" and twin.state == optuna.trial.TrialState.COMPLETE
+    assert twin.user_attrs["role"] == "steered" and twin.user_attrs["steered_by"] == {"trial": 0, "rule": "budget"}
+    assert ran == ["off"]
+    # time enough: the compiled trial runs
+    objective.deadline = time.time() + 300.0
+    study.enqueue_trial({"compile.mode": "default", "batch_size.batch_size": 8})
+    study.optimize(objective, n_trials=1)
+    assert ran == ["off", "default"]
 
 
 def _study_with_a_compiled_best() -> optuna.Study:

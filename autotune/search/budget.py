@@ -31,27 +31,54 @@ def deadline(config: SearchConfig, started: float) -> float | None:
     return started + config.budget_s - export_reserve(config.budget_s)
 
 
-def estimate_next_wall(study: optuna.Study, walls: list[tuple[float, bool]]) -> float:
+COMPILE_PRIOR_S = 60.0
+"""Seconds a compiled trial is expected to spend compiling before this run has measured one: a
+ResNet-50 (126 leaf modules) compiled in 58-66 s on an H200 (reports/resnet50-h200-8m); a model's
+prior is scaled by its own count of leaf modules (compile_prior_s)."""
+_PRIOR_MODULES = 126
+
+
+def compile_prior_s(probe: dict[str, Any]) -> float:
+    """What the first compile of the probed model is expected to cost (COMPILE_PRIOR_S scaled by its
+    leaf modules, at least 15 s); ResNet-50's figure when the probe did not count them."""
+    modules = probe.get("num_leaf_modules") or _PRIOR_MODULES
+    return max(15.0, COMPILE_PRIOR_S * modules / _PRIOR_MODULES)
+
+
+def expected_wall(walls: list[tuple[float, bool]], compiled: bool, compile_prior_s: float = 0.0) -> float:
+    """Expected seconds of a trial of one kind (compiled or eager), from this run's measured walls
+    ``(seconds, compiled)``: the kind's median; before any compiled trial, the eager median plus the
+    compile prior; before any eager one, the compiled median; 0 before any trial."""
+    if not walls:
+        return 0.0
+    eager = [w for w, c in walls if not c]
+    done = [w for w, c in walls if c]
+    if compiled:
+        return statistics.median(done) if done else statistics.median(eager) + compile_prior_s
+    return statistics.median(eager) if eager else statistics.median(done)
+
+
+def estimate_next_wall(study: optuna.Study, walls: list[tuple[float, bool]], *, left_s: float | None = None,
+                       compile_prior_s: float = 0.0) -> float:
     """Expected seconds of the next trial, from past trials' walls ``(seconds, compiled)``.
 
     A trial that compiles takes minutes where an eager one takes seconds, so the two kinds are
     estimated apart: the next queued configuration's own kind when one is queued (the seeds),
-    otherwise both kinds weighted by how often they came so far.
+    otherwise both kinds weighted by how often they came so far. A compiled trial expected to end
+    past ``left_s`` is not started (the objective queues its eager twin instead), so then the next
+    trial is an eager one.
     """
     if not walls:
         return 0.0
-    by_kind = {kind: [w for w, c in walls if c == kind] for kind in (False, True)}
-    median = {kind: statistics.median(v) for kind, v in by_kind.items() if v}
-
-    def kind_median(kind: bool) -> float:
-        return median.get(kind, median.get(not kind, 0.0))
-
+    eager, compiled = expected_wall(walls, False), expected_wall(walls, True, compile_prior_s)
+    if left_s is not None and compiled > left_s:
+        return eager
     waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
     if waiting:
         fixed = planned_params(waiting[0])
-        return kind_median(fixed.get("compile.mode", "off") != "off")
-    share = len(by_kind[True]) / len(walls)
-    return share * kind_median(True) + (1 - share) * kind_median(False)
+        return compiled if fixed.get("compile.mode", "off") != "off" else eager
+    share = sum(c for _, c in walls) / len(walls)
+    return share * compiled + (1 - share) * eager
 
 
 class StopRule:
@@ -60,12 +87,13 @@ class StopRule:
     done (--trials, across every process of the study) or the next one would end past the budget."""
 
     def __init__(self, config: SearchConfig, shared: SharedStudy, started: float,
-                 emit: Callable[[str, Any], None]) -> None:
+                 emit: Callable[[str, Any], None], compile_prior_s: float = 0.0) -> None:
         self.config = config
         self.shared = shared
         self.started = started
         self.emit = emit
         self.walls: list[tuple[float, bool]] = []  # (wall seconds, compiled) of each measured trial
+        self.compile_prior_s = compile_prior_s
         self.new_trials = 0
 
     def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
@@ -85,5 +113,7 @@ class StopRule:
         end = deadline(config, started)
         if config.trials is not None and self.shared.has_its_trials(deadline=end):
             study.stop()
-        if end is not None and time.time() + estimate_next_wall(study, self.walls) > end:
-            study.stop()
+        if end is not None:
+            now = time.time()
+            if now + estimate_next_wall(study, self.walls, left_s=end - now, compile_prior_s=self.compile_prior_s) > end:
+                study.stop()

@@ -104,6 +104,11 @@ class Objective:
         self.early_stop_below = early_stop_below
         """A trial whose warm-up runs below this share of the best throughput so far is stopped
         (multi-fidelity screening); 0: never."""
+        self.walls: list[tuple[float, bool]] | None = None
+        """This run's measured trial walls ``(seconds, compiled)`` (the stop rule's), which tell
+        whether a compiled trial can still end within the budget; None: not judged."""
+        self.compile_prior_s = 0.0
+        """What a first compile is expected to cost (autotune.search.budget.compile_prior_s)."""
 
     @property
     def fit_limit_bytes(self) -> int | None:
@@ -118,6 +123,7 @@ class Objective:
         if previous is not None:
             return self._reuse(trial, previous)
         self._prune_if_it_cannot_fit(trial)
+        self._skip_a_compile_past_the_budget(trial, knobs)
         request = self._request(trial, knobs)
         log_path = self.log_dir / f"trial-{trial.number:04d}.log" if self.log_dir else None
         # a compile trial spends minutes compiling before its first step: not a hang
@@ -167,6 +173,28 @@ class Objective:
             write(trial, predicted_oom=True)
             self._back_off(trial)
             raise optuna.TrialPruned(verdict)
+
+    def _skip_a_compile_past_the_budget(self, trial: optuna.Trial, knobs: dict[str, Any]) -> None:
+        """Prune, unstarted, a compiled configuration expected to end past the budget while an eager
+        trial still fits, and queue its eager twin (the same knobs, compile off) in its place: the
+        end of a budget goes to trials that can finish, not to a compile cut short."""
+        from autotune.search.budget import expected_wall
+
+        if self.deadline is None or self.walls is None or knobs["compile"].mode == "off":
+            return
+        left = self.deadline - time.time()
+        need = expected_wall(self.walls, True, self.compile_prior_s)
+        if need <= left or expected_wall(self.walls, False) > left:
+            return  # it fits; or nothing does, and the stop rule ends the search
+        measured = "" if any(c for _, c in self.walls) else " (no compiled trial measured yet: an estimate)"
+        text = (f"not started: a compiled trial takes about {need:.0f} s here{measured} and {left:.0f} s of "
+                "the budget are left; its eager twin is measured instead")
+        write(trial, reason=text)
+        twin = {**trial.params, "compile.mode": "off"}
+        if not any(planned_params(t) == twin for t in trial.study.get_trials(deepcopy=False)):
+            trial.study.enqueue_trial(twin, user_attrs=queue_attrs(role="steered",
+                                                                   steered_by={"trial": trial.number, "rule": "budget"}))
+        raise optuna.TrialPruned(text)
 
     def _request(self, trial: optuna.Trial, knobs: dict[str, Any]) -> dict[str, Any]:
         """The trial worker's request: the configuration, what to measure, where to write its trace."""

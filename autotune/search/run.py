@@ -17,7 +17,7 @@ from autotune import stop
 from autotune.deploy.space import SearchSpace
 from autotune.errors import ConfigError
 from autotune.search.artifacts import Artifacts
-from autotune.search.budget import StopRule, deadline
+from autotune.search.budget import StopRule, compile_prior_s, deadline
 from autotune.search.distributed import SharedStudy
 from autotune.search.goal import Goal, goal, nvml_refusal
 from autotune.search.objective import Objective, TrialFailed
@@ -98,7 +98,8 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
             gate.on_phase = objective.on_phase
         emit("start", {"space": space, "probe": info, "out_dir": out_dir, "study": study,
                        "recovered": recovered, "done": len(counted_trials(study)), "config": config})
-        stop_rule = StopRule(config, shared, started, emit)
+        stop_rule = StopRule(config, shared, started, emit, compile_prior_s=compile_prior_s(info))
+        objective.walls, objective.compile_prior_s = stop_rule.walls, stop_rule.compile_prior_s
         artifacts = Artifacts(out_dir)  # each trial's log and trace, for optuna-dashboard
         if tracking is not None:
             tracking.start(study, config.command)
