@@ -137,6 +137,8 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     result["input_dim"] = x.dim() if isinstance(x, torch.Tensor) else None
     result["input_shape"] = list(workload.input_shape)
     result["num_parameters"] = sum(p.numel() for p in workload.model.parameters())
+    # what a first torch.compile is expected to cost grows with them (autotune.search.budget)
+    result["num_leaf_modules"] = sum(1 for m in workload.model.modules() if next(m.children(), None) is None)
     # what one sample is: a language model's tokens/s is samples/s times tokens_per_sample
     result.update(sample_unit=workload.sample_unit, tokens_per_sample=workload.tokens_per_sample)
     result["misaligned"] = {str(m): misaligned_layers(workload.model, m) for m in (8, 16)}
@@ -161,7 +163,7 @@ class _Steps:
         torch.manual_seed(seed)
         self.workload = build(spec)
         model = self.workload.model
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+        optimizer = self.workload.optimizer(model)
         self.model, self.optimizer = cfg.prepare(model, optimizer)
         self.step = cfg.train_step(self.model, self.optimizer, self.workload.loss_fn)
         self.feed = LoaderFeed(data_spec, self.workload, cfg, seed) if data_spec else None
