@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from autotune.workload.hub import hf_config, parse_model_config, random_tokens  # noqa: E402  (the search's own)
+from autotune.workload.hub import hf_config, nanogpt_adamw, parse_model_config, random_tokens  # noqa: E402  (the search's own)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,11 +56,8 @@ def build(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimi
     config = hf_config(f"hf:{args.model_type}", parse_model_config(args.model_config))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(args.device).train()
-    decay = [p for p in model.parameters() if p.dim() >= 2]  # nanoGPT: no decay on biases and norms
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95), fused=args.device == "cuda")
-    return model, optimizer
+    # nanoGPT's AdamW (no decay on biases and norms), the one the search trains language models with
+    return model, nanogpt_adamw(model, fused=args.device == "cuda")
 
 
 def attention_kernel(device: str) -> contextlib.AbstractContextManager[Any]:

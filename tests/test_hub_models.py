@@ -48,6 +48,20 @@ def test_hf_gpt2_builds_offline_and_trains_a_step(monkeypatch):
     assert spec.short_name == "gpt2"
 
 
+def test_language_models_train_with_nanogpts_adamw_and_image_models_with_sgd():
+    """A trial's optimizer is the workload's: an hf: model's step times include AdamW's update (the
+    hand-written baseline's optimizer, scripts/lm_baseline.py), a torchvision model's SGD's."""
+    lm = build(WorkloadSpec(model="hf:gpt2", model_config=dict(TINY), seq_len=8))
+    opt = lm.optimizer(lm.model)
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["lr"] == 6e-4 and opt.defaults["betas"] == (0.9, 0.95)
+    decayed, plain = opt.param_groups
+    assert decayed["weight_decay"] == 0.1 and all(p.dim() >= 2 for p in decayed["params"])
+    assert plain["weight_decay"] == 0.0 and all(p.dim() < 2 for p in plain["params"])
+    assert len(decayed["params"]) + len(plain["params"]) == len(list(lm.model.parameters()))
+    cnn = build(WorkloadSpec(model="resnet18", input_shape=(3, 32, 32), num_classes=10))
+    assert type(cnn.optimizer(cnn.model)) is torch.optim.SGD
+
+
 def test_hf_loss_works_under_autocast():
     workload = build(WorkloadSpec(model="hf:gpt2", model_config=dict(TINY), seq_len=8))
     x, y = workload.batch(2, torch.Generator().manual_seed(1))

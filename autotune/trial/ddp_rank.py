@@ -137,7 +137,7 @@ class _Run:
 
         torch.manual_seed(seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
         workload = build(spec)
-        optimizer = torch.optim.SGD(workload.model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+        optimizer = workload.optimizer(workload.model)
         self.model, self.optimizer = cfg.prepare(workload.model, optimizer)
         self.step = cfg.train_step(self.model, self.optimizer, workload.loss_fn)
         # each rank trains on its own shard of the data, as a DistributedSampler gives it

@@ -171,6 +171,16 @@ def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
+def nanogpt_adamw(model: torch.nn.Module, *, fused: bool | None = None) -> torch.optim.Optimizer:
+    """AdamW as nanoGPT trains a GPT: lr 6e-4, betas (0.9, 0.95), weight decay 0.1 on the weight
+    matrices and embeddings, none on biases and norms. The search trains language models with it,
+    so their step times include the optimizer their users run."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95), fused=fused)
+
+
 def build_hf(model: str, model_config: dict[str, Any], seq_len: int | None) -> dict[str, Any]:
     """The Workload fields of an hf: model: the model (random weights), its batches and loss, and
     its units (a sample is a sequence of seq_len tokens)."""
@@ -183,7 +193,7 @@ def build_hf(model: str, model_config: dict[str, Any], seq_len: int | None) -> d
     vocab = int(config.vocab_size)
     return {"model": net, "make_batch": functools.partial(random_tokens, vocab_size=vocab, seq_len=length),
             "loss_fn": causal_lm_loss, "input_shape": (length,), "num_classes": vocab,
-            "sample_unit": "sequence", "tokens_per_sample": length}
+            "sample_unit": "sequence", "tokens_per_sample": length, "make_optimizer": nanogpt_adamw}
 
 
 def build_timm(model: str, num_classes: int, input_shape: tuple[int, ...] | None) -> dict[str, Any]:

@@ -41,6 +41,15 @@ class Workload:
     tokens_per_sample: int | None = None
     """Tokens in one sample (a language model's sequence length): tokens/s is samples/s times
     this; None: the samples are not token sequences."""
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None
+    """model -> the optimizer a trial trains it with (its implementation is then the optimizer
+    knob's); None: SGD with momentum, as image classifiers are trained."""
+
+    def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """The optimizer a trial steps: ``make_optimizer``'s, else SGD (lr 0.01, momentum 0.9)."""
+        if self.make_optimizer is not None:
+            return self.make_optimizer(model)
+        return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
 
     def batch(self, batch_size: int, generator: torch.Generator) -> tuple[Any, torch.Tensor]:
         """One synthetic batch on the CPU: random normal inputs (never zeros, which can run
