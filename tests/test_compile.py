@@ -239,7 +239,8 @@ def test_a_compile_that_would_end_past_the_budget_is_not_started_and_its_eager_t
 
     monkeypatch.setattr("autotune.search.objective.run_worker", fake_worker)
     objective = Objective(space=CPU_SPACE, workload=TINY.to_dict(), measure={}, input_on_device=False, seed=0,
-                          trial_timeout_s=100.0, deadline=time.time() + 40.0)
+                          trial_timeout_s=100.0, deadline=time.time() + 40.0,
+                          screen_compiles=False)  # this rule alone (eager screening: tests/test_screening.py)
     objective.walls, objective.compile_prior_s = [(5.0, False)], 60.0  # a compile: about 65 s; 40 s left
     study = optuna.create_study(direction="maximize")
     study.enqueue_trial({"compile.mode": "default", "batch_size.batch_size": 8}, user_attrs={"role": "known-good"})

@@ -12,6 +12,7 @@ from optuna.trial import TrialState
 
 import strategies
 from autotune import stop
+from autotune.search.screening import screen_eagerly
 from autotune.search.trials import planned_params
 from autotune.trial.instruments import cache_outcome
 from autotune.trial.record import TrialRecord, copy, queue_attrs, write
@@ -67,7 +68,8 @@ class Objective:
                  misaligned: list[str] | None = None, steer: bool = True, goal=None,
                  data: str | None = None, prestart_workers: bool = False,
                  memory_limit_bytes: int | None = None, device_memory_bytes: int | None = None,
-                 early_stop_below: float = 0.0, on_phase: Callable[[str], None] | None = None) -> None:
+                 early_stop_below: float = 0.0, on_phase: Callable[[str], None] | None = None,
+                 screen_compiles: bool = True) -> None:
         from autotune.search.goal import goal as goal_named
 
         self.space = space
@@ -104,6 +106,9 @@ class Objective:
         self.early_stop_below = early_stop_below
         """A trial whose warm-up runs below this share of the best throughput so far is stopped
         (multi-fidelity screening); 0: never."""
+        self.screen_compiles = screen_compiles
+        """Compile a configuration only once its eager twin ran among the fastest
+        (autotune.search.screening); replayed trials are measured as they were either way."""
         self.walls: list[tuple[float, bool]] | None = None
         """This run's measured trial walls ``(seconds, compiled)`` (the stop rule's), which tell
         whether a compiled trial can still end within the budget; None: not judged."""
@@ -123,6 +128,9 @@ class Objective:
         if previous is not None:
             return self._reuse(trial, previous)
         self._prune_if_it_cannot_fit(trial)
+        if self.screen_compiles and TrialRecord.of(trial).role != "replayed":
+            screen_eagerly(trial, self.space, compile_mode=knobs["compile"].mode, maximize=self.goal.maximize,
+                           unit=self.goal.unit)
         self._skip_a_compile_past_the_budget(trial, knobs)
         request = self._request(trial, knobs)
         log_path = self.log_dir / f"trial-{trial.number:04d}.log" if self.log_dir else None

@@ -30,6 +30,7 @@ from autotune.search.options import (
 )
 from autotune.search.outputs import check_writable, write_outputs
 from autotune.search.runlog import run_log
+from autotune.search.screening import CompileFinalist
 from autotune.search.seeds import SeedFeeder
 from autotune.search.space import build_space, check_ddp, probe
 from autotune.search.storage import open_storage
@@ -103,8 +104,12 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         artifacts = Artifacts(out_dir)  # each trial's log and trace, for optuna-dashboard
         if tracking is not None:
             tracking.start(study, config.command)
+        # eager screening: the fastest eager configuration is queued compiled (not under --replay,
+        # which measures an earlier search's configurations as they were)
+        finalist = [] if config.replay else [CompileFinalist(space, target.maximize)]
         interrupted = _optimize(config, study, artifacts.wrap(objective), shared, gpu_pool,
-                                [SeedFeeder(), stop_rule] + ([tracking] if tracking is not None else []), started)
+                                [SeedFeeder(), *finalist, stop_rule] + ([tracking] if tracking is not None else []),
+                                started)
         if gate is not None and interrupted is None:
             # the recommendation must have passing accuracy evidence: check the fastest trials
             # that have none, fastest first, until one passes

@@ -1,0 +1,101 @@
+"""Eager screening (autotune.search.screening): a configuration is compiled only once its eager twin
+ran among the fastest, and the fastest eager configuration is queued compiled."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from autotune.deploy.space import SearchSpace
+from autotune.search.objective import Objective
+from autotune.search.screening import SCREEN_SHARE, CompileFinalist
+from autotune.workload.models import WorkloadSpec
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+SPACE = SearchSpace(device="cpu", batch_sizes=[8, 16, 32], base_batch_size=8, compile_modes=["off", "default"])
+TINY = WorkloadSpec(model="fake_models:tiny_cnn", input_shape=(3, 16, 16), num_classes=10)
+SPEED = {8: 100.0, 16: 200.0, 32: 300.0}
+"""samples/s of each batch, eager; compiled runs 1.3x faster."""
+
+
+@pytest.fixture
+def ran(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str]]:
+    """The (batch, compile mode) of each trial that reached a worker, in order."""
+    seen: list[tuple[int, str]] = []
+
+    def fake_worker(request, *, timeout_s, log_path, spare=False, on_progress=None):
+        batch, mode = request["knobs"]["batch_size"]["batch_size"], request["knobs"]["compile"]["mode"]
+        seen.append((batch, mode))
+        rate = SPEED[batch] * (1.3 if mode != "off" else 1.0)
+        figures = {"samples_per_s": rate, "step_time_ms": 1e3 * batch / rate, "peak_memory_bytes": 1,
+                   "warmup_s": 1.0, "measure_s": 2.0, "build_s": 0.5, "compile_s": 20.0 if mode != "off" else 0.0,
+                   "loss_finite": True}
+        return {"status": "ok", "figures": figures, "wall_s": 3.0, "worker_start_s": 0.1}
+
+    monkeypatch.setattr("autotune.search.objective.run_worker", fake_worker)
+    return seen
+
+
+def _objective() -> Objective:
+    return Objective(space=SPACE, workload=TINY.to_dict(), measure={}, input_on_device=False, seed=0,
+                     trial_timeout_s=100.0)
+
+
+def _params(batch: int, mode: str) -> dict:
+    return {"batch_size.batch_size": batch, "compile.mode": mode}
+
+
+def test_a_compile_waits_for_its_eager_twin_which_is_measured_first(ran) -> None:
+    study = optuna.create_study(direction="maximize")
+    study.enqueue_trial(_params(16, "default"), user_attrs={"role": "known-good"})
+    study.optimize(_objective(), n_trials=2)
+    first, twin = study.trials
+    assert first.state == TrialState.PRUNED and "status" not in first.user_attrs  # unstarted, uncounted
+    assert first.user_attrs["reason"].startswith("screened eagerly first: its eager twin (compile off)")
+    assert twin.params["compile.mode"] == "off" and twin.params["batch_size.batch_size"] == 16
+    assert twin.user_attrs["steered_by"] == {"trial": 0, "rule": "screen eagerly"}
+    assert ran == [(16, "off")]
+    # measured and the fastest eager: the compiled configuration runs now
+    study.enqueue_trial(_params(16, "default"))
+    study.optimize(_objective(), n_trials=1)
+    assert ran == [(16, "off"), (16, "default")] and study.trials[-1].state == TrialState.COMPLETE
+
+
+def test_a_configuration_whose_eager_twin_is_far_from_the_fastest_is_not_compiled(ran) -> None:
+    study = optuna.create_study(direction="maximize")
+    for batch in (8, 32):
+        study.enqueue_trial(_params(batch, "off"))
+    study.enqueue_trial(_params(8, "default"))  # its twin: 100 of the fastest 300 samples/s
+    study.optimize(_objective(), n_trials=3)
+    skipped = study.trials[2]
+    assert 100.0 < SCREEN_SHARE * 300.0
+    assert skipped.state == TrialState.PRUNED
+    assert skipped.user_attrs["reason"] == ("not compiled: its eager twin #0 measured 100 samples/s, beyond 90% "
+                                            "of the fastest eager #1 (300)")
+    assert ran == [(8, "off"), (32, "off")]
+
+
+def test_the_fastest_eager_configuration_is_queued_compiled_once(ran) -> None:
+    study = optuna.create_study(direction="maximize")
+    for batch in (8, 32, 16):
+        study.enqueue_trial(_params(batch, "off"), user_attrs={"role": "known-good"})
+    finalist = CompileFinalist(SPACE, maximize=True)
+    study.optimize(_objective(), n_trials=5, callbacks=[finalist])
+    # once the queued eager candidates ran, the fastest of them (batch 32) is queued compiled, once
+    assert ran[:4] == [(8, "off"), (32, "off"), (16, "off"), (32, "default")]
+    assert ran.count((32, "default")) == 1 and (8, "default") not in ran
+    compiled = next(t for t in study.trials if t.params.get("compile.mode") == "default")
+    assert compiled.user_attrs["steered_by"] == {"trial": 1, "rule": "compile the fastest eager"}
+    assert compiled.state == TrialState.COMPLETE and compiled.value == pytest.approx(390.0)
+
+
+def test_without_compile_in_the_space_nothing_is_queued() -> None:
+    study = optuna.create_study(direction="maximize")
+    eager_only = SearchSpace(device="cpu", batch_sizes=[8, 16], base_batch_size=8)
+    study.add_trial(optuna.trial.create_trial(params={"batch_size.batch_size": 16}, value=5.0,
+                                              distributions={"batch_size.batch_size":
+                                                             optuna.distributions.CategoricalDistribution([8, 16])}))
+    CompileFinalist(eager_only, maximize=True)(study, study.trials[0])
+    assert not study.get_trials(states=(TrialState.WAITING,))
