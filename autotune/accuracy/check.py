@@ -97,6 +97,12 @@ def _build(spec, knobs: Mapping[str, Any], space, settings: AccuracySettings):
     return workload, recipe
 
 
+def max_retries(steps: int) -> int:
+    """How many steps the GradScaler skipped are taken again on their batch in one run: enough for
+    its calibration from the initial scale (16 halvings), bounded for a run that overflows throughout."""
+    return max(16, steps // 4)
+
+
 def train_run(spec, knobs: Mapping[str, Any], space, settings: AccuracySettings, data, *,
               order_seed: int | None = None, label: str = "training") -> dict[str, Any]:
     """``settings.steps`` optimizer steps of the configuration, then the held-out evaluation.
@@ -129,26 +135,36 @@ def train_run(spec, knobs: Mapping[str, Any], space, settings: AccuracySettings,
 
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
         scaler = runtime.grad_scaler(recipe)
-        losses, skipped = [], 0
+        losses, skipped, taken = [], 0, 0
+        retries_left = max_retries(settings.steps)
         every = max(1, settings.steps // 50)
         for step, indices in enumerate(batch_order(len(data.train), settings.batch_size, settings.steps,
                                    settings.seed if order_seed is None else order_seed)):
             if step % every == 0:
                 progress.say(label, step, settings.steps)
             x, y = _to(collate(data.train, indices), device, recipe)
-            optimizer.zero_grad(set_to_none=True)
-            with runtime.autocast(recipe):
-                loss = workload.loss_fn(logits(model(x)), y)
-            scaler.scale(loss).backward()
-            scale_before = scaler.get_scale() if scaler.is_enabled() else None
-            scaler.step(optimizer)
-            scaler.update()
+            while True:
+                optimizer.zero_grad(set_to_none=True)
+                with runtime.autocast(recipe):
+                    loss = workload.loss_fn(logits(model(x)), y)
+                scaler.scale(loss).backward()
+                scale_before = scaler.get_scale() if scaler.is_enabled() else None
+                scaler.step(optimizer)
+                scaler.update()
+                applied = scale_before is None or scaler.get_scale() >= scale_before
+                taken += applied
+                if not applied:
+                    skipped += 1  # the scaler found inf/NaN gradients and skipped this step
+                if applied or retries_left == 0:
+                    break
+                # a skipped step is taken again on the same batch at the lowered scale, so the run
+                # makes FP32's optimizer steps on its batches and schedule: in a short check the
+                # scaler's first few skips (from 65,536 down) would otherwise be a share of its steps
+                retries_left -= 1
             with warnings.catch_warnings():
                 # after a step the GradScaler skipped, torch warns that the schedule moved first
                 warnings.simplefilter("ignore", UserWarning)
                 schedule.step()
-            if scale_before is not None and scaler.get_scale() < scale_before:
-                skipped += 1  # the scaler found inf/NaN gradients and skipped this step
             losses.append(loss.detach().float())
         curve = torch.stack(losses).cpu()
         params_finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
@@ -166,6 +182,8 @@ def train_run(spec, knobs: Mapping[str, Any], space, settings: AccuracySettings,
         "nonfinite_losses": int((~finite).sum()),
         "params_finite": params_finite,
         "skipped_steps": skipped,
+        "retried_steps": max_retries(settings.steps) - retries_left,
+        "taken_steps": taken,
         "final_scale": scaler.get_scale() if scaler.is_enabled() else None,
         "loss_curve": [float(v) for v in curve[:: max(1, len(curve) // 20)]],
         "wall_s": round(time.perf_counter() - started, 3),

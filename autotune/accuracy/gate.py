@@ -44,6 +44,8 @@ def judge(run: Mapping[str, Any], reference: Mapping[str, Any], *, max_accuracy_
         "final_loss": run.get("final_loss"),
         "reference_final_loss": reference.get("final_loss"),
         "skipped_steps": run.get("skipped_steps"),
+        "retried_steps": run.get("retried_steps"),
+        "taken_steps": run.get("taken_steps"),
         "final_scale": run.get("final_scale"),
         "nonfinite_losses": run.get("nonfinite_losses"),
         "numerics": run.get("numerics"),
@@ -103,8 +105,10 @@ def _instability(run: Mapping[str, Any]) -> str | None:
         return f"the training loss was NaN/Inf in {run['nonfinite_losses']} of {steps} steps"
     if run.get("params_finite") is False:
         return "the weights became NaN/Inf during training"
-    if (run.get("skipped_steps") or 0) > MAX_SKIPPED_FRACTION * steps:
-        return (f"the GradScaler skipped {run['skipped_steps']} of {steps} steps (gradients overflowed; final "
+    # skipped steps taken again on their batch were made in the end (autotune.accuracy.check)
+    not_taken = (run.get("skipped_steps") or 0) - (run.get("retried_steps") or 0)
+    if not_taken > MAX_SKIPPED_FRACTION * steps:
+        return (f"the GradScaler skipped {not_taken} of {steps} steps (gradients overflowed; final "
                 f"scale {run.get('final_scale'):g}), so the model barely trained")
     final, initial = run.get("final_loss"), run.get("initial_loss")
     if final is not None and initial is not None and math.isfinite(initial) and final > DIVERGED_FACTOR * initial:
