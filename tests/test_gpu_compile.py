@@ -131,11 +131,11 @@ def test_compile_modes_run_and_record_compile_s(mode: str) -> None:
     # in a trial's own fresh worker, as the search runs it: in this test process Dynamo reused what
     # the tests before had compiled for the same model, even after torch._dynamo.reset() (seen on
     # the H200: 0 graphs compiled), and a worker has nothing to reuse
-    result = _trial("fake_models:tiny_cnn", {"precision.mode": "bf16", "memory_format.format": "channels_last",
-                                             "compile.mode": mode}, 32, input_shape=(3, 32, 32), num_classes=10)
+    result = _trial("fake_models:tiny_cnn_module", {"precision.mode": "bf16", "memory_format.format": "channels_last",
+                                                    "compile.mode": mode}, 32, input_shape=(3, 32, 32), num_classes=10)
     f = result["figures"]
     print(f"\ncompile {mode}: {f['compiled_graphs']} graphs, compile_s {f['compile_s']:.1f} s, "
-          f"step {f['step_time_ms']:.2f} ms, setup steps {f['num_setup_steps']}")
+          f"step {f['step_time_ms']:.2f} ms, setup steps {f['num_setup_steps']}, cache {f.get('compile_cache')}")
     assert f["compiled_graphs"] >= 1 and f["num_setup_steps"] >= 1 and f["loss_finite"]
     assert f["compile_s"] > 10 * f["step_time_ms"] / 1e3  # the compile is recorded apart from the steps
 
