@@ -22,7 +22,8 @@ from autotune.report.export import trials_frame
 from autotune.trial.instruments import cache_outcome
 from autotune.trial.runner import run_worker
 from autotune.deploy.space import SearchSpace
-from autotune.search.budget import compile_prior_s, estimate_next_wall, expected_wall
+from autotune.search.budget import estimate_next_wall
+from autotune.search.walls import compile_prior_s, expected_wall
 from autotune.search.options import SearchConfig
 from autotune.search.space import build_space
 from autotune.workload.models import WorkloadSpec

@@ -155,12 +155,12 @@ def _trial(model: str, params: dict, batch: int, input_shape=None, num_classes: 
 
 
 def test_worker_trial_with_compile_and_cuda_graphs() -> None:
-    result = _trial("fake_models:tiny_cnn", {"precision.mode": "bf16", "memory_format.format": "channels_last",
-                                             "optimizer.implementation": "fused", "compile.mode": "default",
-                                             "cuda_graphs.enabled": True}, 256, input_shape=(3, 32, 32),
+    result = _trial("fake_models:tiny_cnn_module", {"precision.mode": "bf16", "memory_format.format": "channels_last",
+                                                    "optimizer.implementation": "fused", "compile.mode": "default",
+                                                    "cuda_graphs.enabled": True}, 256, input_shape=(3, 32, 32),
                     num_classes=10)
     f = result["figures"]
-    assert f["compile_s"] > 0 and f["num_setup_steps"] == 4 and f["loss_finite"]
+    assert f["compile_s"] > 0 and f["num_setup_steps"] == 4 and f["loss_finite"] and f["compiled_graphs"] >= 1
     assert result["knobs"]["cuda_graphs"] == {"enabled": True}
 
 

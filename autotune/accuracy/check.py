@@ -97,6 +97,22 @@ def _build(spec, knobs: Mapping[str, Any], space, settings: AccuracySettings):
     return workload, recipe
 
 
+def _one_optimizer_step(model, optimizer, scaler, workload, recipe, x, y):
+    """Forward, backward and the scaler's step on one batch: (the loss, whether the optimizer step
+    was taken: the scaler did not lower its scale to skip it)."""
+    from autotune.deploy import runtime
+    from autotune.workload.models import logits
+
+    optimizer.zero_grad(set_to_none=True)
+    with runtime.autocast(recipe):
+        loss = workload.loss_fn(logits(model(x)), y)
+    scaler.scale(loss).backward()
+    scale_before = scaler.get_scale() if scaler.is_enabled() else None
+    scaler.step(optimizer)
+    scaler.update()
+    return loss, scale_before is None or scaler.get_scale() >= scale_before
+
+
 def max_retries(steps: int) -> int:
     """How many steps the GradScaler skipped are taken again on their batch in one run: enough for
     its calibration from the initial scale (16 halvings), bounded for a run that overflows throughout."""
@@ -115,7 +131,6 @@ def train_run(spec, knobs: Mapping[str, Any], space, settings: AccuracySettings,
     from autotune.deploy import runtime
     from autotune.deploy.recipe import backend_flags
     from autotune.workload.data import batch_order, collate
-    from autotune.workload.models import logits
 
     started = time.perf_counter()
     workload, recipe = _build(spec, knobs, space, settings)
@@ -143,23 +158,14 @@ def train_run(spec, knobs: Mapping[str, Any], space, settings: AccuracySettings,
             if step % every == 0:
                 progress.say(label, step, settings.steps)
             x, y = _to(collate(data.train, indices), device, recipe)
+            # a step the scaler skipped (inf/NaN gradients) is taken again on the same batch at the
+            # lowered scale, so the run makes FP32's optimizer steps on its batches and schedule: in a
+            # short check the scaler's first skips (from 65,536 down) would otherwise be a share of it
             while True:
-                optimizer.zero_grad(set_to_none=True)
-                with runtime.autocast(recipe):
-                    loss = workload.loss_fn(logits(model(x)), y)
-                scaler.scale(loss).backward()
-                scale_before = scaler.get_scale() if scaler.is_enabled() else None
-                scaler.step(optimizer)
-                scaler.update()
-                applied = scale_before is None or scaler.get_scale() >= scale_before
-                taken += applied
-                if not applied:
-                    skipped += 1  # the scaler found inf/NaN gradients and skipped this step
+                loss, applied = _one_optimizer_step(model, optimizer, scaler, workload, recipe, x, y)
+                taken, skipped = taken + applied, skipped + (not applied)
                 if applied or retries_left == 0:
                     break
-                # a skipped step is taken again on the same batch at the lowered scale, so the run
-                # makes FP32's optimizer steps on its batches and schedule: in a short check the
-                # scaler's first few skips (from 65,536 down) would otherwise be a share of its steps
                 retries_left -= 1
             with warnings.catch_warnings():
                 # after a step the GradScaler skipped, torch warns that the schedule moved first

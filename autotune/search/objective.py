@@ -14,6 +14,7 @@ import strategies
 from autotune import stop
 from autotune.search.screening import screen_eagerly
 from autotune.search.trials import planned_params
+from autotune.search.walls import expected_wall
 from autotune.trial.instruments import cache_outcome
 from autotune.trial.record import TrialRecord, copy, queue_attrs, write
 from autotune.trial.runner import run_worker
@@ -186,8 +187,6 @@ class Objective:
         """Prune, unstarted, a compiled configuration expected to end past the budget while an eager
         trial still fits, and queue its eager twin (the same knobs, compile off) in its place: the
         end of a budget goes to trials that can finish, not to a compile cut short."""
-        from autotune.search.budget import expected_wall
-
         if self.deadline is None or self.walls is None or knobs["compile"].mode == "off":
             return
         left = self.deadline - time.time()

@@ -17,7 +17,7 @@ from autotune import stop
 from autotune.deploy.space import SearchSpace
 from autotune.errors import ConfigError
 from autotune.search.artifacts import Artifacts
-from autotune.search.budget import StopRule, compile_prior_s, deadline
+from autotune.search.budget import StopRule, deadline
 from autotune.search.distributed import SharedStudy
 from autotune.search.goal import Goal, goal, nvml_refusal
 from autotune.search.objective import Objective, TrialFailed
@@ -36,6 +36,7 @@ from autotune.search.space import build_space, check_ddp, probe
 from autotune.search.storage import open_storage
 from autotune.search.study import SearchLock, prepare_study, recover_dead_trials
 from autotune.search.trials import counted_trials
+from autotune.search.walls import compile_prior_s
 from autotune.trial.gpus import GpuPool, pinned, probe_view
 from autotune.trial.measure import MeasureSettings
 from autotune.trial.runner import discard_spares, forks, prestart_setting, start_spare
@@ -104,12 +105,11 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         artifacts = Artifacts(out_dir)  # each trial's log and trace, for optuna-dashboard
         if tracking is not None:
             tracking.start(study, config.command)
-        # eager screening: the fastest eager configuration is queued compiled (not under --replay,
-        # which measures an earlier search's configurations as they were)
-        finalist = [] if config.replay else [CompileFinalist(space, target.maximize)]
+        # the fastest eager configuration is queued compiled (not under --replay: it measures an
+        # earlier search's configurations as they were)
+        callbacks = [SeedFeeder(), *([] if config.replay else [CompileFinalist(space, target.maximize)]), stop_rule]
         interrupted = _optimize(config, study, artifacts.wrap(objective), shared, gpu_pool,
-                                [SeedFeeder(), *finalist, stop_rule] + ([tracking] if tracking is not None else []),
-                                started)
+                                callbacks + ([tracking] if tracking is not None else []), started)
         if gate is not None and interrupted is None:
             # the recommendation must have passing accuracy evidence: check the fastest trials
             # that have none, fastest first, until one passes
