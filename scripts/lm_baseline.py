@@ -30,7 +30,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from autotune.workload.hub import hf_config, nanogpt_adamw, parse_model_config, random_tokens  # noqa: E402  (the search's own)
+from autotune.workload.hub import (  # noqa: E402  (the search's own)
+    causal_sdpa, hf_config, nanogpt_adamw, parse_model_config, random_tokens)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,7 +56,8 @@ def build(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimi
 
     config = hf_config(f"hf:{args.model_type}", parse_model_config(args.model_config))
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(args.device).train()
+    # SDPA with is_causal=True and no mask, as nanoGPT calls it (flash attention, also compiled)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=causal_sdpa()).to(args.device).train()
     # nanoGPT's AdamW (no decay on biases and norms), the one the search trains language models with
     return model, nanogpt_adamw(model, fused=args.device == "cuda")
 

@@ -171,6 +171,27 @@ def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
+CAUSAL_SDPA = "autotune_causal_sdpa"
+"""A transformers attention implementation: SDPA with ``is_causal=True`` and no mask built, as
+nanoGPT calls it. transformers' own "sdpa" builds the causal mask as a tensor while torch.compile
+traces (its skip of the mask is off under tracing), and SDPA's flash kernel refuses a mask: the
+hand-written baseline's flash attention failed to compile so on the H200 (transformers 5.17)."""
+
+
+def causal_sdpa() -> str:
+    """Register CAUSAL_SDPA with transformers (once; valid for causal models fed whole, unpadded
+    sequences, as the search's random tokens are) and return its name for ``attn_implementation``."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling, is_causal=True)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register(CAUSAL_SDPA, attention)
+    AttentionMaskInterface.register(CAUSAL_SDPA, lambda *args, **kwargs: None)  # no mask: is_causal says it
+    return CAUSAL_SDPA
+
+
 def nanogpt_adamw(model: torch.nn.Module, *, fused: bool | None = None) -> torch.optim.Optimizer:
     """AdamW as nanoGPT trains a GPT: lr 6e-4, betas (0.9, 0.95), weight decay 0.1 on the weight
     matrices and embeddings, none on biases and norms. The search trains language models with it,
