@@ -122,6 +122,7 @@ def fake_worker(request, timeout_s=None, log_path=None, spare=False, on_progress
     return {"status": "ok", "figures": figures, "knobs": knobs, "wall_s": 0.1, "worker_start_s": 0.0}
 
 
+@pytest.mark.slow  # a whole run_search (probe and workers faked): ~10 s on 2 cores
 @pytest.mark.parametrize("steer", [True, False])
 def test_only_a_steered_search_fixes_knobs(tmp_path, monkeypatch, steer):
     import autotune.search.objective

@@ -127,6 +127,7 @@ FIGURE = {"throughput": lambda t: t.user_attrs["figures"]["samples_per_s"],
           "energy": lambda t: t.user_attrs["energy"]["joules_per_sample"]}
 
 
+@pytest.mark.slow  # a whole run_search (probe and workers faked): ~10 s on 2 cores
 @pytest.mark.parametrize("objective", ["throughput", "memory", "energy"])
 def test_the_best_and_the_export_rank_by_the_objective(tmp_path, monkeypatch, objective):
     result = fake_search(tmp_path, monkeypatch, objective)

@@ -90,12 +90,14 @@ def test_the_search_says_what_its_run_cost_outside_the_trials(report):
     assert 0 < probe < run and 0 < export < run and probe + export < run
 
 
+@pytest.mark.slow  # the module's report comes from one real search (tiny_search)
 def test_files(report):
     assert set(report.files) == {"report.html", "report.md"}
     assert report.files["report.html"] == report.out / "report.html"
     assert all(p.stat().st_size > 0 for p in report.files.values())
 
 
+@pytest.mark.slow  # the module's report comes from one real search (tiny_search)
 def test_html_opens_offline(report):
     page = report.html
     assert not re.search(r"https?://", page)
@@ -106,6 +108,7 @@ def test_html_opens_offline(report):
     assert page.count("<script") == 1, "one small inline script: the table sorting"
 
 
+@pytest.mark.slow  # the module's report comes from one real search (tiny_search)
 def test_summary_figures_match_config(report):
     page, config = report.html, report.config
     assert config["workload"]["model"] in page
@@ -121,6 +124,7 @@ def test_summary_figures_match_config(report):
     assert f"{cost['num_trials']} trials ({cost['num_measured']} measured{early})" in page
 
 
+@pytest.mark.slow  # the module's report comes from one real search (tiny_search)
 def test_every_trial_in_the_table(report):
     assert sorted(table_numbers(report.html)) == [t.number for t in report.study.trials]
     headers = re.findall(r'<th data-key="([^"]+)"', report.html)
@@ -129,6 +133,7 @@ def test_every_trial_in_the_table(report):
         assert key in headers
 
 
+@pytest.mark.slow  # the module's report comes from one real search (tiny_search)
 def test_reproduce(report):
     reproduce = section(report.html, "reproduce")
     assert html.escape(report.config["command"]) in reproduce
@@ -140,6 +145,7 @@ def test_reproduce(report):
     compile(snippet, "snippet", "exec")
 
 
+@pytest.mark.slow  # the module's report comes from one real search (tiny_search)
 def test_plots_are_inline_svg(report):
     found = plots(report.html)
     for name in ("throughput-memory", "knob-precision-memory_format", "batch-size"):
@@ -150,6 +156,7 @@ def test_plots_are_inline_svg(report):
     assert set(found) & {"speed-accuracy", "energy", "profile"} == set()
 
 
+@pytest.mark.slow  # the module's report comes from one real search (tiny_search)
 def test_sections_not_measured_say_so(report):
     for name in ("speed-accuracy", "energy", "profile", "findings"):
         part = section(report.html, name)
@@ -159,6 +166,7 @@ def test_sections_not_measured_say_so(report):
     assert f"Accuracy:** {NOT_MEASURED}" in report.md
 
 
+@pytest.mark.slow  # the module's report comes from one real search (tiny_search)
 def test_optional_sections_render_when_measured(report, tmp_path):
     def extra(t):
         if t.state != TrialState.COMPLETE:
@@ -201,6 +209,7 @@ def test_optional_sections_render_when_measured(report, tmp_path):
     assert "## Findings" in md and "\\<b\\>channels\\_last" not in md and "\\<b\\>channels_last\\</b\\>" in md
 
 
+@pytest.mark.slow  # the module's report comes from one real search (tiny_search)
 def test_markdown_has_the_main_tables(report):
     md, config = report.md, report.config
     best, base = config["study"]["trial_number"], config["baseline"]["trial_number"]
@@ -216,6 +225,7 @@ def test_markdown_has_the_main_tables(report):
     assert not re.search(r"<[a-zA-Z/!]", md), "GitHub-readable Markdown, no HTML"
 
 
+@pytest.mark.slow  # the module's report comes from one real search (tiny_search)
 def test_study_loads_through_optuna_alone(report):
     study, config = load(report.out)
     frame = study.trials_dataframe()

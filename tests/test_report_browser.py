@@ -21,10 +21,11 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 SCREENSHOT = ROOT / "tests" / "artifacts" / "report.png"
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.skipif(
     not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
     reason="needs Debian's chromium and chromium-driver (/usr/bin/chromium, /usr/bin/chromedriver): "
-           "apt-get install chromium chromium-driver")
+           "apt-get install chromium chromium-driver"),
+    pytest.mark.slow]  # the report comes from one real search (test_report.tiny_search) and a browser
 
 
 @pytest.fixture(scope="module")
