@@ -12,7 +12,7 @@ from optuna.trial import TrialState
 
 import strategies
 from autotune import stop
-from autotune.search.screening import screen_eagerly
+from autotune.search.screening import queue_eager_twin, screen_eagerly
 from autotune.search.trials import planned_params
 from autotune.search.walls import expected_wall
 from autotune.trial.instruments import cache_outcome
@@ -197,10 +197,7 @@ class Objective:
         text = (f"not started: a compiled trial takes about {need:.0f} s here{measured} and {left:.0f} s of "
                 "the budget are left; its eager twin is measured instead")
         write(trial, reason=text)
-        twin = {**trial.params, "compile.mode": "off"}
-        if not any(planned_params(t) == twin for t in trial.study.get_trials(deepcopy=False)):
-            trial.study.enqueue_trial(twin, user_attrs=queue_attrs(role="steered",
-                                                                   steered_by={"trial": trial.number, "rule": "budget"}))
+        queue_eager_twin(trial, self.space, rule="budget")
         raise optuna.TrialPruned(text)
 
     def _request(self, trial: optuna.Trial, knobs: dict[str, Any]) -> dict[str, Any]:

@@ -37,10 +37,24 @@ def eager_twin(params: dict[str, Any], space: SearchSpace) -> dict[str, Any]:
     return complete_params({**params, "compile.mode": "off"}, space)
 
 
+def queue_eager_twin(trial: optuna.Trial, space: SearchSpace, rule: str) -> optuna.trial.FrozenTrial | None:
+    """The trial of ``trial``'s eager twin, measured or queued; when there is none, queue one (role
+    "steered", by ``rule``) and return None."""
+    twin_params = eager_twin(trial.params, space)
+    twin = next((t for t in trial.study.get_trials(deepcopy=False)
+                 if t.number != trial.number and complete_params(planned_params(t), space) == twin_params), None)
+    if twin is None:
+        trial.study.enqueue_trial(twin_params, user_attrs=queue_attrs(
+            role="steered", steered_by={"trial": trial.number, "rule": rule}))
+    return twin
+
+
 def _fastest_eager(study: optuna.Study, maximize: bool) -> optuna.trial.FrozenTrial | None:
-    eager = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-             if t.value is not None and TrialRecord.of(t).knob("compile", "mode", "off") == "off"
-             and not TrialRecord.of(t).unstable]
+    eager = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        record = TrialRecord.of(t)
+        if t.value is not None and record.knob("compile", "mode", "off") == "off" and not record.unstable:
+            eager.append(t)
     if not eager:
         return None
     return (max if maximize else min)(eager, key=lambda t: t.value)
@@ -51,20 +65,15 @@ def screen_eagerly(trial: optuna.Trial, space: SearchSpace, *, compile_mode: str
     whose eager twin ran below SCREEN_SHARE of the fastest eager trial; return when it may compile."""
     if compile_mode == "off":
         return
-    study = trial.study
-    twin_params = eager_twin(trial.params, space)
-    twin = next((t for t in study.get_trials(deepcopy=False)
-                 if t.number != trial.number and complete_params(planned_params(t), space) == twin_params), None)
+    twin = queue_eager_twin(trial, space, RULE_SCREEN)
     if twin is None:
-        study.enqueue_trial(twin_params, user_attrs=queue_attrs(
-            role="steered", steered_by={"trial": trial.number, "rule": RULE_SCREEN}))
         _prune(trial, "screened eagerly first: its eager twin (compile off) is measured instead, and the "
                       "configuration is compiled only if that one ranks among the fastest")
     if twin.state in (TrialState.WAITING, TrialState.RUNNING):
         _prune(trial, f"screened eagerly first: its eager twin #{twin.number} is queued")
     if twin.state != TrialState.COMPLETE or twin.value is None:
         _prune(trial, f"not compiled: its eager twin #{twin.number} did not complete")
-    best = _fastest_eager(study, maximize)
+    best = _fastest_eager(trial.study, maximize)
     if best is None:
         return
     behind = twin.value < SCREEN_SHARE * best.value if maximize else twin.value * SCREEN_SHARE > best.value
