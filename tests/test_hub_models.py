@@ -30,6 +30,52 @@ def _train_step(workload, batch_size=2):
     return x, y, loss
 
 
+@pytest.mark.parametrize("model, overrides", [
+    ("hf:gpt2", TINY),
+    # grouped key/value heads: 4 query heads share 2
+    ("hf:llama", {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "intermediate_size": 64, "vocab_size": 100}),
+])
+def test_hf_causal_models_attend_with_is_causal_and_no_mask(model, overrides, monkeypatch):
+    """The search's hf: causal LMs call SDPA as nanoGPT does (is_causal=True, no mask tensor, which
+    its flash kernel refuses and transformers' own "sdpa" builds under torch.compile), and compute
+    the logits transformers' "sdpa" computes."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from autotune.workload.hub import CAUSAL_SDPA, hf_config
+
+    workload = build(WorkloadSpec(model=model, model_config=dict(overrides), seq_len=16))
+    assert workload.model.config._attn_implementation == CAUSAL_SDPA
+    calls, real = [], F.scaled_dot_product_attention
+
+    def seen(*a, **kw):
+        calls.append((kw.get("attn_mask", a[3] if len(a) > 3 else None), kw.get("is_causal")))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", seen)
+    x = torch.randint(0, workload.model.config.vocab_size, (2, 16))
+    ours = workload.model.eval()(input_ids=x).logits
+    assert calls == [(None, True)]  # one layer: one call, causal by the flag, no mask
+    monkeypatch.setattr(F, "scaled_dot_product_attention", real)
+    theirs = AutoModelForCausalLM.from_config(hf_config(model, dict(overrides)), attn_implementation="sdpa").eval()
+    theirs.load_state_dict(workload.model.state_dict())
+    assert torch.allclose(ours, theirs(input_ids=x).logits, atol=1e-5)
+
+
+def test_a_sliding_window_shorter_than_the_sequence_keeps_the_models_own_attention():
+    """Mistral attends within a window: is_causal alone would attend further back, so its own
+    attention (and its mask) stays where the window is shorter than --seq-len."""
+    tiny = {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "intermediate_size": 64, "vocab_size": 100}
+    from autotune.workload.hub import CAUSAL_SDPA
+
+    short = build(WorkloadSpec(model="hf:mistral", model_config={**tiny, "sliding_window": 8}, seq_len=16))
+    assert short.model.config._attn_implementation != CAUSAL_SDPA
+    wide = build(WorkloadSpec(model="hf:mistral", model_config={**tiny, "sliding_window": 16}, seq_len=16))
+    assert wide.model.config._attn_implementation == CAUSAL_SDPA
+
+
 def test_hf_gpt2_builds_offline_and_trains_a_step(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing may come from the hub
     spec = WorkloadSpec(model="hf:gpt2", model_config=dict(TINY), seq_len=16)

@@ -182,14 +182,35 @@ def causal_sdpa() -> str:
     """Register CAUSAL_SDPA with transformers (once; valid for causal models fed whole, unpadded
     sequences, as the search's random tokens are) and return its name for ``attn_implementation``."""
     from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling, is_causal=True)
-        return out.transpose(1, 2).contiguous(), None
+        # transformers' own SDPA call (grouped key/value heads, scaling), handed no mask: is_causal says it
+        kwargs.pop("is_causal", None)
+        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
+                                      is_causal=True, **kwargs)
 
     AttentionInterface.register(CAUSAL_SDPA, attention)
     AttentionMaskInterface.register(CAUSAL_SDPA, lambda *args, **kwargs: None)  # no mask: is_causal says it
     return CAUSAL_SDPA
+
+
+def causal_attention(config: Any, seq_len: int) -> str | None:
+    """CAUSAL_SDPA for a causal LM whose attention over ``seq_len`` tokens is plain causal (it calls
+    transformers' attention interface, and no sliding window is shorter than the sequence), so a
+    compiled step keeps SDPA's flash kernel; None where the model's own attention must stay."""
+    from transformers import AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    if cls is None or not getattr(cls, "_supports_attention_backend", False):
+        return None
+    window = getattr(config, "sliding_window", None)
+    if window is not None and window < seq_len and getattr(config, "use_sliding_window", True):
+        return None
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if kinds - {"full_attention", "sliding_attention"} or ("sliding_attention" in kinds and (window or 0) < seq_len):
+        return None
+    return causal_sdpa()
 
 
 def nanogpt_adamw(model: torch.nn.Module, *, fused: bool | None = None) -> torch.optim.Optimizer:
@@ -210,7 +231,9 @@ def build_hf(model: str, model_config: dict[str, Any], seq_len: int | None) -> d
     length = resolve_seq_len(model, config, seq_len)
     from transformers import AutoModelForCausalLM
 
-    net = AutoModelForCausalLM.from_config(config)
+    # nanoGPT's SDPA call where it is the model's own attention: transformers' "sdpa" builds the
+    # causal mask as a tensor while torch.compile traces, and SDPA's flash kernel refuses masks
+    net = AutoModelForCausalLM.from_config(config, attn_implementation=causal_attention(config, length))
     vocab = int(config.vocab_size)
     return {"model": net, "make_batch": functools.partial(random_tokens, vocab_size=vocab, seq_len=length),
             "loss_fn": causal_lm_loss, "input_shape": (length,), "num_classes": vocab,
