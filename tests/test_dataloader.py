@@ -199,8 +199,9 @@ def test_a_slow_dataset_is_data_bound_and_a_fast_one_is_not():
     assert slow["samples_per_s"] < 16 / 0.064 * 1.1, slow  # the sleeps alone cap it at 250 samples/s
     assert slow["loader_wait_share"] > 0.5, slow
     # a dataset that only indexes memory: the step never waits. Two separate windows on a shared
-    # CPU can differ by more than 10%, so a second trial settles a noisy first one
-    for attempt in range(2):
+    # CPU can differ by more than 10% (0.79x to 1.1x here on a quiet machine), so further trials
+    # settle a noisy first one
+    for attempt in range(3):
         fast = _fed_trial("test_dataloader:fast_data")
         assert fast["loader_wait_share"] < 0.2, fast  # indexing and collating only
         if not fast["data_bound"]:

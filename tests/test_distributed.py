@@ -90,8 +90,10 @@ def test_two_processes_share_one_postgres_study_and_a_killed_ones_trial_is_rerun
     total = 5
     # every trial measured in full: its assertions count completed trials, and screening on two busy
     # cores pruned the re-run once in CI
-    common = ["--model", "fake_models:tiny_cnn", *SMALL, "--trials", str(total), "--early-stop-below", "0",
-              "--storage", postgres_url, "--study-name", name]
+    # and each takes seconds (3 s timed at least), so A is seen inside a trial's first 2 s on a quiet
+    # machine too: at SMALL's 0.1 s, A ran its trials out before the kill found one (CI, 2026-12-02)
+    common = ["--model", "fake_models:tiny_cnn", *SMALL, "--min-measure-time", "3", "--trials", str(total),
+              "--early-stop-below", "0", "--storage", postgres_url, "--study-name", name]
     logs = {k: open(tmp_path / f"{k}.log", "w") for k in "ab"}
     a = _search(logs["a"], *common, "--out", str(tmp_path / "a"))
     b = _search(logs["b"], *common, "--out", str(tmp_path / "b"))
@@ -186,6 +188,7 @@ def test_a_study_of_another_gpu_model_is_refused(postgres_url, tmp_path):
     assert not optuna.load_study(study_name=name, storage=postgres_url).trials  # nothing was measured into it
 
 
+@pytest.mark.slow
 def test_of_processes_setting_up_one_study_at_once_exactly_one_does(postgres_url, tmp_path):
     for url in (postgres_url, f"sqlite:///{tmp_path / 'study.db'}"):
         name = f"claim-{uuid.uuid4().hex[:8]}"
@@ -241,6 +244,7 @@ def test_sqlite_shared_by_another_process_warns_once_with_the_postgresql_command
 
 
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")
+@pytest.mark.slow
 def test_the_wait_for_the_last_running_trial_ends_soon_after_it_finishes(tmp_path, monkeypatch):
     # --gpus: the GPU thread that finished first waits in the stop rule for the other GPU's trial,
     # and the search ends only when that wait does; with the default 10 s heartbeat the wait used

@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from autotune.trial.measure import DATA_WAIT_SHARE
 
 # thresholds: a share of the window's GPU wall time (or of NVML samples) worth acting on
 LAYOUT_SHARE = 0.05
@@ -35,7 +34,7 @@ TENSOR_CORE_MULTIPLE = {"fp16": 8, "bf16": 8, "fp8": 16}
 16 of FP8 (torch._scaled_mm's rule)."""
 VOCAB_MULTIPLE = 64
 """What vocab_padding pads a vocabulary to (nanoGPT's 50,257 -> 50,304)."""
-CONTENTION_WAIT_SHARE = DATA_WAIT_SHARE
+CONTENTION_WAIT_SHARE = 0.05
 """A data-bound step with workers that waited for its batches less than this share of the time
 was slowed by the workers' CPU use, not by their pace: the remedy is fewer of them."""
 
