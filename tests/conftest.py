@@ -11,13 +11,52 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 
 
+QUICK_TIER_CHECK = "test_the_quick_tier_passes_within_three_minutes"
+
+
+class QuickTier:
+    """What the quick tier (`-m "not slow"`) cost inside this session: when a session runs the whole
+    suite (as CI does), the quick tier's check reads these instead of running the tier again."""
+
+    started = 0.0
+    collect_s = 0.0
+    whole_suite = False
+    items: set[str] = set()
+    seconds = 0.0
+    finished: set[str] = set()
+    failed: list[str] = []
+
+
+def pytest_sessionstart(session):
+    QuickTier.started = time.monotonic()
+
+
 def pytest_collection_modifyitems(config, items):
+    # the quick tier's check goes last, after every quick test it sums
+    items.sort(key=lambda item: item.name == QUICK_TIER_CHECK)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; run `pytest -m gpu` on the GPU machine")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    QuickTier.collect_s = time.monotonic() - QuickTier.started
+    opt = session.config.option
+    QuickTier.whole_suite = (not opt.keyword and not opt.markexpr and not getattr(opt, "deselect", None)
+                             and [Path(a).resolve() for a in session.config.args] == [TESTS])
+    QuickTier.items = {item.nodeid for item in session.items if "slow" not in item.keywords}
+
+
+def pytest_runtest_logreport(report):
+    if report.nodeid in QuickTier.items:
+        QuickTier.seconds += report.duration
+        if report.failed:
+            QuickTier.failed.append(report.nodeid)
+        if report.when == "teardown":
+            QuickTier.finished.add(report.nodeid)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -125,6 +125,7 @@ def tiny_reference():
     return judged, reference
 
 
+@pytest.mark.slow
 def test_fp32_and_bf16_pass_on_a_small_model(tiny_reference):
     bf16, reference = tiny_reference
     assert reference["held_out_accuracy"] > 80  # the synthetic data is learnable in 100 CPU steps

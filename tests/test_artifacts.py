@@ -39,6 +39,7 @@ def _objective_writing_logs(log_dir: Path, fail_on: int | None = None):
     return objective
 
 
+@pytest.mark.slow
 def test_each_trials_log_and_trace_are_read_back_through_optunas_api(tmp_path):
     (tmp_path / "logs").mkdir()
     study = _study(tmp_path)

@@ -97,6 +97,7 @@ def test_small_cnn_layers_and_report() -> None:
 
 
 @pytest.mark.parametrize("multiple", [8, 16])
+@pytest.mark.slow
 def test_resnet18_matches(multiple: int) -> None:
     net = torchvision.models.resnet18(weights=None, num_classes=10).double()
     reference, model = _pair(net, multiple)

@@ -133,6 +133,7 @@ def test_compiled_model_trains_to_the_same_loss_as_eager() -> None:
 # compile time apart ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_measure_times_setup_steps_apart() -> None:
     calls = []
 

@@ -20,6 +20,7 @@ def _sleep_step(seconds: float):
     return lambda: time.sleep(seconds)
 
 
+@pytest.mark.slow
 def test_two_slow_warm_up_windows_stop_the_measurement():
     judged = []
 

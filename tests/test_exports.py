@@ -88,6 +88,7 @@ class HFNet(TinyNet):
         return {"loss": F.cross_entropy(logits.float(), labels), "logits": logits}
 
 
+@pytest.mark.slow
 def test_hf_trainer_runs_two_steps_with_the_exported_arguments(cpu_cfg: TunedConfig, tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     kwargs, unsupported = cpu_cfg.hf_training_args()
@@ -146,6 +147,7 @@ def lightning_module(pl):
     return Module()
 
 
+@pytest.mark.slow
 def test_lightning_trainer_runs_two_steps_with_the_exported_precision_and_callback(cpu_cfg: TunedConfig) -> None:
     pl = pytest.importorskip("lightning.pytorch")
     exp = cpu_cfg.lightning()

@@ -19,7 +19,7 @@ from autotune.search.machine import MACHINE_ATTR, check_resume, same_machine
 from autotune.search.outcome import explain
 from autotune.trial.process import crash_reason
 from autotune.search.options import DEFAULT_OUT
-from conftest import ROOT, run_cli, subprocess_env
+from conftest import ROOT, QuickTier, run_cli, subprocess_env
 
 HERE = {"host": "here", "machine_id": "m-here", "gpu_uuid": "GPU-1111"}
 THERE = {"host": "there", "machine_id": "m-there", "gpu_uuid": "GPU-2222"}
@@ -262,13 +262,21 @@ QUICK_TIER_LIMIT_S = 180.0
 @pytest.mark.slow
 def test_the_quick_tier_passes_within_three_minutes():
     """A test that starts searches or workers belongs in the slow tier: this keeps the quick one
-    quick (about 90 s on 2 cores when it was made)."""
+    quick (about 90 s on 2 cores when it was made, 50 s here on 2026-12-02). In a session of the
+    whole suite (CI's) it sums what the quick tests took there, collection included, rather than
+    running them a second time; run alone, it runs the quick tier."""
     import time
 
-    started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider"],
-                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=QUICK_TIER_LIMIT_S + 120)
-    elapsed = time.monotonic() - started
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    assert elapsed < QUICK_TIER_LIMIT_S, f"the quick tier took {elapsed:.0f} s:\n{proc.stdout[-2000:]}"
+    if QuickTier.whole_suite and QuickTier.items and QuickTier.finished == QuickTier.items:
+        assert not QuickTier.failed, QuickTier.failed
+        elapsed = QuickTier.collect_s + QuickTier.seconds
+        said = f"{len(QuickTier.items)} quick tests in {QuickTier.seconds:.0f} s after {QuickTier.collect_s:.0f} s of collection"
+    else:
+        started = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider"],
+                              cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
+                              timeout=QUICK_TIER_LIMIT_S + 120)
+        elapsed = time.monotonic() - started
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        said = proc.stdout[-2000:]
+    assert elapsed < QUICK_TIER_LIMIT_S, f"the quick tier took {elapsed:.0f} s:\n{said}"

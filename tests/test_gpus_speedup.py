@@ -33,6 +33,7 @@ def test_the_committed_h200_runs_summarize_to_their_figures(tmp_path):
     assert "**1.68x**" in (out / "gpus-speedup.md").read_text()
 
 
+@pytest.mark.slow
 def test_arms_that_measured_different_numbers_of_configurations_are_also_compared_at_equal_work(tmp_path):
     # the 28-trial H200 pair: the two-GPU arm repeated trial 20's configuration twice (copied, not
     # measured), so it measured 26 configurations against the one-GPU arm's 28
@@ -173,6 +174,7 @@ def test_the_44_trial_h200_pair_measured_the_same_trials_and_says_so(tmp_path):
     assert "**1.91x**" in (out / "gpus-speedup.md").read_text()
 
 
+@pytest.mark.slow
 def test_without_replay_the_two_gpu_search_took_another_path(tmp_path):
     out = tmp_path / "runs"
     shutil.copytree(RUNS_44 / "natural", out)

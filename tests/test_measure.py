@@ -32,6 +32,7 @@ class SleepStep:
         self.calls += 1
 
 
+@pytest.mark.slow
 def test_median_of_a_known_step_time() -> None:
     settings = fast_settings()
     step = SleepStep(lambda i: 10.0)

@@ -52,6 +52,7 @@ def test_a_trials_figures_become_metrics_and_its_outcome_tags():
     assert tags["autotune.state"] == "COMPLETE" and tags["autotune.trial"] == "0"
 
 
+@pytest.mark.slow
 def test_a_small_study_is_read_back_from_a_local_file_store(tmp_path, monkeypatch):
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient

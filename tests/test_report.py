@@ -301,6 +301,7 @@ def test_the_data_pipeline_line_names_the_remedy_that_fits_the_wait(wait, worker
     assert kept.startswith("the data pipeline keeps the GPU busy (loader-fed 3,211 samples/s")
 
 
+@pytest.mark.slow
 def test_a_faster_trial_whose_loss_was_not_finite_is_marked_not_chosen(tmp_path):
     """The H200 JPEG search: trial #1 (fp16 + CUDA graphs) ran fastest but ended with a NaN loss;
     trials.csv says so, the top table marks it, and the best is #2."""

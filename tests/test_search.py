@@ -239,7 +239,8 @@ def test_a_crashing_worker_fails_its_trial_and_the_study_goes_on(tmp_path):
         (["--model", "resnet5"], "did you mean resnet50"),
         (["--model", "no_such_pkg.models:build"], "cannot import module 'no_such_pkg.models'"),
         (["--model", "fake_models:tiny_cn"], "did you mean tiny_cnn"),
-        (["--model", "fake_models:not_a_model"], "must return an nn.Module"),
+        # the probe's worker process builds the model: seconds, so in the slow tier
+        pytest.param(["--model", "fake_models:not_a_model"], "must return an nn.Module", marks=pytest.mark.slow),
         (["--model", "resnet18", "--budget", "ten minutes"], "write a duration like"),
         (["--model", "resnet18", "--input-shape", "3xx4"], "CxHxW"),
         (["--model", "resnet18", "--precisions", "fp9"], "unknown mode 'fp9'"),

@@ -144,6 +144,7 @@ def test_a_run_folder_reads_as_trials_by_role_the_best_and_the_wall_clock_by_pha
     assert run["cli_phases"] == {"probe": 2.0, "final accuracy checks": 0.5, "export": 1.2}
 
 
+@pytest.mark.slow
 def test_finished_runs_are_reused_and_compared_with_the_reference(tmp_path, capsys):
     out = tmp_path / "yield"
     plant_run(out / "odd_mlp_tiny-30s", best=300.0, wall_s=45.0)
