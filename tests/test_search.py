@@ -149,8 +149,9 @@ def test_cpu_trial_workers_are_forked_with_their_imports_done(tmp_path):
 @pytest.mark.slow
 def test_resume_after_the_search_process_is_killed(tmp_path):
     out = tmp_path / "out"
+    # no accuracy check: what is resumed is the trials (the checks' own resume: test_accuracy_budget)
     args = ["search", "--model", "fake_models:slow_cnn", *SMALL, "--min-measure-time", "1.0",
-            "--trials", "5", "--out", str(out)]
+            "--no-accuracy-check", "--trials", "5", "--out", str(out)]
     env = subprocess_env()
     proc = subprocess.Popen([sys.executable, "-m", "autotune", *args], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -302,7 +303,7 @@ def test_the_budget_is_a_limit_and_a_cut_trial_is_not_lost(tmp_path):
 def test_sigterm_stops_cleanly_writes_the_outputs_and_the_next_run_resumes(tmp_path):
     out = tmp_path / "out"
     args = ["search", "--model", "fake_models:slow_cnn", *SMALL, "--min-measure-time", "1.0",
-            "--trials", "4", "--out", str(out)]
+            "--no-accuracy-check", "--trials", "4", "--out", str(out)]
     env = subprocess_env()
     proc = subprocess.Popen([sys.executable, "-m", "autotune", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
