@@ -150,6 +150,34 @@ def test_probe_counts_sdpa_calls_direct_and_inside_torch_layers():
     assert failed["sdpa_calls"] == 0 and failed["sdpa_probe_error"].startswith("RuntimeError")
 
 
+def test_the_probe_reads_a_short_prefix_of_one_sequence_and_the_whole_batch_where_the_model_needs_it():
+    """Attention's calls and head size do not depend on the length: a language model's probe forward
+    reads 32 tokens of one sequence (GPT-2 over 2 x 1,024 took 8.7 s on 2 cores); a model that
+    refuses them is counted on its whole batch."""
+    seen = []
+
+    class Recorded(fake_models.TinyLM):
+        def __init__(self, fixed: bool) -> None:
+            super().__init__(seq_len=64)
+            self.fixed = fixed
+
+        def forward(self, tokens):
+            seen.append(tuple(tokens.shape))
+            if self.fixed and tokens.shape[1] != 64:
+                raise ValueError("this model reads 64 tokens")
+            return super().forward(tokens)
+
+    tokens = torch.randint(0, 1003, (2, 64))
+    assert sdpa_calls(Recorded(fixed=False), tokens) == {"sdpa_calls": 1, "sdpa_head_dim": 16}
+    assert seen == [(1, 32)]
+    seen.clear()
+    assert sdpa_calls(Recorded(fixed=True), tokens) == {"sdpa_calls": 1, "sdpa_head_dim": 16}  # counted once
+    assert seen == [(1, 32), (2, 64)]
+    seen.clear()
+    short = torch.randint(0, 1003, (2, 16))  # no longer than the prefix: passed as it is
+    assert sdpa_calls(Recorded(fixed=False), short)["sdpa_calls"] == 1 and seen == [(2, 16)]
+
+
 @pytest.mark.slow
 def test_a_trial_whose_backend_cannot_run_is_a_recorded_error(tmp_path):
     """The worker process reports the failure (status error, the reason) instead of dying."""
