@@ -113,3 +113,31 @@ def test_device_defaults_differ() -> None:
     # CPU steps are slower and noisier: fewer steps, a wider tolerance
     assert cpu.max_steps <= cuda.max_steps
     assert cpu.spread_tolerance >= cuda.spread_tolerance
+
+
+class FakeTimer:
+    """A timer whose steps take ``step_ms`` each, instantly: counts the steps asked for."""
+
+    def __init__(self, step_ms: float) -> None:
+        self.step_ms, self.steps = step_ms, 0
+
+    def run(self, step, num_steps: int) -> list[float]:
+        self.steps += num_steps
+        return [self.step_ms] * num_steps
+
+
+@pytest.mark.parametrize("step_ms, windows_of", [(1200.0, 1), (900.0, 2)])
+def test_steps_of_a_second_or_more_are_windows_of_their_own(step_ms, windows_of) -> None:
+    """ResNet-50 on 2 CPU cores steps in 1.6-10 s: 2-step windows took 35 s to warm up its FP32
+    baseline and 44 s to stop a clearly slower trial. A step of a second or more is its own window."""
+    from autotune.trial.measure import TooSlow, _warm_up
+
+    settings = MeasureSettings.for_device("cpu")  # one step before the windows
+    timer = FakeTimer(step_ms)
+    step_time, num_warmup, steady, _ = _warm_up(lambda: None, timer, settings, None)
+    assert steady and step_time == step_ms
+    assert num_warmup == timer.steps == settings.min_warmup_steps + 2 * windows_of  # two windows agreed
+    timer = FakeTimer(step_ms)
+    with pytest.raises(TooSlow) as stopped:  # two slow windows in a row stop it
+        _warm_up(lambda: None, timer, settings, give_up=lambda ms: True)
+    assert len(stopped.value.windows_ms) == 2 and timer.steps == settings.min_warmup_steps + 2 * windows_of

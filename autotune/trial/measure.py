@@ -193,6 +193,10 @@ def measure(step: Callable[[], Any], device: str, settings: MeasureSettings, *,
     )
 
 
+LONG_STEP_MS = 1000.0
+"""A warm-up step this long is a window of its own (see _warm_up)."""
+
+
 def _warm_up(step: Callable[[], Any], timer: Timer, settings: MeasureSettings,
              give_up: Callable[[float], bool] | None) -> tuple[float, int, bool, float]:
     """Warm up until two consecutive windows agree (or max_warmup_s); returns the last window's
@@ -202,12 +206,17 @@ def _warm_up(step: Callable[[], Any], timer: Timer, settings: MeasureSettings,
     warm = timer.run(step, settings.min_warmup_steps)
     num_warmup = settings.min_warmup_steps
     step_ms = statistics.median(warm[-max(1, len(warm) // 2):])
-    # windows of about half a second (at least 2 steps) until the median stops moving
+    # windows of about half a second (at least 2 steps) until the median stops moving; a step of a
+    # second or more is a window of its own (ResNet-50 on 2 CPU cores: 1.6-10 s a step, and 2-step
+    # windows took 35 s to warm up its baseline and 44 s to stop a clearly slower trial)
     previous, steady = None, False
     windows_ms: list[float] = []
     while True:
-        window = max(2, min(50, int(500 / max(step_ms, 1e-3))))
-        window += window % 2  # even, so a step time that alternates has a stable median
+        if step_ms >= LONG_STEP_MS:
+            window = 1
+        else:
+            window = max(2, min(50, int(500 / max(step_ms, 1e-3))))
+            window += window % 2  # even, so a step time that alternates has a stable median
         times = timer.run(step, window)
         num_warmup += window
         step_ms = statistics.median(times)
