@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import autotune
 import fake_models
 import strategies
 from autotune.deploy.config import TunedConfig
