@@ -232,3 +232,16 @@ def test_cpu_search_of_a_tiny_gpt2_reports_tokens_and_its_config_trains(tmp_path
     batches = [(tokens[:, :-1], tokens[:, 1:])] * 2
     losses = [float(step(x, y)) for x, y in cfg.loader(batches)]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_a_transformers_without_the_attention_interfaces_keeps_its_own_attention(monkeypatch):
+    """A transformers whose attention interfaces cannot be had still builds the model, with its own attention."""
+    from autotune.workload import hub
+
+    def missing():
+        raise ImportError("cannot import name 'AttentionMaskInterface' from 'transformers'")
+
+    monkeypatch.setattr(hub, "causal_sdpa", missing)
+    CAUSAL_SDPA = hub.CAUSAL_SDPA
+    workload = build(WorkloadSpec(model="hf:gpt2", model_config=dict(TINY), seq_len=16))
+    assert workload.model.config._attn_implementation != CAUSAL_SDPA

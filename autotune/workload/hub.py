@@ -210,7 +210,10 @@ def causal_attention(config: Any, seq_len: int) -> str | None:
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
     if kinds - {"full_attention", "sliding_attention"} or ("sliding_attention" in kinds and (window or 0) < seq_len):
         return None
-    return causal_sdpa()
+    try:
+        return causal_sdpa()
+    except (ImportError, AttributeError):  # a transformers without these interfaces: its own attention
+        return None
 
 
 def nanogpt_adamw(model: torch.nn.Module, *, fused: bool | None = None) -> torch.optim.Optimizer:
