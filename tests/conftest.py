@@ -152,6 +152,31 @@ def cli_main(capsys, monkeypatch):
     runner.discard_spares()
 
 
+def assert_attends_as_nanogpt(model, model_type: str, overrides: dict, monkeypatch) -> None:
+    """``model``, a one-layer hf: causal LM, calls SDPA as nanoGPT does: once, with is_causal=True and
+    no mask tensor (which SDPA's flash kernel refuses, and transformers' own "sdpa" builds while
+    torch.compile traces), and computes the logits transformers' "sdpa" computes with its weights."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from autotune.workload.hub import hf_config
+
+    calls, real = [], F.scaled_dot_product_attention
+
+    def seen(*a, **kw):
+        calls.append((kw.get("attn_mask", a[3] if len(a) > 3 else None), kw.get("is_causal")))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", seen)
+    x = torch.randint(0, model.config.vocab_size, (2, 16))
+    ours = model.eval()(input_ids=x).logits
+    assert calls == [(None, True)]  # one layer: one call, causal by the flag, no mask
+    monkeypatch.setattr(F, "scaled_dot_product_attention", real)
+    theirs = AutoModelForCausalLM.from_config(hf_config(model_type, dict(overrides)), attn_implementation="sdpa").eval()
+    theirs.load_state_dict(model.state_dict())
+    assert torch.allclose(ours, theirs(input_ids=x).logits, atol=1e-5)
+
+
 def wait_ready(worker, timeout_s: float = 60) -> None:
     """Until the spare has imported everything and waits for its request: asleep in its read of
     stdin (the kernel names the wait pipe_read, anon_pipe_read...) or, where /proc does not say,

@@ -13,7 +13,7 @@ from autotune.errors import ConfigError, WorkloadError
 from autotune.search.options import SearchConfig
 from autotune.workload.hub import parse_model_config
 from autotune.workload.models import WorkloadSpec, build, logits
-from conftest import run_cli
+from conftest import assert_attends_as_nanogpt, run_cli
 
 TINY = {"n_layer": 1, "n_embd": 32, "n_head": 2}
 TINY_FLAG = "n_layer=1,n_embd=32,n_head=2"
@@ -30,49 +30,31 @@ def _train_step(workload, batch_size=2):
     return x, y, loss
 
 
-@pytest.mark.parametrize("model, overrides", [
-    ("hf:gpt2", TINY),
-    # grouped key/value heads: 4 query heads share 2
-    ("hf:llama", {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
-                  "intermediate_size": 64, "vocab_size": 100}),
-])
+# a llama or mistral of one layer with grouped key/value heads: 4 query heads share 2
+TINY_GQA = {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "intermediate_size": 64, "vocab_size": 100}
+
+
+@pytest.mark.parametrize("model, overrides", [("hf:gpt2", TINY), ("hf:llama", TINY_GQA)])
 def test_hf_causal_models_attend_with_is_causal_and_no_mask(model, overrides, monkeypatch):
     """The search's hf: causal LMs call SDPA as nanoGPT does (is_causal=True, no mask tensor, which
     its flash kernel refuses and transformers' own "sdpa" builds under torch.compile), and compute
     the logits transformers' "sdpa" computes."""
-    import torch.nn.functional as F
-    from transformers import AutoModelForCausalLM
-
-    from autotune.workload.hub import CAUSAL_SDPA, hf_config
+    from autotune.workload.hub import CAUSAL_SDPA
 
     workload = build(WorkloadSpec(model=model, model_config=dict(overrides), seq_len=16))
     assert workload.model.config._attn_implementation == CAUSAL_SDPA
-    calls, real = [], F.scaled_dot_product_attention
-
-    def seen(*a, **kw):
-        calls.append((kw.get("attn_mask", a[3] if len(a) > 3 else None), kw.get("is_causal")))
-        return real(*a, **kw)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", seen)
-    x = torch.randint(0, workload.model.config.vocab_size, (2, 16))
-    ours = workload.model.eval()(input_ids=x).logits
-    assert calls == [(None, True)]  # one layer: one call, causal by the flag, no mask
-    monkeypatch.setattr(F, "scaled_dot_product_attention", real)
-    theirs = AutoModelForCausalLM.from_config(hf_config(model, dict(overrides)), attn_implementation="sdpa").eval()
-    theirs.load_state_dict(workload.model.state_dict())
-    assert torch.allclose(ours, theirs(input_ids=x).logits, atol=1e-5)
+    assert_attends_as_nanogpt(workload.model, model, overrides, monkeypatch)
 
 
 def test_a_sliding_window_shorter_than_the_sequence_keeps_the_models_own_attention():
     """Mistral attends within a window: is_causal alone would attend further back, so its own
     attention (and its mask) stays where the window is shorter than --seq-len."""
-    tiny = {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "intermediate_size": 64, "vocab_size": 100}
     from autotune.workload.hub import CAUSAL_SDPA
 
-    short = build(WorkloadSpec(model="hf:mistral", model_config={**tiny, "sliding_window": 8}, seq_len=16))
+    short = build(WorkloadSpec(model="hf:mistral", model_config={**TINY_GQA, "sliding_window": 8}, seq_len=16))
     assert short.model.config._attn_implementation != CAUSAL_SDPA
-    wide = build(WorkloadSpec(model="hf:mistral", model_config={**tiny, "sliding_window": 16}, seq_len=16))
+    wide = build(WorkloadSpec(model="hf:mistral", model_config={**TINY_GQA, "sliding_window": 16}, seq_len=16))
     assert wide.model.config._attn_implementation == CAUSAL_SDPA
 
 
@@ -242,6 +224,5 @@ def test_a_transformers_without_the_attention_interfaces_keeps_its_own_attention
         raise ImportError("cannot import name 'AttentionMaskInterface' from 'transformers'")
 
     monkeypatch.setattr(hub, "causal_sdpa", missing)
-    CAUSAL_SDPA = hub.CAUSAL_SDPA
     workload = build(WorkloadSpec(model="hf:gpt2", model_config=dict(TINY), seq_len=16))
-    assert workload.model.config._attn_implementation != CAUSAL_SDPA
+    assert workload.model.config._attn_implementation != hub.CAUSAL_SDPA

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, assert_attends_as_nanogpt
 
 pytest.importorskip("transformers")
 
@@ -60,29 +60,9 @@ def test_its_attention_is_sdpa_with_is_causal_and_no_mask(monkeypatch):
     """nanoGPT's F.scaled_dot_product_attention(q, k, v, is_causal=True): no mask tensor, which
     SDPA's flash kernel refuses (transformers' own "sdpa" builds one while torch.compile traces),
     and the same logits as transformers' "sdpa"."""
-    import torch
-    import torch.nn.functional as F
-    from transformers import AutoModelForCausalLM
-
-    from autotune.workload.hub import causal_sdpa, hf_config
+    from autotune.workload.hub import causal_sdpa
 
     args = _script().parse_args(TINY)
     model, _ = _script().build(args)
     assert model.config._attn_implementation == causal_sdpa()
-    calls = []
-    real = F.scaled_dot_product_attention
-
-    def seen(*a, **kw):
-        calls.append((kw.get("attn_mask"), kw.get("is_causal")))
-        return real(*a, **kw)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", seen)
-    x = torch.randint(0, 50257, (2, 16))
-    ours = model.eval()(input_ids=x).logits
-    assert calls == [(None, True)]  # one layer: one call, causal by the flag, no mask
-    monkeypatch.setattr(F, "scaled_dot_product_attention", real)
-    torch.manual_seed(0)
-    theirs = AutoModelForCausalLM.from_config(hf_config("hf:gpt2", {"n_layer": 1, "n_embd": 32, "n_head": 2}),
-                                              attn_implementation="sdpa").eval()
-    theirs.load_state_dict(model.state_dict())
-    assert torch.allclose(ours, theirs(input_ids=x).logits, atol=1e-5)
+    assert_attends_as_nanogpt(model, "hf:gpt2", {"n_layer": 1, "n_embd": 32, "n_head": 2}, monkeypatch)
