@@ -156,9 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("accuracy", help="train each precision mode briefly against FP32 and print the table",
                        description="Each precision mode of the device (fp16 with and without GradScaler) against "
                                    "an FP32 reference: same initial weights, same data, same order.")
-    p.add_argument("--model", required=True, help="a torchvision classification model or package.module:factory")
-    p.add_argument("--input-shape", help="one sample's shape, e.g. 3x224x224 (default: the model's)")
-    p.add_argument("--num-classes", type=int, default=1000, help="the model's classes (default 1000)")
+    _add_model_options(p)
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--precisions", help="comma-separated modes (default: all the device runs natively)")
     p.add_argument("--fp32-layers", help="also check autocast modes with these layer kinds kept in FP32, "
@@ -200,19 +198,25 @@ def _prestart_probe(args: argparse.Namespace) -> None:
         start_spare({"workload": {"model": args.model}, "device": device})
 
 
+def _workload_spec(args: argparse.Namespace):
+    """The workload --model and its options name (search and accuracy alike)."""
+    from autotune.workload.hub import parse_model_config
+    from autotune.workload.models import WorkloadSpec, parse_input_shape
+
+    return WorkloadSpec(model=args.model, num_classes=args.num_classes,
+                        input_shape=parse_input_shape(args.input_shape) if args.input_shape else None,
+                        model_config=parse_model_config(args.model_config) if args.model_config else {},
+                        seq_len=args.seq_len)
+
+
 def cmd_search(args: argparse.Namespace) -> int:
     _prestart_probe(args)
     from autotune.errors import ConfigError
     from autotune.search.options import SearchConfig, parse_duration
     from autotune.search.run import run_search
     from autotune.trial.measure import MeasureSettings
-    from autotune.workload.hub import parse_model_config
-    from autotune.workload.models import WorkloadSpec, parse_input_shape
 
-    spec = WorkloadSpec(model=args.model, num_classes=args.num_classes,
-                        input_shape=parse_input_shape(args.input_shape) if args.input_shape else None,
-                        model_config=parse_model_config(args.model_config) if args.model_config else {},
-                        seq_len=args.seq_len)
+    spec = _workload_spec(args)
     config = SearchConfig(
         workload=spec, device=args.device, out_dir=args.out, storage=args.storage, study_name=args.study_name,
         trials=args.trials, budget_s=parse_duration(args.budget) if args.budget else None,
@@ -358,11 +362,10 @@ def cmd_accuracy(args: argparse.Namespace) -> int:
     from autotune.errors import ConfigError
     from autotune.search.options import SearchConfig, resolve_device
     from autotune.search.space import probe
-    from autotune.workload.models import WorkloadSpec, check_spec, parse_input_shape
+    from autotune.workload.models import check_spec
     from strategies.fp32_layers import parse
 
-    spec = WorkloadSpec(model=args.model, num_classes=args.num_classes,
-                        input_shape=parse_input_shape(args.input_shape) if args.input_shape else None)
+    spec = _workload_spec(args)
     check_spec(spec)
     device = resolve_device(args.device)
     overrides = {"steps": args.accuracy_steps, "batch_size": args.batch_size, "seed": args.seed, "data": args.data,

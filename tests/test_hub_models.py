@@ -177,6 +177,20 @@ def test_a_bad_model_config_field_is_refused_by_the_cli(tmp_path, cli_main):
 
 
 @pytest.mark.slow
+def test_accuracy_takes_the_search_model_options(cli_main):
+    """`autotune accuracy` builds the workload a search would: an hf: model's --model-config and
+    --seq-len reach it (the H200's FP8-against-bf16 check of hf:gpt2 is run this way)."""
+    bad = cli_main("accuracy", "--model", "hf:gpt2", "--model-config", "n_layers=1", "--device", "cpu")
+    assert bad.returncode == 2 and "no field 'n_layers'; did you mean n_layer" in " ".join(bad.stderr.split())
+    proc = cli_main("accuracy", "--model", "hf:gpt2", "--model-config", TINY_FLAG, "--seq-len", "16",
+                    "--device", "cpu", "--precisions", "fp32,bf16", "--accuracy-steps", "10", "--batch-size", "2")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r["mode"] for r in result["rows"]] == ["fp32", "bf16"]
+    assert all(r["verdict"] == "passed" and r["steps"] == 10 for r in result["rows"]), result["rows"]
+
+
+@pytest.mark.slow
 def test_cpu_search_of_a_tiny_gpt2_reports_tokens_and_its_config_trains(tmp_path):
     """The whole pipeline on a language model: search -> config.json, trials.csv and the report
     with tokens/s -> autotune.load trains the same model."""
