@@ -130,6 +130,11 @@ def fp8_mlp(num_classes: int = 10) -> nn.Module:
                          nn.Linear(256, num_classes))
 
 
+def dropout_mlp(num_classes: int = 10) -> nn.Module:
+    """An MLP with dropout (0.5) between its layers, as transformers' models have it (0.1)."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, num_classes))
+
+
 def odd_widths(num_classes: int = 10) -> nn.Module:
     return _OddWidths(num_classes)
 

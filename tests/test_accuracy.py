@@ -94,6 +94,29 @@ def test_step_numerics_of_an_overflowing_scale_are_those_of_the_step_taken():
     assert 0.9 < numerics["grad_norm_ratio_vs_fp32"] < 1.1
 
 
+def test_step_numerics_compare_the_numerics_not_the_dropout_masks(monkeypatch):
+    """On a GPU the same seed draws other dropout masks once the dtype changes; here every run is
+    made to draw its own masks, and FP32 against itself and FP64 must still read as the same
+    gradients (they read 0.62 cosine for hf:gpt2 on an H200 while dropout was on)."""
+    import torch
+
+    from autotune.accuracy.check import _datasets, step_numerics
+
+    masks = torch.Generator().manual_seed(1)  # never seeded again: each call its own mask
+
+    def dropout(x, p=0.5, training=True, inplace=False):
+        if not training or p == 0:
+            return x
+        return x * (torch.rand(x.shape, generator=masks) >= p).to(x.dtype) / (1 - p)
+
+    monkeypatch.setattr(torch.nn.functional, "dropout", dropout)
+    spec = WorkloadSpec(model="fake_models:dropout_mlp", input_shape=(3, 8, 8), num_classes=10)
+    settings = AccuracySettings.for_device("cpu", steps=10, batch_size=8)
+    numerics = step_numerics(spec, {}, SPACE, settings, _datasets(spec, settings, "cpu"))
+    assert numerics["grad_cosine_vs_fp32"] == pytest.approx(1.0, abs=1e-6)
+    assert numerics["grad_cosine_vs_fp64"] == pytest.approx(1.0, abs=1e-5)
+
+
 def test_numerics_key_ignores_speed_only_knobs():
     a = {"precision": {"mode": "bf16"}, "batch_size": {"batch_size": 8}, "memory_format": {"format": "channels_last"}}
     b = {"precision": {"mode": "bf16"}, "batch_size": {"batch_size": 32}, "threads": {"num_threads": 2}}
