@@ -12,7 +12,7 @@ import pytest
 from optuna.distributions import CategoricalDistribution
 
 from autotune.accuracy.gate import REFERENCE_ATTR, SETTINGS_ATTR, AccuracyGate
-from autotune.accuracy.plan import PLAN_ATTR, describe, plan, step_time
+from autotune.accuracy.plan import PLAN_ATTR, describe, fitting_batch, plan, step_time
 from autotune.accuracy.reference_cache import CACHE_ENV, ReferenceCache, cache_dir, reference_key
 from autotune.accuracy.settings import AccuracySettings
 from autotune.deploy.space import SearchSpace
@@ -32,12 +32,12 @@ SMALL = ["--device", "cpu", "--input-shape", "3x32x32", "--num-classes", "10", "
 RATE_FOR_40_STEPS = 16 / 0.22
 
 
-def _study_with_baseline(samples_per_s: float, worker_start_s: float = 0.0) -> optuna.Study:
+def _study_with_baseline(samples_per_s: float, worker_start_s: float = 0.0, figures: dict | None = None) -> optuna.Study:
     study = optuna.create_study(direction="maximize")
     study.add_trial(optuna.trial.create_trial(
         params={"precision.mode": "fp32"}, distributions={"precision.mode": CategoricalDistribution(["fp32", "bf16"])},
         value=samples_per_s, user_attrs={"role": "baseline", "status": "ok", "knobs": {"precision": {"mode": "fp32"}},
-                                         "figures": {"samples_per_s": samples_per_s},
+                                         "figures": {"samples_per_s": samples_per_s, **(figures or {})},
                                          "timing": {"worker_start_s": worker_start_s, "build_s": 0.0}}))
     return study
 
@@ -67,7 +67,8 @@ def test_steps_are_scaled_to_the_step_time_and_the_share_of_the_budget():
 
 def test_the_gate_plans_once_from_the_baseline_and_a_resume_keeps_the_steps(tmp_path):
     study = _study_with_baseline(RATE_FOR_40_STEPS)
-    assert step_time(study) == {"samples_per_s": RATE_FOR_40_STEPS, "trial": 0, "baseline": True, "overhead_s": 0.0}
+    assert step_time(study) == {"samples_per_s": RATE_FOR_40_STEPS, "trial": 0, "baseline": True, "overhead_s": 0.0,
+                                "batch_size": None, "peak_memory_bytes": None, "limit_bytes": None}
     gate = _gate(tmp_path, budget_s=180, scale_steps=True)
     gate.attach(study)
     assert gate.pending and PLAN_ATTR not in study.user_attrs
@@ -83,6 +84,41 @@ def test_the_gate_plans_once_from_the_baseline_and_a_resume_keeps_the_steps(tmp_
                             timeout_s=300, budget_s=180, cache=ReferenceCache(tmp_path))
     explicit.attach(study)
     assert explicit.settings.steps == 20 and describe(study.user_attrs[PLAN_ATTR]) == "20 steps (--accuracy-steps)"
+
+
+def test_the_checks_batch_fits_where_the_fp32_baseline_says_the_default_would_not(tmp_path):
+    """hf:gpt2 at 1,024 tokens on the H200: the FP32 baseline peaked at 115.9 GiB for batch 64 of
+    139.8 GiB, and the check at its default batch (64) ran out of memory. Its FP64 step holds about
+    twice an FP32 step: batch 32 keeps it within 90% of the GPU."""
+    GiB = 2**30
+    settings = AccuracySettings.for_device("cuda")  # batch 64
+    study = _study_with_baseline(50.0, figures={"batch_size": 64, "peak_memory_bytes": 115.86 * GiB,
+                                                "device_total_bytes": 139.80 * GiB})
+    measured = step_time(study)
+    assert measured["limit_bytes"] == 139.80 * GiB
+    assert fitting_batch(64, measured) == 32
+    planned = plan(settings, budget_s=420, share=0.25, measured=measured)
+    assert planned["batch_size"] == 32 and planned["default_batch_size"] == 64
+    assert "batch 32 instead of 64, for the FP32 baseline's memory" in describe(planned)
+    # --memory-limit is the limit where it is smaller; a model with room keeps the default batch
+    study.set_user_attr("memory_limit_bytes", 70 * GiB)
+    assert fitting_batch(64, step_time(study)) == 16
+    roomy = {**measured, "peak_memory_bytes": 25 * GiB, "batch_size": 256}
+    assert fitting_batch(64, roomy) == 64 and "batch_size" not in plan(settings, budget_s=420, share=0.25,
+                                                                        measured=roomy)
+    # a trial that is not the FP32 baseline, or a CPU (no device memory), says nothing of FP32's memory
+    assert fitting_batch(64, {**measured, "baseline": False}) == 64
+    assert fitting_batch(64, {**measured, "limit_bytes": None}) == 64
+    # the gate checks at the planned batch, and a resume keeps it
+    gate = AccuracyGate(settings=settings, space=SPACE, workload=TINY, timeout_s=300, budget_s=420,
+                        scale_steps=True, cache=ReferenceCache(tmp_path))
+    gate.attach(study)
+    gate.settle(study)
+    assert gate.settings.batch_size == 16 and study.user_attrs[SETTINGS_ATTR]["batch_size"] == 16
+    again = AccuracyGate(settings=settings, space=SPACE, workload=TINY, timeout_s=300, budget_s=600,
+                         scale_steps=True, cache=ReferenceCache(tmp_path))
+    again.attach(study)
+    assert again.settings.batch_size == 16 and again.settings.steps == gate.settings.steps
 
 
 def test_without_a_budget_or_a_measured_trial_the_default_steps_are_kept(tmp_path):

@@ -173,6 +173,12 @@ def accuracy_of(study, trial) -> dict[str, Any] | None:
     return judge(run, reference, max_accuracy_drop=settings.max_accuracy_drop, max_loss_drift=settings.max_loss_drift)
 
 
+def _planned(settings: AccuracySettings, plan: Mapping[str, Any]) -> AccuracySettings:
+    """``settings`` at the plan's steps, and at its batch where it fitted one to memory."""
+    return dataclasses.replace(settings, steps=int(plan["steps"]),
+                               batch_size=int(plan.get("batch_size") or settings.batch_size))
+
+
 class AccuracyGate:
     """The study side of the check: reuse by numerics key, check near the speed frontier, and
     make sure the recommended configuration has passing evidence. With a budget, the checks cost in
@@ -210,8 +216,8 @@ class AccuracyGate:
         """Record the settings on the study; the steps are settled here unless they are to be planned."""
         kept = self._kept_steps(study) if self.scale_steps else None
         if kept is not None:
-            # a resume checks at the steps of the study's earlier runs, so every check compares
-            self.settings = dataclasses.replace(self.settings, steps=kept)
+            # a resume checks at the steps (and batch) of the study's earlier runs, so every check compares
+            self.settings = _planned(self.settings, {**(study.user_attrs.get(PLAN_ATTR) or {}), "steps": kept})
             self.pending = False
             if not study.user_attrs.get(PLAN_ATTR):
                 study.set_user_attr(PLAN_ATTR, {"how": "kept", "steps": kept})
@@ -246,7 +252,7 @@ class AccuracyGate:
                 plan = (make_plan(self.settings, budget_s=self.budget_s, share=self.share, measured=measured)
                         if measured else {"how": "unmeasured", "steps": self.settings.steps})
                 study.set_user_attr(PLAN_ATTR, plan)
-            self.settings = dataclasses.replace(self.settings, steps=int(plan["steps"]))
+            self.settings = _planned(self.settings, plan)
             study.set_user_attr(SETTINGS_ATTR, self.settings.to_dict())
             self.pending = False
 

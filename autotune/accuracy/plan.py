@@ -28,6 +28,11 @@ CHECK_WORKERS = 3
 """Workers those runs take (the reference and the first configuration share one)."""
 EVAL_COST = 1 / 3
 """A held-out batch (forward only, no gradients) costs about a third of a training step."""
+FP64_FACTOR = 2
+"""The check's one FP64 step (autotune.accuracy.check.step_numerics) holds about twice what an FP32
+step of the same batch holds."""
+CHECK_FILL = 0.9
+"""The check's batch is sized so that its FP64 step stays within this share of the memory limit."""
 
 
 def step_time(study) -> dict[str, Any] | None:
@@ -45,22 +50,43 @@ def step_time(study) -> dict[str, Any] | None:
         return None
     _, rate, record = min(measured, key=lambda m: (m[0], m[1]))
     overhead = (record.timing.get("worker_start_s") or 0.0) + (record.timing.get("build_s") or 0.0)
+    figures = record.figures
+    limits = [b for b in (figures.get("device_total_bytes"), study.user_attrs.get("memory_limit_bytes")) if b]
     return {"samples_per_s": rate, "trial": record.number, "baseline": record.role == "baseline",
-            "overhead_s": overhead}
+            "overhead_s": overhead, "batch_size": figures.get("batch_size"),
+            "peak_memory_bytes": figures.get("peak_memory_bytes"), "limit_bytes": min(limits) if limits else None}
+
+
+def fitting_batch(batch_size: int, measured: dict[str, Any]) -> int:
+    """The check's batch: ``batch_size`` (the default), or less where the FP32 baseline's measured
+    peak says its FP64 step would not fit. The baseline's peak over its batch bounds FP32's memory
+    per sample from above (the fixed part counted in), so the check's FP32 runs fit too. On the
+    H200 hf:gpt2 at 1,024 tokens peaked at 115.9 GiB for an FP32 batch of 64, and its check at the
+    default 64 ran out of memory: the recommendation went unchecked."""
+    peak, batch, limit = measured.get("peak_memory_bytes"), measured.get("batch_size"), measured.get("limit_bytes")
+    if not (measured.get("baseline") and peak and batch and limit):
+        return batch_size
+    most = int(CHECK_FILL * limit * batch / (FP64_FACTOR * peak))
+    if most >= 8:
+        most -= most % 8  # a multiple of 8, as the search's batches
+    return max(2, min(batch_size, most))
 
 
 def plan(settings: AccuracySettings, *, budget_s: float, share: float, measured: dict[str, Any]) -> dict[str, Any]:
     """The check's steps for a search of ``budget_s`` whose checks may spend ``share`` of it, from
-    ``step_time``'s figures; ``settings.steps`` (the default) is the most."""
-    step_s = settings.batch_size / measured["samples_per_s"]
-    eval_steps = math.ceil(settings.held_out_size / settings.batch_size) * EVAL_COST
+    ``step_time``'s figures; ``settings.steps`` (the default) is the most. The batch is
+    ``fitting_batch``'s; the plan names it where it is not the default."""
+    batch = fitting_batch(settings.batch_size, measured)
+    step_s = batch / measured["samples_per_s"]
+    eval_steps = math.ceil(settings.held_out_size / batch) * EVAL_COST
     room = share * budget_s - CHECK_WORKERS * measured["overhead_s"]
     fit = math.floor(room / (CHECK_RUNS * step_s) - eval_steps)
     steps = max(MIN_STEPS, min(settings.steps, fit))
     estimate = CHECK_WORKERS * measured["overhead_s"] + CHECK_RUNS * (steps + eval_steps) * step_s
+    fitted = {"batch_size": batch, "default_batch_size": settings.batch_size} if batch != settings.batch_size else {}
     return {"how": "scaled", "steps": steps, "default_steps": settings.steps, "share": share,
             "budget_s": budget_s, "step_s": round(step_s, 6), "estimate_s": round(estimate, 1),
-            "from_trial": measured["trial"], "from_baseline": measured["baseline"]}
+            "from_trial": measured["trial"], "from_baseline": measured["baseline"], **fitted}
 
 
 def describe(plan: dict[str, Any] | None) -> str | None:
@@ -77,6 +103,9 @@ def describe(plan: dict[str, Any] | None) -> str | None:
     if how != "scaled":
         return f"{steps} steps (the default, without a --budget to scale it to)"
     within = f"{plan['share']:.0%} of the {duration(plan['budget_s'])} budget"
+    if plan.get("batch_size"):
+        within += (f"; batch {plan['batch_size']} instead of {plan['default_batch_size']}, for the FP32 "
+                   "baseline's memory")
     if steps >= plan["default_steps"]:
         return f"{steps} steps (the full check fits in {within})"
     if plan["estimate_s"] > plan["share"] * plan["budget_s"]:
