@@ -4,6 +4,7 @@ runs, the memory limit, and a CPU search whose model does not fit above batch 32
 from __future__ import annotations
 
 import json
+import sys
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -249,3 +250,53 @@ def test_the_committed_24_gib_search_kept_every_measured_trial_under_the_limit()
     over = trials[trials["status"] == "oom"]
     assert len(over) >= 2 and over["reason"].str.contains("over the memory limit of 24.0 GiB").all()
     assert data["baseline"]["batch_size"] == 256 and data["figures"]["peak_memory_bytes"] <= 24 * GiB
+
+
+# what this process holds, not what the GPU holds -------------------------------------------------
+
+def _fake_gpu(monkeypatch, processes):
+    """A GPU of 140 GiB on which this process holds 3 GiB (2 GiB of it the allocator's pool) and
+    another process 5 GiB, as NVML lists them, without a GPU: what the CUDA and NVML calls return."""
+    import os
+    import types
+
+    from autotune.trial import gpus
+
+    nvml = types.ModuleType("pynvml")
+    nvml.nvmlInit = nvml.nvmlShutdown = lambda: None
+    nvml.nvmlDeviceGetHandleByPciBusId = lambda bus: bus
+    nvml.nvmlDeviceGetComputeRunningProcesses = lambda handle: [
+        types.SimpleNamespace(pid=os.getpid() if pid == "self" else pid, usedGpuMemory=used) for pid, used in processes]
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    props = types.SimpleNamespace(pci_domain_id=0, pci_bus_id=6, pci_device_id=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=0: props)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (132 * GiB, 140 * GiB))  # 8 GiB used in all
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 2 * GiB)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: int(2.5 * GiB))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 2 * GiB)
+    fractions = []
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, *a: fractions.append(f))
+    assert gpus._pci_bus_id(props) == "00000000:06:00.0"
+    return fractions
+
+
+def test_a_trials_memory_is_its_own_not_the_other_processes_on_the_gpu(monkeypatch):
+    """On the H200 every trial's peak took in the next trial's prestarted worker (518 MiB, listed
+    by NVML as another process), and a --memory-limit cap was tightened by it: GPU tests run side
+    by side failed the 8 GiB cap with 131 GiB free. This process's own use is NVML's per-process
+    figure; the device's whole use only where NVML does not list it."""
+    from autotune.trial.measure import memory_figures
+    from autotune.trial.memory_fit import cap_memory
+
+    fractions = _fake_gpu(monkeypatch, [(4242, 5 * GiB), ("self", 3 * GiB)])
+    figures = memory_figures("cuda")
+    assert figures["outside_allocator_bytes"] == 1 * GiB  # the context: 3 GiB less the 2 GiB pool
+    assert figures["peak_memory_bytes"] == int(3.5 * GiB)
+    cap_memory(8 * GiB)
+    assert fractions == [pytest.approx(7 / 140)]  # 8 GiB less this process's 1 GiB outside the pool
+
+    fractions = _fake_gpu(monkeypatch, [(4242, 5 * GiB)])  # NVML does not list this process
+    assert memory_figures("cuda")["outside_allocator_bytes"] == 6 * GiB  # the device's 8 GiB less the pool
+    cap_memory(8 * GiB)
+    assert fractions == [pytest.approx(2 / 140)]

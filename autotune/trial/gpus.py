@@ -208,6 +208,31 @@ def _pci_bus_id(props: Any) -> str:
     return f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
 
 
+def own_device_bytes(cuda_index: int = 0) -> int | None:
+    """Device memory this process holds on CUDA device ``cuda_index`` as NVML lists it per process:
+    the CUDA context, library handles and the caching allocator's pool together, and nothing of
+    other processes on the GPU. The driver's free-memory figure counts those too: on the H200 every
+    trial's peak took in the next trial's prestarted worker (518 MiB), and a --memory-limit cap
+    tightened by it. None where NVML cannot tell (no NVML, or a driver or container that does not
+    list this process): the caller then falls back to the device's whole use."""
+    try:
+        import pynvml
+        import torch
+
+        props = torch.cuda.get_device_properties(cuda_index)
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByPciBusId(_pci_bus_id(props))
+            for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if process.pid == os.getpid() and process.usedGpuMemory is not None:
+                    return int(process.usedGpuMemory)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML, no such field in this torch: the device's whole use instead
+        return None
+    return None
+
+
 def nvml_index(cuda_index: int = 0) -> int:
     """The NVML index of CUDA device ``cuda_index`` of this process.
 

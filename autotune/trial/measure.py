@@ -233,17 +233,31 @@ def _warm_up(step: Callable[[], Any], timer: Timer, settings: MeasureSettings,
     return step_ms, num_warmup, steady, warmup_s
 
 
+def outside_allocator_bytes() -> int:
+    """What this process holds on its CUDA device outside the caching allocator (the context,
+    library handles): its own use (autotune.trial.gpus.own_device_bytes, else the device's whole
+    use) less the allocator's reserved pool."""
+    from autotune.trial.gpus import own_device_bytes
+
+    used = own_device_bytes(torch.cuda.current_device())
+    if used is None:
+        free, total = torch.cuda.mem_get_info()
+        used = total - free
+    return max(0, used - torch.cuda.memory_reserved())
+
+
 def memory_figures(device: str) -> dict[str, int]:
     """Peak memory as the device really needed it.
 
     CUDA: the caching allocator's peak reserved bytes (cuDNN workspaces and CUDA-graph pools are
-    allocated through it) plus what lives outside it (CUDA context, cuBLAS/cuDNN handles), read
-    from the driver's free-memory figure. CPU: the worker process's peak resident set.
+    allocated through it) plus what lives outside it (CUDA context, cuBLAS/cuDNN handles): this
+    process's own use as NVML lists it, less the allocator's pool (the driver's free-memory figure
+    where NVML cannot tell, which also counts other processes). CPU: the worker process's peak
+    resident set.
     """
     if device == "cuda":
-        free, total = torch.cuda.mem_get_info()
-        used = total - free
-        outside = max(0, used - torch.cuda.memory_reserved())
+        total = torch.cuda.mem_get_info()[1]
+        outside = outside_allocator_bytes()
         return {
             "peak_memory_bytes": torch.cuda.max_memory_reserved() + outside,
             "peak_reserved_bytes": torch.cuda.max_memory_reserved(),

@@ -10,7 +10,7 @@ import torch
 
 from autotune.deploy.config import TunedConfig
 from autotune.trial.batches import input_batches
-from autotune.trial.measure import memory_figures
+from autotune.trial.measure import memory_figures, outside_allocator_bytes
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -33,8 +33,8 @@ def cap_memory(limit_bytes: int) -> None:
     """Cap this process's CUDA memory at ``limit_bytes``, what lives outside the caching allocator
     (the CUDA context, library handles) included: the allocator gets the rest, and a step that
     needs more raises out-of-memory as on a GPU of that size (--memory-limit)."""
-    free, total = torch.cuda.mem_get_info()  # makes the context, which is what lives outside
-    outside = max(0, total - free - torch.cuda.memory_reserved())
+    total = torch.cuda.mem_get_info()[1]  # makes the context, which is what lives outside
+    outside = outside_allocator_bytes()  # this process's own: other processes' memory is not ours to count
     torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, (limit_bytes - outside) / total)))
 
 
