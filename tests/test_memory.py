@@ -95,6 +95,27 @@ def test_back_off_takes_the_largest_batch_predicted_to_fit_else_half():
     assert unknown.backoff_batch(_knobs(16), candidates) is None
 
 
+def test_a_probe_that_fit_too_close_to_the_limit_backs_off_below_it():
+    """The H200 hf:gpt2 search: fp16 ran out of memory at batch 256; the worker's probe fitted two
+    steps at 96 with a peak of 132.4 GiB (94.7% of 139.8) and at 48 with 71.6 GiB, and the trial at
+    96 then ran out of memory, twice. The line through the probe's peaks gives 92 GiB at 64."""
+    limit, peaks = 139.80 * GiB, {48: 76_863_176_704, 96: 142_193_655_808}
+    model = MemoryModel(limit)
+    knobs = _knobs(256, mode="fp16")
+    for batch, peak in peaks.items():
+        model.add(family(knobs), batch, peak)
+    model.ooms[family(knobs)].append((128, 1))
+    candidates = [16, 24, 32, 48, 64, 96, 128, 192, 256]
+    assert model.backoff_batch(knobs, candidates, fits_at=96) == 64
+    # a probe with room is taken as the worker found it (ResNet-152's FP32 baseline: 96.7% held, but
+    # the rule is a share of the limit, not a guess at which probes hold)
+    roomy = MemoryModel(limit)
+    roomy.add(family(knobs), 48, 40 * GiB)
+    roomy.add(family(knobs), 96, 120 * GiB)
+    assert roomy.backoff_batch(knobs, candidates, fits_at=96) == 96
+    assert MemoryModel(None).backoff_batch(knobs, candidates, fits_at=96) == 96  # no limit known: the finding
+
+
 # --- the objective prunes and backs off before any worker runs -------------------------------------
 
 def test_a_configuration_known_not_to_fit_is_pruned_uncounted_and_queued_lower(tmp_path):

@@ -273,18 +273,17 @@ class Objective:
 
     def _back_off(self, trial: optuna.Trial, fits_at: int | None = None) -> None:
         """Queue this configuration at the largest batch that can fit (``fits_at``, as the worker
-        found it, else the memory model's choice), keeping its role: the FP32 baseline backs off
-        as a baseline, so there always is one. Nothing is queued for a pinned batch size, or a
-        configuration already measured or queued at that batch."""
+        found it, unless its probe came too close to the limit; else the memory model's choice),
+        keeping its role: the FP32 baseline backs off as a baseline, so there always is one. Nothing
+        is queued for a pinned batch size, or a configuration already measured or queued at that
+        batch."""
         from autotune.search.memory import MemoryModel
 
         if "batch_size.batch_size" not in trial.params:
             return
         knobs = TrialRecord.of(trial).knobs
-        batch = fits_at
-        if batch is None:
-            model = MemoryModel.from_study(trial.study, self.fit_limit_bytes)
-            batch = model.backoff_batch(knobs, self.space.batch_sizes)
+        model = MemoryModel.from_study(trial.study, self.fit_limit_bytes)
+        batch = model.backoff_batch(knobs, self.space.batch_sizes, fits_at=fits_at)
         if batch is None:
             return
         params = {**trial.params, "batch_size.batch_size": batch}
