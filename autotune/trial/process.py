@@ -28,7 +28,9 @@ def preload(request: dict[str, Any] | None) -> dict[str, str]:
     if not request or "workload" not in request:  # `autotune verify`: the config names the model
         return {}
     model = request["workload"]["model"]
-    env = {PRELOAD_IMPORTS: model.split(":", 1)[0] if ":" in model else "torchvision"}
+    # hf:TYPE and timm:NAME as they are (the worker preloads their library's model module)
+    hub = model.startswith(("hf:", "timm:"))
+    env = {PRELOAD_IMPORTS: model if hub else model.split(":", 1)[0] if ":" in model else "torchvision"}
     device = request.get("device") or (request.get("space") or {}).get("device")
     if device in ("cuda", "auto"):  # "auto" (the CLI's probe, started first): where torch sees a GPU
         env[PRELOAD_CUDA] = "1"

@@ -39,6 +39,7 @@ from autotune.trial.memory_fit import cap_memory, is_out_of_memory, largest_fit 
 from autotune.trial.process import PRELOAD_CUDA, PRELOAD_IMPORTS  # noqa: E402
 from autotune.trial import progress  # noqa: E402
 from autotune.trial.request import read_request  # noqa: E402
+from autotune.workload.hub import is_hub_model, preload as preload_hub_model  # noqa: E402
 from autotune.workload.models import WorkloadSpec, build  # noqa: E402
 
 
@@ -50,7 +51,10 @@ def _preload() -> list[str]:
     module = os.environ.get(PRELOAD_IMPORTS)
     if module:
         try:
-            importlib.import_module(module)
+            if is_hub_model(module):
+                preload_hub_model(module)
+            else:
+                importlib.import_module(module)
             done.append(module)
         except Exception:
             pass
