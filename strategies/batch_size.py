@@ -21,6 +21,11 @@ from autotune.deploy.space import SearchSpace
 from autotune.errors import ConfigError
 from strategies.base import ReportKnob, Strategy
 
+LM_BASE_TOKENS = 16_384
+"""A language model's default batch on a GPU, in tokens: nanoGPT's micro-batch (12 x 1,024 tokens
+on a 40 GB A100; 16 in scripts/lm_baseline.py). The image default, 256 samples, is 262,144 tokens of
+GPT-2 at 1,024: its FP32 step did not fit in an H200's 141 GB."""
+
 # multiples of 8 (Tensor-Core friendly), roughly geometric
 CANDIDATES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096]
 
@@ -78,7 +83,9 @@ class BatchSize(Strategy):
             if not batches:
                 raise ConfigError(f"no batch in {low}..{high} divides --global-batch-size {wanted}; give a global "
                                   "batch with small divisors (a power of two, say) or widen --min/--max-batch-size")
-        base = wanted or options.base_batch_size or options.batch_size or (256 if cuda else 16)
+        tokens = probe.get("tokens_per_sample")
+        default = (max(1, LM_BASE_TOKENS // tokens) if tokens else 256) if cuda else 16
+        base = wanted or options.base_batch_size or options.batch_size or nearest(batches, default)
         if not wanted and base not in batches:  # the global batch itself need not be a micro-batch
             base = min(max(base, batches[0]), batches[-1])
             if base not in batches:

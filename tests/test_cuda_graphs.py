@@ -174,3 +174,28 @@ def test_a_batch_of_another_shape_is_refused_with_the_fix() -> None:
     assert torch.equal(step._static[0][0], x + 1)
     with pytest.raises(ConfigError, match=r"\(5, 4\).*differs from the captured \(8, 4\).*drop_last=True"):
         step._copy_in(torch.randn(5, 4), y[:5])
+
+
+def test_a_language_model_on_cuda_is_seeded_with_nanogpts_recipes_sized_in_tokens() -> None:
+    """hf:gpt2 at 1,024 tokens on the H200: the image seeds (fp16/bf16 at 256 to 1,024 sequences)
+    ran out of memory five times in a 7-minute search, and none trained with the fused AdamW of the
+    hand-written loop it was measured against. A model whose sample is a sequence of tokens gets
+    nanoGPT's recipes at 16k and 64k tokens a step, and an FP32 baseline at 16k."""
+    config = SearchConfig(workload=WorkloadSpec(model="hf:gpt2", seq_len=1024))
+    lm = {"input_dim": 2, "tokens_per_sample": 1024, "sample_unit": "sequence", "vocab_size": 50257}
+    space = build_space(config, "cuda", _info(**lm))
+    assert space.base_batch_size == 16 and space.batch_sizes[0] == 16
+    seeds = seed_configurations(space, 1024)
+    described = [describe(strategies.knobs_to_dict(strategies.sample(optuna.trial.FixedTrial(p), space)))
+                 for _, p in seeds]
+    assert described[0].startswith("fp32, contiguous, batch 16,")
+    assert [d.split(", ")[0] for d in described[1:]] == ["bf16", "bf16", "fp16", "bf16", "bf16"]
+    assert [int(d.split("batch ")[1].split(",")[0]) for d in described[1:]] == [16, 64, 64, 64, 16]
+    assert all("fused optimizer" in d for d in described[1:])
+    assert ["compile default" in d for d in described[1:]] == [False, False, False, True, True]
+    assert all("vocab x64" in d for d in described[1:])  # 50,257 padded to 50,304
+    # 4,096 tokens a sequence: 4 and 16 sequences, within the offered batches (16 at least)
+    longer = seed_configurations(space, 4096)
+    assert {p["batch_size.batch_size"] for _, p in longer[1:]} == {16}
+    # an image model keeps the guides' recipes and its base batch of 256
+    assert build_space(SearchConfig(workload=WorkloadSpec(model="resnet50")), "cuda", _info()).base_batch_size == 256

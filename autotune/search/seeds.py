@@ -71,13 +71,31 @@ def enqueue_replay(study: optuna.Study, folder: Path, space: SearchSpace, seeds:
                       "and are not replayed", stacklevel=4)
 
 
-def seed_configurations(space: SearchSpace) -> list[tuple[str, dict[str, Any]]]:
+LM_SEED_TOKENS = (16_384, 65_536)
+"""Tokens per step of the language-model recipes: nanoGPT's micro-batch (about 16k tokens, the
+batch of scripts/lm_baseline.py) and four times that, where an H200 ran hf:gpt2 fastest
+(390,055 tokens/s at 64 x 1,024 against 357,418 at 16 x 1,024, hand-written, 2026-12-03)."""
+
+
+def seed_configurations(space: SearchSpace, tokens_per_sample: int | None = None) -> list[tuple[str, dict[str, Any]]]:
     """The FP32 baseline first, then configurations the guides call good, as Optuna params. Each
     knob gives its own values in both (Strategy.seed); the list below names only the recipes: a
-    precision, a batch and what a recipe changes of the step."""
+    precision, a batch and what a recipe changes of the step. A language model (``tokens_per_sample``)
+    on a GPU gets nanoGPT's recipes, sized in tokens: the image guides' batches of 256 to 1,024
+    sequences ran out of memory, and their optimizer was not the fused AdamW nanoGPT trains with."""
     baseline = strategies.seed_params(space, tuned=False)
     seeds = [("baseline", baseline)]
-    if space.device == "cuda":
+    if space.device == "cuda" and tokens_per_sample:
+        fused = {"optimizer.implementation": "fused"}
+        small, large = (max(1, tokens // tokens_per_sample) for tokens in LM_SEED_TOKENS)
+        wanted = [
+            # eager first, screened in seconds each: bf16 as nanoGPT at its batch and four times it,
+            # fp16 beside it; then nanoGPT's whole recipe (bf16 + compile + fused AdamW), compiled
+            # once its eager twin ranks among the fastest (the fastest eager one is compiled anyway)
+            ("bf16", small, fused), ("bf16", large, fused), ("fp16", large, fused),
+            ("bf16", large, {**fused, "compile.mode": "default"}), ("bf16", small, {**fused, "compile.mode": "default"}),
+        ]
+    elif space.device == "cuda":
         fused = {"optimizer.implementation": "fused"}
         wanted = [
             # eager first, screened in seconds each (autotune.search.screening): the guides' recipe

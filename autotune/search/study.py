@@ -160,8 +160,9 @@ def _set_up(config: SearchConfig, device: str, info: dict[str, Any], study: optu
     study.set_user_attr(MACHINE_ATTR, machine)
     study.set_user_attr("memory_limit_bytes", limit)
     # what one sample is (a language model's tokens per sample): the report's tokens/s
-    study.set_user_attr(UNITS_ATTR, Units.from_dict(info).to_dict())
-    seeds = seed_configurations(space)
+    units = Units.from_dict(info)
+    study.set_user_attr(UNITS_ATTR, units.to_dict())
+    seeds = seed_configurations(space, units.tokens_per_sample)
     # the guides' best first; the rest fed as the search's own trials catch up (SeedFeeder),
     # all at once for --replay, which measures in the earlier search's order
     enqueue_seeds(study, seeds, all_now=config.replay is not None)
