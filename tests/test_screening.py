@@ -72,7 +72,7 @@ def test_a_configuration_whose_eager_twin_is_far_from_the_fastest_is_not_compile
     skipped = study.trials[2]
     assert 100.0 < SCREEN_SHARE * 300.0
     assert skipped.state == TrialState.PRUNED
-    assert skipped.user_attrs["reason"] == ("not compiled: its eager twin #0 measured 100 samples/s, beyond 90% "
+    assert skipped.user_attrs["reason"] == ("not compiled: its eager twin #0 measured 100 samples/s, below 90% "
                                             "of the fastest eager #1 (300)")
     assert ran == [(8, "off"), (32, "off")]
 

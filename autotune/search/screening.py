@@ -78,8 +78,10 @@ def screen_eagerly(trial: optuna.Trial, space: SearchSpace, *, compile_mode: str
         return
     behind = twin.value < SCREEN_SHARE * best.value if maximize else twin.value * SCREEN_SHARE > best.value
     if behind:
+        where = (f"below {SCREEN_SHARE:.0%} of the fastest eager" if maximize
+                 else f"over {1 / SCREEN_SHARE:.0%} of the best eager")
         _prune(trial, f"not compiled: its eager twin #{twin.number} measured {twin.value:,.4g} {unit}, "
-                      f"beyond {SCREEN_SHARE:.0%} of the fastest eager #{best.number} ({best.value:,.4g})")
+                      f"{where} #{best.number} ({best.value:,.4g})")
 
 
 def _prune(trial: optuna.Trial, reason: str) -> None:
