@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="re-measure an exported config through autotune.load, in a fresh worker")
     p.add_argument("config", type=Path, help="config.json or its folder")
     p.add_argument("--repeat", type=int, default=1, help="independent re-measurements (fresh worker each)")
+    p.add_argument("--set", action="append", default=[], metavar="PARAM=VALUE,...",
+                   help="also measure the config with these Optuna parameters changed (e.g. "
+                        "vocab_padding.multiple=1), alternating with it as exported: what a knob buys here")
     p = sub.add_parser("report", help="(re)write report.html, report.md and trials.csv of a search")
     p.add_argument("folder", type=Path, nargs="?", help="the search's output folder (holds study.db)")
     p.add_argument("--storage", help="an Optuna storage URL instead of FOLDER/study.db")
@@ -257,26 +260,41 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from autotune.deploy.config import load
+    import tempfile
+
+    from autotune.deploy.config import load, variant
     from autotune.trial.runner import run_worker
+    from autotune.workload.hub import parse_assignments
 
     cfg = load(args.config)
     path = args.config / "config.json" if args.config.is_dir() else args.config
     recorded = cfg.info["figures"]["samples_per_s"]
-    rates = []
+    arms = {"exported": path.resolve()}
+    changes = parse_assignments(",".join(args.set), option="--set", example="vocab_padding.multiple=1")
+    if changes:
+        arms["variant"] = Path(tempfile.mkdtemp(prefix="autotune-verify-")) / "config.json"
+        arms["variant"].write_text(json.dumps(variant(path, changes), indent=2, default=str) + "\n")
+    rates: dict[str, list[float]] = {arm: [] for arm in arms}
     for i in range(args.repeat):
-        result = run_worker({"mode": "trial", "config_path": str(path.resolve()),
-                             "seed": 0}, timeout_s=900)
-        if result["status"] != "ok":
-            console.print(f"[red]re-measurement failed[/]: {result.get('reason')}")
-            return 1
-        rate = result["figures"]["samples_per_s"]
-        rates.append(rate)
-        console.print(f"re-measured {rate:,.0f} samples/s (worker start {result.get('worker_start_s', 0):.1f}s)")
-    med = statistics.median(rates)
+        for arm, config_path in arms.items():  # alternating: drift on the machine hits both alike
+            result = run_worker({"mode": "trial", "config_path": str(config_path), "seed": 0}, timeout_s=900)
+            if result["status"] != "ok":
+                console.print(f"[red]re-measurement failed[/] ({arm}): {result.get('reason')}")
+                return 1
+            rates[arm].append(result["figures"]["samples_per_s"])
+            label = "" if arm == "exported" else f" with {', '.join(args.set)}"
+            console.print(f"re-measured {rates[arm][-1]:,.0f} samples/s{label} "
+                          f"(worker start {result.get('worker_start_s', 0):.1f}s)")
+    med = statistics.median(rates["exported"])
     diff = (med - recorded) / recorded
     console.print(f"config.json says {recorded:,.0f} samples/s; re-measured median {med:,.0f} ({diff:+.1%})")
-    print(json.dumps({"recorded": recorded, "remeasured": rates, "median": med, "relative_difference": diff}))
+    out = {"recorded": recorded, "remeasured": rates["exported"], "median": med, "relative_difference": diff}
+    if changes:
+        other = statistics.median(rates["variant"])
+        console.print(f"with {', '.join(args.set)}: median {other:,.0f} samples/s, {other / med:.3f}x the config "
+                      "as exported (measured alternately)")
+        out["variant"] = {"set": changes, "remeasured": rates["variant"], "median": other, "ratio": other / med}
+    print(json.dumps(out))
     return 0
 
 

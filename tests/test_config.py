@@ -313,3 +313,52 @@ def test_a_config_from_another_torch_warns_what_differs(tmp_path):
     with pytest.warns(UserWarning, match=r"torch 1\.0\.0 \(here "):
         cfg = autotune.load(path)
     assert cfg.batch_size == 8
+
+
+# verify --set: the same configuration with one knob changed -------------------------------------
+
+def _exported(tmp_path: Path) -> Path:
+    """A config.json as a CPU search exports it for tiny_cnn: what `autotune verify` needs of it."""
+    from autotune.trial.measure import MeasureSettings
+
+    info = {"workload": {"model": "fake_models:tiny_cnn", "input_shape": [3, 32, 32], "num_classes": 10},
+            "figures": {"samples_per_s": 1000.0},
+            "measure": MeasureSettings(min_warmup_steps=2, max_warmup_s=2, min_steps=5, min_time_s=0.2).to_dict()}
+    path = tmp_path / "config.json"
+    TunedConfig.from_params(cpu_params(), CPU_SPACE, info=info).save(path)
+    return path
+
+
+def test_a_variant_changes_the_parameters_and_its_knobs_follow(tmp_path):
+    from autotune.deploy.config import variant
+    from autotune.errors import ConfigError
+
+    path = _exported(tmp_path)
+    data = variant(path, {"precision.mode": "bf16", "batch_size.batch_size": 8})
+    assert data["params"] == {**cpu_params(), "precision.mode": "bf16", "batch_size.batch_size": 8}
+    assert data["knobs"]["precision"]["mode"] == "bf16" and data["knobs"]["batch_size"]["batch_size"] == 8
+    assert data["workload"]["model"] == "fake_models:tiny_cnn"  # the rest is the exported config's
+    (tmp_path / "v").mkdir()
+    (tmp_path / "v" / "config.json").write_text(json.dumps(data, default=str))
+    assert autotune.load(tmp_path / "v").knobs["precision"].mode == "bf16"  # it loads as an export does
+    with pytest.raises(ConfigError, match="no such parameter; it has batch_size.batch_size, memory_format"):
+        variant(path, {"vocab_padding.multiple": 1})
+    with pytest.raises(ConfigError, match="give a value this configuration's search offered"):
+        variant(path, {"batch_size.batch_size": 12})
+
+
+@pytest.mark.slow
+def test_verify_measures_the_exported_config_and_a_variant_alternately(tmp_path):
+    from conftest import run_cli
+
+    path = _exported(tmp_path)
+    proc = run_cli("verify", str(path), "--set", "memory_format.format=channels_last", "--repeat", "2")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(result["remeasured"]) == 2 and result["median"] > 0
+    variant = result["variant"]
+    assert variant["set"] == {"memory_format.format": "channels_last"} and len(variant["remeasured"]) == 2
+    assert variant["ratio"] == pytest.approx(variant["median"] / result["median"])
+    said = " ".join(proc.stderr.split())
+    assert "with memory_format.format=channels_last: median" in said and "x the config as exported" in said
+    bad = run_cli("verify", str(path), "--set", "memory_format.format", check=False)
+    assert bad.returncode == 2 and "'memory_format.format' is not NAME=VALUE" in " ".join(bad.stderr.split())

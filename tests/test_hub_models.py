@@ -113,7 +113,7 @@ def test_model_config_values_are_parsed():
                               "activation_function=gelu_new,bos_token_id=none") == {
         "n_layer": 2, "n_embd": 64, "resid_pdrop": 0.0, "tie_word_embeddings": False,
         "activation_function": "gelu_new", "bos_token_id": None}
-    with pytest.raises(ConfigError, match="'n_layer' is not FIELD=VALUE"):
+    with pytest.raises(ConfigError, match="'n_layer' is not NAME=VALUE"):
         parse_model_config("n_layer")
 
 

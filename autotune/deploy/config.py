@@ -276,3 +276,20 @@ def _provenance_differences(recorded: Mapping[str, Any], device: str) -> list[st
 def load(path: str | Path) -> TunedConfig:
     """Load a config.json written by ``autotune search``."""
     return TunedConfig.load(path)
+
+
+def variant(path: str | Path, changes: Mapping[str, Any]) -> dict[str, Any]:
+    """The config.json at ``path`` with ``changes`` to its Optuna parameters, replayed through the
+    strategies (its knobs and notes follow), as data to write (``autotune verify --set``: what one
+    knob buys on this configuration). A parameter it does not have, or a value its search space
+    does not offer, is refused with the ones it has."""
+    cfg = TunedConfig.load(path, here=False)
+    unknown = sorted(set(changes) - set(cfg.params))
+    if unknown:
+        raise ConfigError(f"--set {unknown[0]}: this config has no such parameter; it has "
+                          f"{', '.join(sorted(cfg.params))}")
+    try:
+        changed = TunedConfig.from_params({**cfg.params, **changes}, cfg.space, info=cfg.info)
+    except ValueError as exc:  # FixedTrial: a value the space does not offer
+        raise ConfigError(f"--set: {exc}: give a value this configuration's search offered") from None
+    return changed.to_dict()

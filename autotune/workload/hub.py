@@ -39,15 +39,21 @@ def hub_name(model: str) -> str:
 
 
 def parse_model_config(text: str) -> dict[str, Any]:
-    """'n_layer=2,n_embd=64,tie_word_embeddings=false' -> {'n_layer': 2, 'n_embd': 64, ...}: ints,
-    floats, true/false and none are parsed, anything else is kept as a string."""
+    """'n_layer=2,n_embd=64,tie_word_embeddings=false' -> {'n_layer': 2, 'n_embd': 64, ...}."""
+    return parse_assignments(text, option="--model-config", example="n_layer=2,n_embd=64")
+
+
+def parse_assignments(text: str, *, option: str, example: str) -> dict[str, Any]:
+    """'a=2,b=0.5,c=false,d=x' -> {'a': 2, 'b': 0.5, 'c': False, 'd': 'x'}: ints, floats, true/false
+    and none are parsed, anything else is kept as a string; ``option`` and ``example`` word the
+    error for an item that is not NAME=VALUE."""
     out: dict[str, Any] = {}
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
         key, sep, value = (s.strip() for s in item.partition("="))
         if not sep or not key or not value:
-            raise ConfigError(f"--model-config {text!r}: {item!r} is not FIELD=VALUE; write e.g. n_layer=2,n_embd=64")
+            raise ConfigError(f"{option} {text!r}: {item!r} is not NAME=VALUE; write e.g. {example}")
         out[key] = _parse_value(value)
     return out
 
