@@ -265,10 +265,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from autotune.deploy.config import load, variant
     from autotune.trial.runner import run_worker
     from autotune.workload.hub import parse_assignments
+    from autotune.workload.units import Units
 
     cfg = load(args.config)
     path = args.config / "config.json" if args.config.is_dir() else args.config
     recorded = cfg.info["figures"]["samples_per_s"]
+    units = Units.from_dict(cfg.info.get("units"))
+
+    def rate(samples_per_s: float) -> str:  # a language model's tokens/s beside its samples/s
+        tokens = f" ({units.tokens_per_s(samples_per_s):,.0f} tokens/s)" if units.has_tokens else ""
+        return f"{samples_per_s:,.0f} samples/s{tokens}"
+
     arms = {"exported": path.resolve()}
     changes = parse_assignments(",".join(args.set), option="--set", example="vocab_padding.multiple=1")
     if changes:
@@ -283,15 +290,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 return 1
             rates[arm].append(result["figures"]["samples_per_s"])
             label = "" if arm == "exported" else f" with {', '.join(args.set)}"
-            console.print(f"re-measured {rates[arm][-1]:,.0f} samples/s{label} "
+            console.print(f"re-measured {rate(rates[arm][-1])}{label} "
                           f"(worker start {result.get('worker_start_s', 0):.1f}s)")
     med = statistics.median(rates["exported"])
     diff = (med - recorded) / recorded
-    console.print(f"config.json says {recorded:,.0f} samples/s; re-measured median {med:,.0f} ({diff:+.1%})")
+    console.print(f"config.json says {rate(recorded)}; re-measured median {rate(med)} ({diff:+.1%})")
     out = {"recorded": recorded, "remeasured": rates["exported"], "median": med, "relative_difference": diff}
     if changes:
         other = statistics.median(rates["variant"])
-        console.print(f"with {', '.join(args.set)}: median {other:,.0f} samples/s, {other / med:.3f}x the config "
+        console.print(f"with {', '.join(args.set)}: median {rate(other)}, {other / med:.3f}x the config "
                       "as exported (measured alternately)")
         out["variant"] = {"set": changes, "remeasured": rates["variant"], "median": other, "ratio": other / med}
     print(json.dumps(out))

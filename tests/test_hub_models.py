@@ -229,6 +229,11 @@ def test_cpu_search_of_a_tiny_gpt2_reports_tokens_and_its_config_trains(tmp_path
     losses = [float(step(x, y)) for x, y in cfg.loader(batches)]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
 
+    # verify re-measures it, in tokens/s too, and A/B's a knob on it
+    proc = run_cli("verify", str(out), "--set", "threads.num_threads=1", timeout=300)
+    said = " ".join(proc.stderr.split())
+    assert "tokens/s)" in said and "with threads.num_threads=1: median" in said
+
 
 def test_a_transformers_without_the_attention_interfaces_keeps_its_own_attention(monkeypatch):
     """A transformers whose attention interfaces cannot be had still builds the model, with its own attention."""
