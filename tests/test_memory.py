@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import json
 import sys
-import shutil
-from pathlib import Path
 from types import SimpleNamespace
 
 import optuna
 import pandas as pd
 import pytest
 import torch
-from optuna.trial import TrialState, create_trial
+from optuna.trial import TrialState
 
 from autotune.errors import ConfigError
 from autotune.search.memory import MemoryModel, family, parse_size

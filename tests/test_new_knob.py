@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import optuna
 import pytest

@@ -5,7 +5,6 @@ request is served."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
