@@ -15,7 +15,7 @@ from autotune.deploy.space import SearchSpace
 from autotune.errors import ConfigError
 from autotune.search.trials import FINISHED, planned_params
 from autotune.trial.record import TrialRecord, queue_attrs
-from strategies.batch_size import nearest
+from strategies.batch_size import LM_BASE_TOKENS, nearest
 
 
 def _offered(space: SearchSpace, step: dict[str, Any]) -> bool:
@@ -71,9 +71,9 @@ def enqueue_replay(study: optuna.Study, folder: Path, space: SearchSpace, seeds:
                       "and are not replayed", stacklevel=4)
 
 
-LM_SEED_TOKENS = (16_384, 65_536)
-"""Tokens per step of the language-model recipes: nanoGPT's micro-batch (about 16k tokens, the
-batch of scripts/lm_baseline.py) and four times that, where an H200 ran hf:gpt2 fastest
+LM_SEED_TOKENS = (LM_BASE_TOKENS, 4 * LM_BASE_TOKENS)
+"""Tokens per step of the language-model recipes: nanoGPT's micro-batch (the language-model
+baseline's, 16k tokens) and four times that, where an H200 ran hf:gpt2 fastest
 (390,055 tokens/s at 64 x 1,024 against 357,418 at 16 x 1,024, hand-written, 2026-12-03)."""
 
 

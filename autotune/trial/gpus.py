@@ -216,21 +216,28 @@ def own_device_bytes(cuda_index: int = 0) -> int | None:
     tightened by it. None where NVML cannot tell (no NVML, or a driver or container that does not
     list this process): the caller then falls back to the device's whole use."""
     try:
-        import pynvml
-        import torch
-
-        props = torch.cuda.get_device_properties(cuda_index)
-        pynvml.nvmlInit()
-        try:
-            handle = pynvml.nvmlDeviceGetHandleByPciBusId(_pci_bus_id(props))
+        with _nvml_handle(cuda_index) as (pynvml, handle):
             for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
                 if process.pid == os.getpid() and process.usedGpuMemory is not None:
                     return int(process.usedGpuMemory)
-        finally:
-            pynvml.nvmlShutdown()
     except Exception:  # no NVML, no such field in this torch: the device's whole use instead
         return None
     return None
+
+
+@contextlib.contextmanager
+def _nvml_handle(cuda_index: int) -> Iterator[tuple[Any, Any]]:
+    """(pynvml, NVML's handle of CUDA device ``cuda_index``), found by its PCI bus id, with NVML
+    initialised for the block; raises where NVML or torch's PCI fields cannot tell."""
+    import pynvml
+    import torch
+
+    props = torch.cuda.get_device_properties(cuda_index)
+    pynvml.nvmlInit()
+    try:
+        yield pynvml, pynvml.nvmlDeviceGetHandleByPciBusId(_pci_bus_id(props))
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def nvml_index(cuda_index: int = 0) -> int:
@@ -242,16 +249,8 @@ def nvml_index(cuda_index: int = 0) -> int:
     CUDA_VISIBLE_DEVICES when it is a plain index, else ``cuda_index``.
     """
     try:
-        import pynvml
-        import torch
-
-        props = torch.cuda.get_device_properties(cuda_index)
-        pynvml.nvmlInit()
-        try:
-            handle = pynvml.nvmlDeviceGetHandleByPciBusId(_pci_bus_id(props))
+        with _nvml_handle(cuda_index) as (pynvml, handle):
             return int(pynvml.nvmlDeviceGetIndex(handle))
-        finally:
-            pynvml.nvmlShutdown()
     except Exception:  # no NVML, no such field in this torch: fall back to the environment
         pass
     visible = [p.strip() for p in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
