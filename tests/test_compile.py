@@ -118,6 +118,21 @@ def _train(mode: str, steps: int = 3) -> tuple[list[float], torch.nn.Module, tor
     return [float(step(x, y)) for x, y in batches], model, original
 
 
+def test_a_compiled_step_compiles_its_loss_and_an_eager_one_does_not() -> None:
+    import fake_models
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.float(), targets)
+
+    for mode, compiled in (("off", False), ("default", True)):
+        cfg = TunedConfig.from_params({"compile.mode": mode}, CPU_SPACE)
+        model = fake_models.tiny_cnn(10)
+        step = cfg.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn)
+        # torch.compile's wrapper keeps the function it compiles
+        assert (step.loss_fn is not loss_fn) is compiled
+        assert getattr(step.loss_fn, "_torchdynamo_orig_callable", loss_fn) is loss_fn
+
+
 @pytest.mark.slow
 def test_compiled_model_trains_to_the_same_loss_as_eager() -> None:
     eager, eager_model, _ = _train("off")
