@@ -140,6 +140,11 @@ def test_cuda_seeds_include_the_top_configurations_and_replay() -> None:
     assert compiled[1].startswith("bf16, channels_last, batch 256") and "compile default" in compiled[1]
     assert all("compile default" in d and "fused optimizer" in d for d in compiled)
     assert any("compile default" in d and "CUDA graphs" in d for d in compiled)
+    assert not any(d.startswith("fp8") for d in described)  # no fp8 offered: no fp8 seed
+    # a model with Linear layers for FP8 Tensor Cores (a ViT) gets a compiled fp8 seed, last
+    vit = build_space(config, "cuda", _info(precisions=["fp32", "tf32", "fp16", "bf16", "fp8"], fp8_eligible_share=0.8))
+    last = seed_configurations(vit)[-1][1]
+    assert (last["precision.mode"], last["batch_size.batch_size"], last["compile.mode"]) == ("fp8", 512, "default")
 
 
 def test_seeds_skip_what_the_space_does_not_offer() -> None:
@@ -197,5 +202,13 @@ def test_a_language_model_on_cuda_is_seeded_with_nanogpts_recipes_sized_in_token
     # 4,096 tokens a sequence: 4 and 16 sequences, within the offered batches (16 at least)
     longer = seed_configurations(space, 4096)
     assert {p["batch_size.batch_size"] for _, p in longer[1:]} == {16}
+    # with FP8 Tensor Cores and Linear layers for them (a Llama's, not GPT-2's Conv1D), fp8 beside
+    # the large bf16 one, compiled: torchao's float8 is meant to run compiled
+    fp8_space = build_space(config, "cuda", _info(**lm, precisions=["fp32", "tf32", "fp16", "bf16", "fp8"],
+                                                  fp8_eligible_share=0.9))
+    fp8_seeds = [p for _, p in seed_configurations(fp8_space, 1024)]
+    assert [(p["precision.mode"], p["batch_size.batch_size"], p["compile.mode"]) for p in fp8_seeds[1:]] == [
+        ("bf16", 16, "off"), ("bf16", 64, "off"), ("fp16", 64, "off"), ("bf16", 64, "default"),
+        ("fp8", 64, "default"), ("bf16", 16, "default")]
     # an image model keeps the guides' recipes and its base batch of 256
     assert build_space(SearchConfig(workload=WorkloadSpec(model="resnet50")), "cuda", _info()).base_batch_size == 256

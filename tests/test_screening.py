@@ -77,6 +77,22 @@ def test_a_configuration_whose_eager_twin_is_far_from_the_fastest_is_not_compile
     assert ran == [(8, "off"), (32, "off")]
 
 
+def test_fp8_is_compiled_without_an_eager_twin_and_bf16_still_waits_for_one(ran) -> None:
+    """torchao's float8 is built to be compiled (eagerly its casts and scales are kernels of their
+    own), so its eager figure would rank it low and keep it from ever compiling."""
+    space = SearchSpace(device="cpu", precisions=["fp32", "bf16", "fp8"], batch_sizes=[8, 16, 32],
+                        base_batch_size=8, compile_modes=["off", "default"])
+    objective = Objective(space=space, workload=TINY.to_dict(), measure={}, input_on_device=False, seed=0,
+                          trial_timeout_s=100.0)
+    study = optuna.create_study(direction="maximize")
+    for mode in ("fp8", "bf16"):
+        study.enqueue_trial({**_params(16, "default"), "precision.mode": mode})
+    study.optimize(objective, n_trials=2)
+    fp8, bf16 = study.trials[:2]  # (and the eager twin bf16 queued)
+    assert fp8.state == TrialState.COMPLETE and ran[0] == (16, "default")
+    assert bf16.state == TrialState.PRUNED and bf16.user_attrs["reason"].startswith("screened eagerly first")
+
+
 def test_the_fastest_eager_configuration_is_queued_compiled_once(ran) -> None:
     study = optuna.create_study(direction="maximize")
     for batch in (8, 32, 16):

@@ -8,7 +8,8 @@ by a bounded factor, so the eager figure ranks candidates for compiling at a fra
   eager twin (the same knobs, compile off) was not measured yet is not started, and its twin is
   queued; one whose twin ran below SCREEN_SHARE of the fastest eager trial is not compiled at all.
   Both are pruned unstarted and uncounted (no "status"); Optuna's sampler ranks them low, so its own
-  proposals stay mostly eager and the budget measures many configurations.
+  proposals stay mostly eager and the budget measures many configurations. fp8 is the exception
+  (COMPILED_ONLY_PRECISIONS): it is built to be compiled, and its eager figure says little.
 * ``CompileFinalist`` (Optuna's callback after each trial): the fastest eager configuration is
   queued compiled, so the compile is spent where it can win.
 """
@@ -30,6 +31,12 @@ SCREEN_SHARE = 0.9
 trial or more (ResNet-50 on the H200: the best eager 5,800 img/s, compiled 7,200 to 7,491)."""
 
 RULE_SCREEN, RULE_FINALIST = "screen eagerly", "compile the fastest eager"
+
+COMPILED_ONLY_PRECISIONS = frozenset({"fp8"})
+"""Precision modes whose eager figure does not rank them for compiling: torchao's float8 training
+casts and scales every Linear's inputs in kernels of their own unless torch.compile fuses them
+(TorchTitan's float8 recipe calls compiling "required"), so fp8 runs behind bf16 eagerly and is
+meant to win compiled. Their compiled configurations are measured without an eager twin."""
 
 
 def eager_twin(params: dict[str, Any], space: SearchSpace) -> dict[str, Any]:
@@ -63,7 +70,7 @@ def _fastest_eager(study: optuna.Study, maximize: bool) -> optuna.trial.FrozenTr
 def screen_eagerly(trial: optuna.Trial, space: SearchSpace, *, compile_mode: str, maximize: bool, unit: str) -> None:
     """Prune, unstarted, a compiled configuration not screened eagerly yet (its twin is queued) or
     whose eager twin ran below SCREEN_SHARE of the fastest eager trial; return when it may compile."""
-    if compile_mode == "off":
+    if compile_mode == "off" or trial.params.get("precision.mode") in COMPILED_ONLY_PRECISIONS:
         return
     twin = queue_eager_twin(trial, space, RULE_SCREEN)
     if twin is None:
