@@ -65,6 +65,31 @@ def test_steps_are_scaled_to_the_step_time_and_the_share_of_the_budget():
     assert describe(slow).startswith("10 steps, the fewest that say anything (scaled to 25% of the 40 s budget")
 
 
+def test_without_a_held_out_set_no_evaluation_is_counted(tmp_path):
+    """hf:llama (2 layers) on the H200: 15 samples/s in FP32, a check batch of 32, and a plan that
+    counted 32 held-out batches of evaluation a run (10.7 steps' worth) beside 10 training steps,
+    though a language model's random tokens have no held-out set: twice the check's real cost."""
+    measured = {"samples_per_s": 15.0, "overhead_s": 15.0, "trial": 0, "baseline": True}
+    settings = AccuracySettings.for_device("cuda", batch_size=32)
+    with_eval = plan(settings, budget_s=300, share=0.25, measured=measured)  # the default: held_out=True
+    without = plan(settings, budget_s=300, share=0.25, measured=measured, held_out=False)
+    step_s = 32 / 15.0
+    assert with_eval["steps"] == without["steps"] == 10  # the fewest either way, at 2.1 s a step
+    assert with_eval["estimate_s"] == pytest.approx(3 * 15.0 + 4 * (10 + 32 / 3) * step_s, abs=0.1)
+    assert without["estimate_s"] == pytest.approx(3 * 15.0 + 4 * 10 * step_s, abs=0.1)
+    # and it is what the gate plans with when the search tells it there is no held-out set
+    study = _study_with_baseline(15.0, figures={"batch_size": 16})
+    estimates = {}
+    for held_out in (True, False):
+        study.set_user_attr("accuracy_plan", None)
+        gate = AccuracyGate(settings=settings, space=SPACE, workload=TINY, timeout_s=300, budget_s=300,
+                            scale_steps=True, cache=ReferenceCache(tmp_path), held_out=held_out)
+        gate.attach(study)
+        gate.settle(study)
+        estimates[held_out] = study.user_attrs["accuracy_plan"]["estimate_s"]
+    assert estimates[True] - estimates[False] == pytest.approx(4 * 32 / 3 * step_s, abs=0.1)
+
+
 def test_the_gate_plans_once_from_the_baseline_and_a_resume_keeps_the_steps(tmp_path):
     study = _study_with_baseline(RATE_FOR_40_STEPS)
     assert step_time(study) == {"samples_per_s": RATE_FOR_40_STEPS, "trial": 0, "baseline": True, "overhead_s": 0.0,

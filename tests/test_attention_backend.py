@@ -247,6 +247,9 @@ def test_the_probe_reports_the_language_model_knobs_questions_and_skips_the_forw
     info = probe(request)
     assert info["sdpa_calls"] == 1 and info["sdpa_head_dim"] == 16
     assert info["vocab_size"] == 1003 and 0 <= info["fp8_eligible_share"] <= 1
+    # its own random batches: no held-out set for the accuracy check to evaluate (an image model has one)
+    assert info["own_batches"] is True
+    assert probe({**request, "workload": {"model": "fake_models:tiny_cnn"}})["own_batches"] is False
     quiet = probe({**request, "forward": False})
     assert "sdpa_calls" not in quiet and quiet["vocab_size"] == 1003
     assert Attention().offer(None, "cpu", quiet, {}) == {}  # the knob is not offered without the count

@@ -188,7 +188,7 @@ class AccuracyGate:
 
     def __init__(self, *, settings: AccuracySettings, space, workload: dict[str, Any], timeout_s: float,
                  log_dir: Path | None = None, budget_s: float | None = None, share: float = DEFAULT_SHARE,
-                 scale_steps: bool = False, cache: ReferenceCache | None = None) -> None:
+                 scale_steps: bool = False, cache: ReferenceCache | None = None, held_out: bool = True) -> None:
         self.settings = settings
         self.space = space
         self.workload = workload
@@ -201,6 +201,8 @@ class AccuracyGate:
         self.scale_steps = scale_steps
         """The steps may be planned (no --accuracy-steps given)."""
         self.pending = scale_steps and budget_s is not None
+        self.held_out = held_out
+        """The check evaluates a held-out set after training (not for a workload's own batches)."""
         """The steps are still to be planned, from the first measured step time, before the first check."""
         self.cache = cache if cache is not None else ReferenceCache()
         self.spent_s = 0.0
@@ -249,7 +251,8 @@ class AccuracyGate:
                 measured = step_time(study)
                 if measured is None and not force:
                     return
-                plan = (make_plan(self.settings, budget_s=self.budget_s, share=self.share, measured=measured)
+                plan = (make_plan(self.settings, budget_s=self.budget_s, share=self.share, measured=measured,
+                                   held_out=self.held_out)
                         if measured else {"how": "unmeasured", "steps": self.settings.steps})
                 study.set_user_attr(PLAN_ATTR, plan)
             self.settings = _planned(self.settings, plan)

@@ -92,7 +92,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         recovered = recover_dead_trials(study) if config.storage is None else []
         shared = SharedStudy(study, storage, config.storage or f"sqlite:///{out_dir / 'study.db'}", config.trials)
         config.measure = config.measure or MeasureSettings.for_device(device)
-        gate = _accuracy_gate(config, device, space, out_dir, study)
+        gate = _accuracy_gate(config, device, space, out_dir, study, info)
         objective = _objective(config, device, info, space, out_dir, started, target=target, gate=gate,
                                prestart=prestart, limit=limit)
         objective.on_phase = lambda words: emit("phase", words)
@@ -213,7 +213,8 @@ def _deadline(config: SearchConfig, started: float) -> float | None:
     return deadline(config, started)
 
 
-def _accuracy_gate(config: SearchConfig, device: str, space: SearchSpace, out_dir: Path, study: optuna.Study):
+def _accuracy_gate(config: SearchConfig, device: str, space: SearchSpace, out_dir: Path, study: optuna.Study,
+                   info: dict[str, Any]):
     """The accuracy check's gate, attached to the study; None when the check is off."""
     if not config.accuracy_check:
         return None
@@ -224,7 +225,8 @@ def _accuracy_gate(config: SearchConfig, device: str, space: SearchSpace, out_di
     gate = AccuracyGate(settings=config.accuracy_settings(device), space=space,
                         workload=config.workload.to_dict(), timeout_s=config.trial_timeout_s,
                         log_dir=out_dir / "logs", budget_s=config.budget_s, share=config.accuracy_share,
-                        scale_steps=config.accuracy_steps is None)
+                        scale_steps=config.accuracy_steps is None,
+                        held_out=not (info.get("own_batches") and config.data is None))
     gate.attach(study)
     return gate
 

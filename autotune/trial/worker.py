@@ -145,6 +145,9 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     result["num_leaf_modules"] = sum(1 for m in workload.model.modules() if next(m.children(), None) is None)
     # what one sample is: a language model's tokens/s is samples/s times tokens_per_sample
     result.update(sample_unit=workload.sample_unit, tokens_per_sample=workload.tokens_per_sample)
+    # a workload that makes its own batches (a language model's random tokens) has no held-out set
+    # to evaluate in the accuracy check unless --data gives one (autotune.accuracy.plan)
+    result["own_batches"] = workload.make_batch is not None
     result["misaligned"] = {str(m): misaligned_layers(workload.model, m) for m in (8, 16)}
     result["fp32_layer_kinds"] = kinds_present(workload.model)
     result["fp8_eligible_share"] = fp8_eligible_share(workload.model)
