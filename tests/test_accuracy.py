@@ -112,9 +112,43 @@ def test_step_numerics_compare_the_numerics_not_the_dropout_masks(monkeypatch):
     monkeypatch.setattr(torch.nn.functional, "dropout", dropout)
     spec = WorkloadSpec(model="fake_models:dropout_mlp", input_shape=(3, 8, 8), num_classes=10)
     settings = AccuracySettings.for_device("cpu", steps=10, batch_size=8)
-    numerics = step_numerics(spec, {}, SPACE, settings, _datasets(spec, settings, "cpu"))
+    # tf32 on a CPU computes FP32 (the TF32 switches are CUDA's) in a step of its own, so its own masks
+    tf32 = {"precision": {"mode": "tf32"}}
+    numerics = step_numerics(spec, tf32, SPACE, settings, _datasets(spec, settings, "cpu"))
     assert numerics["grad_cosine_vs_fp32"] == pytest.approx(1.0, abs=1e-6)
     assert numerics["grad_cosine_vs_fp64"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_the_references_own_step_numerics_take_the_fp32_step_once(monkeypatch):
+    """The FP32 reference against FP32 is the same step twice: it is taken once (then FP64), where
+    a configuration takes its own, FP32's and FP64's; the cosine is torch's cosine similarity."""
+    import torch
+
+    from autotune.accuracy import check
+
+    steps = []
+    one_step = check._one_step
+
+    def counted(spec, knobs, space, settings, batch, dtype):
+        steps.append((json.dumps(knobs, sort_keys=True), dtype))
+        return one_step(spec, knobs, space, settings, batch, dtype)
+
+    monkeypatch.setattr(check, "_one_step", counted)
+    spec = WorkloadSpec(model="fake_models:tiny_cnn", input_shape=(3, 8, 8), num_classes=10)
+    settings = AccuracySettings.for_device("cpu", steps=10, batch_size=8)
+    data = check._datasets(spec, settings, "cpu")
+    reference = check.step_numerics(spec, {}, SPACE, settings, data)
+    assert steps == [("{}", torch.float32), ("{}", torch.float64)]
+    assert reference["grad_cosine_vs_fp32"] == pytest.approx(1.0, abs=1e-12)
+    steps.clear()
+    bf16 = {"precision": {"mode": "bf16"}}
+    check.step_numerics(spec, bf16, SPACE, settings, data)
+    assert [dtype for _, dtype in steps] == [torch.float32, torch.float32, torch.float64]
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(1000, generator=g, dtype=torch.float64), torch.randn(1000, generator=g, dtype=torch.float64)
+    compared = check._compare(1.0, a, 1.0, a + 0.5 * b, "fp32")
+    assert compared["grad_cosine_vs_fp32"] == pytest.approx(float(torch.nn.functional.cosine_similarity(
+        a, a + 0.5 * b, dim=0)), rel=1e-12)
 
 
 def test_numerics_key_ignores_speed_only_knobs():

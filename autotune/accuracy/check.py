@@ -247,7 +247,10 @@ def step_numerics(spec, knobs: Mapping[str, Any], space, settings: AccuracySetti
     indices = next(batch_order(len(data.train), settings.batch_size, 1, settings.seed))
     batch = collate(data.train, indices)
     loss, grads = _one_step(spec, knobs, space, settings, batch, torch.float32)
-    ref_loss, ref_grads = _one_step(spec, {}, space, settings, batch, torch.float32)
+    if numerics_key(knobs) == numerics_key({}):
+        ref_loss, ref_grads = loss, grads  # the FP32 reference itself: the same step again is the same
+    else:
+        ref_loss, ref_grads = _one_step(spec, {}, space, settings, batch, torch.float32)
     out = {"loss": loss, **_compare(loss, grads, ref_loss, ref_grads, "fp32")}
     if settings.fp64:
         loss64, grads64 = _one_step(spec, {}, space, settings, batch, torch.float64)
@@ -285,8 +288,9 @@ def _one_step(spec, knobs, space, settings, batch, dtype) -> tuple[float, Any]:
             with runtime.autocast(recipe):
                 loss = workload.loss_fn(logits(model(x)), y)
             (loss * scale if scale != 1.0 else loss).backward()
-            grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().flatten()
-                               for p in params]) / scale
+            # one concatenation in the gradients' own dtype, then one conversion (not one per tensor)
+            grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten()
+                               for p in params]).double() / scale
             if scale <= 1.0 or bool(torch.isfinite(grads).all()):
                 break
             scale /= 2
@@ -313,7 +317,9 @@ def _compare(loss: float, grads, ref_loss: float, ref_grads, name: str) -> dict[
     ref_norm = float(ref_grads.norm())
     norm = float(grads.norm())
     finite = bool(torch.isfinite(grads).all())
-    cosine = float(torch.nn.functional.cosine_similarity(grads, ref_grads, dim=0)) if finite and norm and ref_norm \
+    # a dot product over the norms: torch.nn.functional.cosine_similarity took 4.5 s for two vectors
+    # of 0.1 billion FP64 gradients on 2 CPU cores, this a tenth of a second
+    cosine = float(torch.dot(grads, ref_grads)) / (norm * ref_norm) if finite and norm and ref_norm \
         else (1.0 if norm == ref_norm == 0 else float("nan"))
     return {
         f"loss_rel_error_vs_{name}": abs(loss - ref_loss) / max(abs(ref_loss), 1e-12),
