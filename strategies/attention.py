@@ -4,8 +4,10 @@ PyTorch picks an SDPA backend per call from the inputs (FlashAttention, memory-e
 or the plain math of matmul and softmax); the pick is a heuristic, and on a given GPU, dtype and
 head size another backend may be faster. ``torch.nn.attention.sdpa_kernel(backend)`` restricts
 the choice to one backend for the forward and backward passes run inside it. A backend that
-cannot run the model's attention (FlashAttention in FP32 on a GPU, say) raises in the trial,
-which records it as a failed trial with the reason; the study goes on.
+cannot run the model's attention raises in the trial, which records it as a failed trial with
+the reason; the study goes on, and does not run that backend again with attention in the same dtype.
+What is known to fail beforehand (FlashAttention or cuDNN given FP32 attention on a GPU) is not
+run at all (:func:`cannot_run`).
 
 Offered only for models that call SDPA (the probe counts the calls of one forward pass).
 """
@@ -43,8 +45,35 @@ WORDS = {"flash": "flash attention", "efficient": "memory-efficient attention", 
          "math": "math attention"}
 
 
+HALF_ONLY = frozenset({"flash", "cudnn"})
+"""Backends whose CUDA kernels take fp16 and bf16 inputs only (PyTorch's SDPA dispatch checks the
+dtype before anything else); the CPU's flash kernel runs FP32 too."""
+
+
 class BackendFailed(RuntimeError):
     """A pinned SDPA backend could not run the model's attention."""
+
+
+def attention_dtype(knobs: Mapping[str, Mapping[str, Any]]) -> str:
+    """What a configuration (knobs as dicts) computes attention in: "fp32" for fp32 and tf32, and
+    where fp32_layers keeps attention in FP32; else its autocast dtype ("bf16" for fp8, whose
+    float8 is the Linear layers')."""
+    mode = (knobs.get("precision") or {}).get("mode", "fp32")
+    kept = str((knobs.get("fp32_layers") or {}).get("layers", "none")).split("+")
+    if mode in ("fp32", "tf32") or "attention" in kept:
+        return "fp32"
+    return "bf16" if mode == "fp8" else mode
+
+
+def cannot_run(knobs: Mapping[str, Mapping[str, Any]], device: str) -> str | None:
+    """Why a configuration's pinned backend cannot run its attention, known before it runs (a
+    half-precision-only backend given FP32 attention on a GPU), or None. The hf:gpt2 and hf:llama
+    searches on the H200 spent a worker start and a model build on each such trial."""
+    backend = (knobs.get("attention") or {}).get("backend", "default")
+    if device == "cuda" and backend in HALF_ONLY and attention_dtype(knobs) == "fp32":
+        return (f"not run: {WORDS[backend]} takes only fp16 and bf16 inputs on a GPU, and this configuration "
+                "computes attention in FP32")
+    return None
 
 
 @dataclass(frozen=True)

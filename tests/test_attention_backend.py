@@ -253,3 +253,62 @@ def test_the_probe_reports_the_language_model_knobs_questions_and_skips_the_forw
     quiet = probe({**request, "forward": False})
     assert "sdpa_calls" not in quiet and quiet["vocab_size"] == 1003
     assert Attention().offer(None, "cpu", quiet, {}) == {}  # the knob is not offered without the count
+
+
+# what cannot run is not run ---------------------------------------------------------------------
+
+def test_attention_dtype_and_what_a_gpu_backend_cannot_run_before_it_runs():
+    from strategies.attention import attention_dtype, cannot_run
+
+    def knobs(mode, backend="flash", layers="none"):
+        return {"precision": {"mode": mode}, "attention": {"backend": backend}, "fp32_layers": {"layers": layers}}
+
+    assert [attention_dtype(knobs(m)) for m in ("fp32", "tf32", "fp16", "bf16", "fp8")] == [
+        "fp32", "fp32", "fp16", "bf16", "bf16"]
+    assert attention_dtype(knobs("bf16", layers="attention+head")) == "fp32"
+    assert attention_dtype(knobs("bf16", layers="norm+head")) == "bf16"
+    # on the H200: flash with tf32 (hf:gpt2) and cuDNN with FP32 attention layers (hf:llama) failed
+    assert "flash attention takes only fp16 and bf16" in cannot_run(knobs("tf32"), "cuda")
+    assert "computes attention in FP32" in cannot_run(knobs("bf16", "cudnn", "attention"), "cuda")
+    assert cannot_run(knobs("bf16", "cudnn"), "cuda") is None
+    assert cannot_run(knobs("fp32", "efficient"), "cuda") is None and cannot_run(knobs("fp32", "math"), "cuda") is None
+    assert cannot_run(knobs("fp32"), "cpu") is None  # the CPU's flash kernel runs FP32
+
+
+def test_a_backend_that_failed_is_not_run_again_with_attention_in_the_same_dtype(monkeypatch):
+    """The search prunes, unstarted, what a pinned backend cannot run: a failure seen once for
+    this model and attention dtype, or FP32 attention for a half-only backend."""
+    from optuna.trial import TrialState
+
+    from autotune.search.objective import Objective
+
+    ran = []
+
+    def fake_worker(request, *, timeout_s, log_path, spare=False, on_progress=None):
+        knobs = request["knobs"]
+        backend, mode = knobs["attention"]["backend"], knobs["precision"]["mode"]
+        ran.append((mode, backend, knobs["batch_size"]["batch_size"]))
+        if backend == "cudnn" and mode == "fp16":
+            return {"status": "error", "wall_s": 1.0, "worker_start_s": 0.1,
+                    "reason": "BackendFailed: the cudnn attention backend cannot run this model's attention"}
+        figures = {"samples_per_s": 100.0, "step_time_ms": 80.0, "peak_memory_bytes": 1, "warmup_s": 1.0,
+                   "measure_s": 2.0, "build_s": 0.5, "compile_s": 0.0, "loss_finite": True}
+        return {"status": "ok", "figures": figures, "wall_s": 3.0, "worker_start_s": 0.1}
+
+    monkeypatch.setattr("autotune.search.objective.run_worker", fake_worker)
+    space = SearchSpace(device="cuda", precisions=["fp32", "tf32", "fp16", "bf16"], batch_sizes=[8, 16],
+                        base_batch_size=8, choices={"attention": ["default", "flash", "cudnn"]})
+    objective = Objective(space=space, workload={"model": "fake_models:tiny_lm"}, measure={}, input_on_device=False,
+                          seed=0, trial_timeout_s=100.0, profile=False, early_stop_below=0.0)
+    study = optuna.create_study(direction="maximize")
+    for mode, backend, batch in [("fp16", "cudnn", 8), ("fp16", "cudnn", 16), ("bf16", "cudnn", 16),
+                                 ("tf32", "flash", 8), ("fp16", "flash", 8)]:
+        study.enqueue_trial({"precision.mode": mode, "attention.backend": backend, "batch_size.batch_size": batch})
+    study.optimize(objective, n_trials=5, catch=(Exception,))
+    failed, again, bf16, tf32_flash, fp16_flash = study.trials
+    assert failed.state == TrialState.FAIL
+    assert again.state == TrialState.PRUNED and "status" not in again.user_attrs
+    assert again.user_attrs["reason"].startswith("not run: #0 pinned the same attention backend with attention in fp16")
+    assert tf32_flash.state == TrialState.PRUNED and "takes only fp16 and bf16" in tf32_flash.user_attrs["reason"]
+    assert bf16.state == fp16_flash.state == TrialState.COMPLETE
+    assert ran == [("fp16", "cudnn", 8), ("bf16", "cudnn", 16), ("fp16", "flash", 8)]

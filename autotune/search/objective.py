@@ -128,6 +128,7 @@ class Objective:
         previous = self._same_params(trial)
         if previous is not None:
             return self._reuse(trial, previous)
+        self._prune_what_cannot_run(trial)
         self._prune_if_it_cannot_fit(trial)
         if self.screen_compiles and TrialRecord.of(trial).role != "replayed":
             screen_eagerly(trial, self.space, compile_mode=knobs["compile"].mode, maximize=self.goal.maximize,
@@ -169,6 +170,31 @@ class Objective:
         write(trial, duplicate_of=previous.number)
         before = TrialRecord.of(previous)
         return self._conclude(trial, before.status, before.reason, before.figures or None)
+
+    def _prune_what_cannot_run(self, trial: optuna.Trial) -> None:
+        """Prune, unstarted and uncounted, a configuration whose pinned attention backend cannot run:
+        known beforehand (strategies.attention.cannot_run), or failed in this study already with
+        attention in the same dtype (a backend refuses a model's head size, mask or dropout alike
+        in every configuration that hands it the same inputs)."""
+        from strategies.attention import attention_dtype, cannot_run
+
+        knobs = TrialRecord.of(trial).knobs
+        backend = (knobs.get("attention") or {}).get("backend", "default")
+        if backend == "default":
+            return
+        reason = cannot_run(knobs, self.space.device)
+        dtype = attention_dtype(knobs)
+        for t in trial.study.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
+            if reason is not None:
+                break
+            record = TrialRecord.of(t)
+            if ((record.reason or "").startswith("BackendFailed") and record.knob("attention", "backend") == backend
+                    and attention_dtype(record.knobs) == dtype):
+                reason = (f"not run: #{t.number} pinned the same attention backend with attention in {dtype}, "
+                          "and it could not run this model's attention")
+        if reason is not None:
+            write(trial, reason=reason)
+            raise optuna.TrialPruned(reason)
 
     def _prune_if_it_cannot_fit(self, trial: optuna.Trial) -> None:
         """Prune, unmeasured, a configuration the memory model says does not fit, and back it off."""
