@@ -319,3 +319,32 @@ def test_a_trials_memory_is_its_own_not_the_other_processes_on_the_gpu(monkeypat
     assert memory_figures("cuda")["outside_allocator_bytes"] == 6 * GiB  # the device's 8 GiB less the pool
     cap_memory(8 * GiB)
     assert fractions == [pytest.approx(2 / 140)]
+
+
+def test_a_family_without_a_line_backs_off_by_what_a_sibling_holds_a_sample():
+    """The H200 hf:gpt2 search: bf16 eager at 64 sequences peaked at 94.2 GiB of 139.8; bf16 eager
+    with FP32 norms and head and CUDA graphs then ran out of memory at 1,024, 512, 256 and 128,
+    halving down. A sibling family (same precision, same compile mode) says 64 at once."""
+    limit = 139.80 * GiB
+    model = MemoryModel(limit)
+    measured = _knobs(64, mode="bf16")
+    model.add(family(measured), 64, 94.2 * GiB)
+    hungrier = {**_knobs(1024, mode="bf16"), "fp32_layers": {"layers": "norm+head"}, "cuda_graphs": {"enabled": True}}
+    model.ooms[family(hungrier)].append((1024, 23))
+    candidates = [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
+    assert model.borrowed_per_sample(hungrier) == pytest.approx(94.2 * GiB / 64)
+    assert model.backoff_batch(hungrier, candidates) == 64  # 94.2 GiB at 1.47 GiB a sample, within 92%
+    # another precision or compile mode lends nothing: halving, as before
+    compiled = {**hungrier, "compile": {"mode": "default"}}
+    fp16 = {**hungrier, "precision": {"mode": "fp16"}}
+    for knobs in (compiled, fp16):
+        assert model.borrowed_per_sample(knobs) is None
+        assert model.backoff_batch(knobs, candidates) == 512
+    # a sibling with room backs off no less than halving does (the sibling may hold less a sample)
+    roomy = MemoryModel(limit)
+    roomy.add(family(measured), 64, 2 * GiB)
+    assert roomy.backoff_batch(hungrier, candidates) == 512
+    # a sibling by which not even the smallest batch fits: the smallest is tried
+    tight = MemoryModel(limit)
+    tight.add(family(measured), 64, 139 * GiB * 8)
+    assert tight.backoff_batch(hungrier, candidates) == 16
