@@ -32,13 +32,14 @@ SMALL = ["--device", "cpu", "--input-shape", "3x32x32", "--num-classes", "10", "
 RATE_FOR_40_STEPS = 16 / 0.22
 
 
-def _study_with_baseline(samples_per_s: float, worker_start_s: float = 0.0, figures: dict | None = None) -> optuna.Study:
+def _study_with_baseline(samples_per_s: float, worker_start_s: float = 0.0, figures: dict | None = None,
+                         build_s: float = 0.0) -> optuna.Study:
     study = optuna.create_study(direction="maximize")
     study.add_trial(optuna.trial.create_trial(
         params={"precision.mode": "fp32"}, distributions={"precision.mode": CategoricalDistribution(["fp32", "bf16"])},
         value=samples_per_s, user_attrs={"role": "baseline", "status": "ok", "knobs": {"precision": {"mode": "fp32"}},
                                          "figures": {"samples_per_s": samples_per_s, **(figures or {})},
-                                         "timing": {"worker_start_s": worker_start_s, "build_s": 0.0}}))
+                                         "timing": {"worker_start_s": worker_start_s, "build_s": build_s}}))
     return study
 
 
@@ -79,6 +80,8 @@ def test_without_a_held_out_set_no_evaluation_is_counted(tmp_path):
     assert without["estimate_s"] == pytest.approx(3 * 15.0 + 4 * 10 * step_s, abs=0.1)
     # and it is what the gate plans with when the search tells it there is no held-out set
     study = _study_with_baseline(15.0, figures={"batch_size": 16})
+    # a check worker builds the model about five times (its runs and its one-step comparisons)
+    assert step_time(_study_with_baseline(15.0, worker_start_s=3.0, build_s=6.0))["overhead_s"] == 3.0 + 5 * 6.0
     estimates = {}
     for held_out in (True, False):
         study.set_user_attr("accuracy_plan", None)

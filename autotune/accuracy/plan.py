@@ -26,6 +26,11 @@ CHECK_RUNS = 4
 configurations (an fp16 and a bf16 class)."""
 CHECK_WORKERS = 3
 """Workers those runs take (the reference and the first configuration share one)."""
+BUILDS_PER_WORKER = 5
+"""Models a check worker builds, on average: one per training run and one per one-step comparison,
+16 over the CHECK_WORKERS (the reference's two runs and its FP32 and FP64 steps; each configuration's
+run and its own, FP32's and FP64's steps). A large model's build is seconds each (a 2-layer Llama of
+0.67 billion parameters on the H200: about 6 s)."""
 EVAL_COST = 1 / 3
 """A held-out batch (forward only, no gradients) costs about a third of a training step."""
 FP64_FACTOR = 2
@@ -38,7 +43,8 @@ CHECK_FILL = 0.9
 def step_time(study) -> dict[str, Any] | None:
     """What the search measured that a check's step time follows from: the FP32 baseline's
     throughput (the slowest measured trial's when no baseline was measured), with that trial's worker
-    start and build as each check worker's overhead. None before any trial was measured."""
+    start and BUILDS_PER_WORKER of its builds as each check worker's overhead. None before any trial
+    was measured."""
     measured = []
     for t in study.get_trials(deepcopy=False):
         record = TrialRecord.of(t)
@@ -49,7 +55,7 @@ def step_time(study) -> dict[str, Any] | None:
     if not measured:
         return None
     _, rate, record = min(measured, key=lambda m: (m[0], m[1]))
-    overhead = (record.timing.get("worker_start_s") or 0.0) + (record.timing.get("build_s") or 0.0)
+    overhead = (record.timing.get("worker_start_s") or 0.0) + BUILDS_PER_WORKER * (record.timing.get("build_s") or 0.0)
     figures = record.figures
     limits = [b for b in (figures.get("device_total_bytes"), study.user_attrs.get("memory_limit_bytes")) if b]
     return {"samples_per_s": rate, "trial": record.number, "baseline": record.role == "baseline",
