@@ -305,3 +305,44 @@ def test_a_reference_that_cannot_train_leaves_the_search_going_and_says_why(tmp_
     assert gate.evidence(study, {"precision": {"mode": "bf16"}}, check=True) is None
     assert "FP32 reference of the accuracy check failed" in study.user_attrs["accuracy_unavailable"]
     assert "--no-accuracy-check" in gate.unavailable
+
+
+def test_a_check_worker_builds_its_model_once_and_copies_the_same_weights_and_random_state(monkeypatch):
+    """A check worker builds the model for each run and one-step comparison (about 5 times; seconds
+    each for a large language model): from the second on it copies the first build's untouched
+    model, with the random state a seeded build leaves, so every run starts where a build would."""
+    import torch
+
+    from autotune.accuracy import check
+    from autotune.workload import models
+
+    builds = []
+    real_build = models.build
+
+    def counted(spec):
+        builds.append(spec.model)
+        return real_build(spec)
+
+    monkeypatch.setattr(models, "build", counted)
+    monkeypatch.setattr(check, "_PRISTINE", {})
+    spec = WorkloadSpec(model="fake_models:tiny_cnn", input_shape=(3, 8, 8), num_classes=10)
+    first = check._seeded_workload(spec, 3)
+    after_first = torch.rand(4)
+    with torch.no_grad():
+        next(first.model.parameters()).add_(1.0)  # a run trains its model: the kept one stays as built
+    second = check._seeded_workload(spec, 3)
+    after_second = torch.rand(4)
+    assert builds == ["fake_models:tiny_cnn"]
+    assert second.model is not first.model
+    torch.manual_seed(3)
+    fresh = real_build(spec)
+    after_fresh = torch.rand(4)
+    for p, q in zip(second.model.parameters(), fresh.model.parameters()):
+        assert torch.equal(p, q)
+    assert torch.equal(after_first, after_fresh) and torch.equal(after_second, after_fresh)
+    # another seed is another build; a model too large for the host's memory is built every time
+    check._seeded_workload(spec, 4)
+    monkeypatch.setattr(check, "KEEP_SHARE", 0.0)
+    monkeypatch.setattr(check, "_PRISTINE", {})
+    check._seeded_workload(spec, 3), check._seeded_workload(spec, 3)
+    assert builds == ["fake_models:tiny_cnn"] * 4

@@ -51,13 +51,9 @@ def _trained_on(device: str) -> dict[str, str]:
 
 
 def _datasets(spec, settings: AccuracySettings, device: str):
-    import torch
-
     from autotune.workload.data import load_data
-    from autotune.workload.models import build
 
-    torch.manual_seed(settings.seed)
-    workload = build(spec)
+    workload = _seeded_workload(spec, settings.seed)
     if workload.make_batch is not None and settings.data is None:
         return _workload_batches(workload, settings)
     return load_data(settings.data, input_shape=tuple(workload.input_shape), num_classes=workload.num_classes,
@@ -86,15 +82,73 @@ def _workload_batches(workload, settings: AccuracySettings):
 
 def _build(spec, knobs: Mapping[str, Any], space, settings: AccuracySettings):
     """The model from the seed (same initial weights every time), its recipe and loss."""
-    import torch
-
     import strategies
-    from autotune.workload.models import build
 
-    torch.manual_seed(settings.seed)
-    workload = build(spec)
+    workload = _seeded_workload(spec, settings.seed)
     recipe = strategies.build_recipe(strategies.knobs_from_dict(dict(knobs)), space.device)
     return workload, recipe
+
+
+_PRISTINE: dict[str, tuple[Any, Any]] = {}
+"""A check worker's first build of a workload, untouched, with the CPU random state it left, by
+workload and seed: a worker builds the model for each training run and each one-step comparison
+(about 5 times), and a copy of these weights is what a seeded build would give again without
+initialising them again (a 2-layer Llama of 0.67 billion parameters: seconds a build)."""
+KEEP_SHARE = 0.25
+"""A pristine copy is kept only while the model's weights take at most this share of the host's
+available memory; a larger model is built again each time, as before."""
+
+
+def _seeded_workload(spec, seed: int):
+    """``build(spec)`` after ``torch.manual_seed(seed)``, with the random state such a build leaves;
+    from the second call on, a copy of the first build's model (see _PRISTINE)."""
+    import copy
+    import dataclasses
+    import json
+
+    import torch
+
+    from autotune.workload.models import build
+
+    key = json.dumps({"workload": spec.to_dict(), "seed": seed}, sort_keys=True)
+    torch.manual_seed(seed)  # every device's generator, as a fresh build finds them
+    kept = _PRISTINE.get(key)
+    if kept is not None:
+        workload, rng = kept
+        try:
+            model = copy.deepcopy(workload.model)
+        except Exception:  # a model deepcopy cannot copy (hooks holding handles): build it again
+            _PRISTINE.pop(key, None)
+        else:
+            torch.set_rng_state(rng)
+            return dataclasses.replace(workload, model=model)
+    workload = build(spec)
+    if _worth_keeping(workload.model):
+        rng = torch.get_rng_state()
+        try:
+            _PRISTINE[key] = (dataclasses.replace(workload, model=copy.deepcopy(workload.model)), rng)
+        except Exception:
+            pass  # not copyable: every build is a fresh one
+        torch.set_rng_state(rng)
+    return workload
+
+
+def _worth_keeping(model) -> bool:
+    size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    available = _available_host_bytes()
+    return available is not None and size <= KEEP_SHARE * available
+
+
+def _available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux); None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _one_optimizer_step(model, optimizer, scaler, workload, recipe, x, y):
