@@ -470,9 +470,16 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[red]error:[/] {exc}")
         return 2
     except KeyboardInterrupt:
-        console.print("interrupted: finished trials are kept in the study and the outputs were written; "
-                      "run the same command to resume")
+        console.print(f"interrupted: {INTERRUPTED.get(args.command, 'nothing was written')}")
         return 130
+
+
+INTERRUPTED = {
+    "search": "finished trials are kept in the study and the outputs were written; run the same command to resume",
+    "accuracy": "the configurations checked so far are printed above (the rest were not checked); run it "
+                "again with --precisions naming the rest",
+}
+"""What an interrupted command kept, by command: only a search resumes."""
 
 
 if __name__ == "__main__":

@@ -73,3 +73,26 @@ def test_install_forgets_an_earlier_request(handler):
     stop.install()
     assert not stop.requested()
     stop.check()  # nothing to raise
+
+
+@pytest.mark.parametrize(("command", "said"), [
+    ("search", "finished trials are kept in the study"),
+    ("accuracy", "the configurations checked so far are printed above"),
+    ("verify", "nothing was written"),
+])
+def test_an_interrupted_command_says_what_it_kept(cli_main, monkeypatch, command, said):
+    """`autotune accuracy` stopped by a time limit on the H200 said "finished trials are kept in the
+    study ... run the same command to resume", which only a search does."""
+    from autotune import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, f"cmd_{command}", interrupted)
+    argv = {"search": ["search", "--model", "resnet18"], "accuracy": ["accuracy", "--model", "resnet18"],
+            "verify": ["verify", "runs/x"]}[command]
+    result = cli_main(*argv)
+    out = " ".join(result.stderr.split())  # the terminal console writes to stderr
+    assert result.returncode == 130
+    assert "interrupted:" in out and said in out
+    assert ("resume" in out) is (command == "search")
