@@ -186,8 +186,9 @@ def print_summary(out_dir: Path, elapsed_s: float | None = None, phases: dict[st
     for param, entry in (data.get("fixed_knobs") or {}).items():
         console.print(f"no longer explored: {param} = {entry['value']!r} ({entry['reason']})")
     s = data["search"]
-    early = f", {s['num_stopped_early']} stopped early" if s.get("num_stopped_early") else ""
-    console.print(f"search cost over {s['num_trials']} trials ({s['num_measured']} measured{early}): worker start "
+    from autotune.report.format import trial_counts
+
+    console.print(f"search cost over {s['num_trials']} trials ({trial_counts(s)}): worker start "
                   f"{s['worker_start_s']:.0f}s, build {s['build_s']:.0f}s, warm-up {s['warmup_s']:.0f}s, "
                   f"measuring {s['measure_s']:.0f}s, trials in all {s['trial_wall_s']:.0f}s"
                   + (f"; this run {elapsed_s:.0f}s" if elapsed_s is not None else "")

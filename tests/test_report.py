@@ -15,6 +15,7 @@ import pandas as pd
 import pytest
 from optuna.trial import TrialState
 
+from autotune.report.format import trial_counts
 from autotune.report.render import write_report
 from conftest import ROOT, run_cli
 
@@ -119,9 +120,13 @@ def test_summary_figures_match_config(report):
     assert float(best_rate.group(1)) == pytest.approx(config["figures"]["samples_per_s"])
     assert html.escape(config["summary"]) in section(page, "summary")
     cost = config["search"]
-    early = (f", {cost['num_stopped_early']} stopped early in their warm-up as clearly slower than the best"
-             if cost["num_stopped_early"] else "")
-    assert f"{cost['num_trials']} trials ({cost['num_measured']} measured{early})" in page
+    early = "; stopped early: in their warm-up, as clearly slower than the best" if cost["num_stopped_early"] else ""
+    assert html.escape(f"{cost['num_trials']} trials ({trial_counts(cost)}{early})") in page
+    # every trial counted is measured, a copy of one, or run without a figure
+    ran = cost["num_measured"] + cost["num_out_of_memory"] + cost["num_failed"]
+    copies = sum(t.user_attrs.get("duplicate_of") is not None for t in report.study.trials
+                 if t.user_attrs.get("status") is not None)
+    assert ran + copies == cost["num_trials"]
 
 
 @pytest.mark.slow  # the module's report comes from one real search (tiny_search)
@@ -457,3 +462,32 @@ def test_repeated_findings_are_one_line_per_kind_with_their_trials(tmp_path):
     assert found.count('data-rule="power-cap"') == 1
     for watts in (676, 683, 691):  # every trial's own text is still on the page
         assert f"power-capped at {watts} W" in found
+
+
+def test_what_a_search_counts_as_measured():
+    """The H200 hf:gpt2 search said "20 trials (18 measured, 5 stopped early)" where 5 of the 18 ran
+    out of memory and 2 could not run their attention backend: run is not measured."""
+    import optuna
+    from optuna.distributions import IntDistribution
+
+    from autotune.search.trials import search_cost
+
+    study = optuna.create_study(direction="maximize")
+    outcomes = ["ok", "ok", "pruned", "oom", "oom", "error", ("ok", 0)]
+    for i, outcome in enumerate(outcomes):
+        status, copy_of = outcome if isinstance(outcome, tuple) else (outcome, None)
+        state = {"ok": optuna.trial.TrialState.COMPLETE, "error": optuna.trial.TrialState.FAIL}.get(
+            status, optuna.trial.TrialState.PRUNED)
+        attrs = {"status": status, "timing": {"wall_s": 10.0, "worker_start_s": 1.0}}
+        if copy_of is not None:
+            attrs["duplicate_of"] = copy_of
+        study.add_trial(optuna.trial.create_trial(
+            params={"x": i}, distributions={"x": IntDistribution(0, 10)}, state=state,
+            value=1.0 if state == optuna.trial.TrialState.COMPLETE else None, user_attrs=attrs))
+    cost = search_cost(study)
+    assert (cost["num_trials"], cost["num_measured"], cost["num_stopped_early"]) == (7, 3, 1)
+    assert (cost["num_out_of_memory"], cost["num_failed"]) == (2, 1)
+    assert cost["trial_wall_s"] == 60.0  # the copy ran nothing
+    assert trial_counts(cost) == "3 measured, 1 stopped early; 3 run without a figure: 2 out of memory, 1 failed"
+    # a config.json from before these counts still reads
+    assert trial_counts({"num_measured": 18, "num_stopped_early": 5}) == "18 measured, 5 stopped early"

@@ -14,7 +14,7 @@ import pandas as pd
 import strategies
 from autotune.report.effects import Effects, measure
 from autotune.report.export import trials_frame
-from autotune.search.trials import baseline_trial, best_trial, counted_trials
+from autotune.search.trials import baseline_trial, best_trial, search_cost
 from autotune.trial.record import TrialRecord
 from autotune.workload.units import ATTR as UNITS_ATTR, Units
 
@@ -124,12 +124,5 @@ def _search_cost(study: optuna.Study, config: dict[str, Any] | None) -> dict[str
     """The search's own cost: from config.json when exported, else added up as export does."""
     if config and config.get("search"):
         return dict(config["search"])
-    counted = [TrialRecord.of(t) for t in counted_trials(study)]
-    timing = [t.timing for t in counted if t.duplicate_of is None]
-    cost: dict[str, Any] = {"num_trials": len(counted), "num_measured": len(timing),
-                            "num_stopped_early": sum(t.status == "pruned" for t in counted)}
-    for key, name in (("worker_start_s", "worker_start_s"), ("build_s", "build_s"), ("warmup_s", "warmup_s"),
-                      ("measure_s", "measure_s"), ("wall_s", "trial_wall_s"), ("compile_s", "compile_s")):
-        cost[name] = round(sum(x.get(key) or 0.0 for x in timing), 2)
-    return cost
+    return search_cost(study)
 

@@ -16,7 +16,7 @@ from autotune.accuracy.gate import SETTINGS_ATTR, UNAVAILABLE_ATTR, accuracy_of
 from autotune.accuracy.plan import PLAN_ATTR
 from autotune.deploy.config import TunedConfig
 from autotune.deploy.space import SearchSpace
-from autotune.search.trials import baseline_trial, best_trial, counted_trials
+from autotune.search.trials import baseline_trial, best_trial, search_cost
 from autotune.trial.record import TrialRecord
 from autotune.workload.units import ATTR as UNITS_ATTR, Units
 
@@ -141,12 +141,7 @@ def _config_info(study: optuna.Study, out_dir: Path, best: optuna.trial.FrozenTr
     """What config.json records besides the knobs: how the search ran, the best and baseline
     figures, where it ran, the search's cost, the objective and the accuracy evidence."""
     base = baseline_trial(study)
-    counted = [TrialRecord.of(t) for t in counted_trials(study)]
-    timing = [t.timing for t in counted if t.duplicate_of is None]
     best_record, base_record = TrialRecord.of(best), None if base is None else TrialRecord.of(base)
-
-    def total(key: str) -> float:
-        return round(sum(x.get(key) or 0.0 for x in timing), 2)
 
     from autotune.search.storage import mask_url
 
@@ -177,18 +172,7 @@ def _config_info(study: optuna.Study, out_dir: Path, best: optuna.trial.FrozenTr
                    "device_total_bytes": probe["provenance"].get("gpu_memory_bytes")},
         "provenance": probe["provenance"],
         "study": {"storage": url, "study_name": study.study_name, "trial_number": best.number},
-        "search": {
-            "num_trials": len(counted),
-            "num_measured": len(timing),
-            "num_stopped_early": sum(t.status == "pruned" for t in counted),
-            "worker_start_s": total("worker_start_s"),
-            "build_s": total("build_s"),
-            "compile_s": total("compile_s"),
-            "compile_cache_hits": sum(t.get("compile_cache") == "hit" for t in timing),
-            "warmup_s": total("warmup_s"),
-            "measure_s": total("measure_s"),
-            "trial_wall_s": total("wall_s"),
-        },
+        "search": search_cost(study),
     }
     if base is not None:
         b, f = base_record.figures, best_record.figures

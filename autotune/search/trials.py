@@ -23,6 +23,31 @@ def counted_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     return [t for t in study.get_trials(deepcopy=False, states=FINISHED) if TrialRecord.of(t).status is not None]
 
 
+MEASURED = ("ok", "pruned")
+"""Outcomes with a throughput: measured in full, or stopped early after its warm-up windows."""
+
+
+def search_cost(study: optuna.Study) -> dict:
+    """What the search spent its trials on: the counted trials (copies of an earlier trial's result
+    included), those measured (a throughput, in full or stopped early in the warm-up), those run
+    without a figure (out of memory, failed), and the seconds of each phase over the trials run."""
+    counted = [TrialRecord.of(t) for t in counted_trials(study)]
+    ran = [t for t in counted if t.duplicate_of is None]
+    timing = [t.timing for t in ran]
+
+    def total(key: str) -> float:
+        return round(sum(x.get(key) or 0.0 for x in timing), 2)
+
+    return {"num_trials": len(counted), "num_measured": sum(t.status in MEASURED for t in ran),
+            "num_stopped_early": sum(t.status == "pruned" for t in counted),
+            "num_out_of_memory": sum(t.status == "oom" for t in ran),
+            "num_failed": sum(t.status not in (*MEASURED, "oom") for t in ran),
+            "worker_start_s": total("worker_start_s"), "build_s": total("build_s"),
+            "compile_s": total("compile_s"),
+            "compile_cache_hits": sum(t.get("compile_cache") == "hit" for t in timing),
+            "warmup_s": total("warmup_s"), "measure_s": total("measure_s"), "trial_wall_s": total("wall_s")}
+
+
 def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
     """The best completed trial under the study's objective (its direction: the fastest, or the
     least energy or memory) that is neither unstable nor failed its accuracy check."""
