@@ -98,13 +98,14 @@ def sort_key(v: Any) -> tuple:
     return (2, 0, str(v))
 
 
-def trial_counts(cost: dict[str, Any]) -> str:
+def trial_counts(cost: dict[str, Any], early: str = "") -> str:
     """'18 measured, 5 stopped early; 7 run without a figure: 5 out of memory, 2 failed', from a
     search's cost (autotune.search.trials.search_cost; config.json's ``search``). A config.json
-    from before 2026-12-03 counted every trial run as measured and has no out-of-memory count."""
+    from before 2026-12-03 counted every trial run as measured and has no out-of-memory count.
+    ``early`` follows "stopped early" (the report says why)."""
     text = f"{cost.get('num_measured', 0)} measured"
     if cost.get("num_stopped_early"):
-        text += f", {cost['num_stopped_early']} stopped early"
+        text += f", {cost['num_stopped_early']} stopped early{early}"
     oom, failed = cost.get("num_out_of_memory") or 0, cost.get("num_failed") or 0
     if oom or failed:
         parts = ([f"{oom} out of memory"] if oom else []) + ([f"{failed} failed"] if failed else [])

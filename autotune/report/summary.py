@@ -149,9 +149,9 @@ def summary_items(d: ReportData) -> list[dict[str, str]]:
         items.append({"label": "Energy", "text": f"{NOT_MEASURED}"})
     items.append({"label": "Accuracy", "text": _accuracy_text(d, best)})
     c = d.cost
-    early = "; stopped early: in their warm-up, as clearly slower than the best" if c.get("num_stopped_early") else ""
+    early = " in their warm-up as clearly slower than the best"
     items.append({"label": "Search cost", "text": (
-        f"{c.get('num_trials', 0)} trials ({trial_counts(c)}{early}), "
+        f"{c.get('num_trials', 0)} trials ({trial_counts(c, early)}), "
         f"{fmt_s(c.get('trial_wall_s'))} of trials: worker start {fmt_s(c.get('worker_start_s'))}, "
         f"build {fmt_s(c.get('build_s'))}, "
         + (f"compiling {fmt_s(c['compile_s'])}, " if c.get("compile_s") else "")
