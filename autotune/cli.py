@@ -453,6 +453,14 @@ def _show_warning(message: Warning | str, category: type[Warning], filename: str
 _python_show_warning = warnings.showwarning
 
 
+INTERRUPTED = {
+    "search": "finished trials are kept in the study and the outputs were written; run the same command to resume",
+    "accuracy": "the configurations checked so far are printed above (the rest were not checked); run it "
+                "again with --precisions naming the rest",
+}
+"""What an interrupted command kept, by command: only a search resumes."""
+
+
 def main(argv: list[str] | None = None) -> int:
     started = time.time()  # --budget is a promise for the whole command, counted from here
     args = build_parser().parse_args(argv)
@@ -472,14 +480,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         console.print(f"interrupted: {INTERRUPTED.get(args.command, 'nothing was written')}")
         return 130
-
-
-INTERRUPTED = {
-    "search": "finished trials are kept in the study and the outputs were written; run the same command to resume",
-    "accuracy": "the configurations checked so far are printed above (the rest were not checked); run it "
-                "again with --precisions naming the rest",
-}
-"""What an interrupted command kept, by command: only a search resumes."""
 
 
 if __name__ == "__main__":

@@ -102,8 +102,6 @@ available memory; a larger model is built again each time, as before."""
 def _seeded_workload(spec, seed: int):
     """``build(spec)`` after ``torch.manual_seed(seed)``, with the random state such a build leaves;
     from the second call on, a copy of the first build's model (see _PRISTINE)."""
-    import copy
-    import dataclasses
     import json
 
     import torch
@@ -112,25 +110,30 @@ def _seeded_workload(spec, seed: int):
 
     key = json.dumps({"workload": spec.to_dict(), "seed": seed}, sort_keys=True)
     torch.manual_seed(seed)  # every device's generator, as a fresh build finds them
-    kept = _PRISTINE.get(key)
-    if kept is not None:
-        workload, rng = kept
-        try:
-            model = copy.deepcopy(workload.model)
-        except Exception:  # a model deepcopy cannot copy (hooks holding handles): build it again
-            _PRISTINE.pop(key, None)
-        else:
+    if key in _PRISTINE:
+        pristine, rng = _PRISTINE[key]
+        copied = _copied(pristine)
+        if copied is not None:
             torch.set_rng_state(rng)
-            return dataclasses.replace(workload, model=model)
+            return copied
     workload = build(spec)
     if _worth_keeping(workload.model):
-        rng = torch.get_rng_state()
-        try:
-            _PRISTINE[key] = (dataclasses.replace(workload, model=copy.deepcopy(workload.model)), rng)
-        except Exception:
-            pass  # not copyable: every build is a fresh one
-        torch.set_rng_state(rng)
+        pristine = _copied(workload)
+        if pristine is not None:  # a model deepcopy cannot copy is built every time
+            _PRISTINE[key] = (pristine, torch.get_rng_state())
     return workload
+
+
+def _copied(workload):
+    """``workload`` with a deep copy of its model (nothing else of it is changed by a run); None
+    where the model cannot be deep-copied (hooks holding handles, say)."""
+    import copy
+    import dataclasses
+
+    try:
+        return dataclasses.replace(workload, model=copy.deepcopy(workload.model))
+    except Exception:
+        return None
 
 
 def _worth_keeping(model) -> bool:

@@ -201,9 +201,9 @@ class AccuracyGate:
         self.scale_steps = scale_steps
         """The steps may be planned (no --accuracy-steps given)."""
         self.pending = scale_steps and budget_s is not None
+        """The steps are still to be planned, from the first measured step time, before the first check."""
         self.held_out = held_out
         """The check evaluates a held-out set after training (not for a workload's own batches)."""
-        """The steps are still to be planned, from the first measured step time, before the first check."""
         self.cache = cache if cache is not None else ReferenceCache()
         self.spent_s = 0.0
         """Seconds this run's checks took."""

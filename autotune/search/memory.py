@@ -175,8 +175,8 @@ class MemoryModel:
         knobs such as FP32 layers, CUDA graphs or padding holds about as much: on the H200 an hf:gpt2
         family with FP32 norms and head and CUDA graphs ran out of memory at 1,024, 512, 256 and 128
         sequences, halving down from 1,024, while bf16 at 64 had peaked at 94 GiB of 139.8."""
-        kind = _kind(family(knobs))
-        rates = [peak / batch for fam, peaks in self.peaks.items() if fam != family(knobs) and _kind(fam) == kind
+        own = family(knobs)
+        rates = [peak / batch for fam, peaks in self.peaks.items() if fam != own and _kind(fam) == _kind(own)
                  for batch, peak in peaks.items() if batch > 0]
         return max(rates, default=None)
 

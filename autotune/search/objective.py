@@ -182,16 +182,14 @@ class Objective:
         backend = (knobs.get("attention") or {}).get("backend", "default")
         if backend == "default":
             return
-        reason = cannot_run(knobs, self.space.device)
         dtype = attention_dtype(knobs)
-        for t in trial.study.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
-            if reason is not None:
-                break
-            record = TrialRecord.of(t)
-            if ((record.reason or "").startswith("BackendFailed") and record.knob("attention", "backend") == backend
-                    and attention_dtype(record.knobs) == dtype):
-                reason = (f"not run: #{t.number} pinned the same attention backend with attention in {dtype}, "
-                          "and it could not run this model's attention")
+        records = map(TrialRecord.of, trial.study.get_trials(deepcopy=False, states=(TrialState.FAIL,)))
+        failed = (r for r in records if (r.reason or "").startswith("BackendFailed")
+                  and r.knob("attention", "backend") == backend and attention_dtype(r.knobs) == dtype)
+        reason = cannot_run(knobs, self.space.device)
+        if reason is None and (before := next(failed, None)) is not None:
+            reason = (f"not run: #{before.number} pinned the same attention backend with attention in {dtype}, "
+                      "and it could not run this model's attention")
         if reason is not None:
             write(trial, reason=reason)
             raise optuna.TrialPruned(reason)
