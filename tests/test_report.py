@@ -421,7 +421,7 @@ def test_the_report_shows_a_knobs_paired_effect_where_the_marginal_one_disagrees
     assert "no pair of trials differs in this knob alone: its marginal bars are confounded" in table
     assert knobs.index('id="paired-effects"') < knobs.index("Marginal: all trials with each value")
     assert {"knob-pairs", "knob-streams"} <= set(plots(page))
-    assert "Importance: too few measured trials for PED-ANOVA (7; it needs at least 10" in md
+    assert "Importance: too few measured trials for PED-ANOVA (7, repeats, and trials that diverged or failed the accuracy check, left out; it needs at least 10" in md
 
 
 def test_knob_importance_from_ped_anova_beside_the_pairs(tmp_path):

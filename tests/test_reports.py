@@ -78,3 +78,26 @@ def test_a_gpu_study_from_before_the_newest_knobs_exports_again(tmp_path, monkey
     cfg = autotune.load(files["config.json"])
     assert cfg.knobs["dataloader"] == type(cfg.knobs["dataloader"])()  # the untuned loader, as it ran
     assert json.loads(files["config.json"].read_text())["knobs"]["compile"] == {"mode": "default"}
+
+
+CHECKED = [p for p in REPORTS if (p.parent / "study.db").exists()
+           and (json.loads(p.read_text()).get("accuracy") or {}).get("verdict") in ("passed", "violated", "unstable")]
+
+
+@pytest.mark.parametrize("path", CHECKED, ids=lambda p: p.parent.name)
+def test_the_reports_accuracy_line_gives_the_verdict_config_json_gives(path: Path):
+    """A language model's check judges the training loss alone (no held-out accuracy): its summary
+    said "measured on some trials, not on the best one" beside a config.json that says passed."""
+    import optuna
+
+    from autotune.report.data import collect
+    from autotune.report.summary import summary_items
+
+    config = json.loads(path.read_text())
+    study = optuna.load_study(study_name=None, storage=f"sqlite:///{path.parent / 'study.db'}")
+    line = next(i["text"] for i in summary_items(collect(study, path.parent, config)) if i["label"] == "Accuracy")
+    accuracy = config["accuracy"]
+    if accuracy.get("accuracy_drop") is not None:
+        assert line.startswith("accuracy drop "), line
+    else:
+        assert line.startswith(f"{accuracy['verdict']}: {accuracy['reason']}"), line

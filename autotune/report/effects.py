@@ -141,12 +141,16 @@ def _changes(param: str, pairs: list[tuple[FrozenTrial, FrozenTrial]], knob: Rep
     return sorted(changes.values(), key=lambda c: (sort_key(c.before), sort_key(c.after)))
 
 
+LEFT_OUT = "repeats, and trials that diverged or failed the accuracy check, left out"
+"""Which measured trials the knob effects and importances count (knob_effects.usable_trials)."""
+
+
 def importances(study: optuna.Study, trials: list[FrozenTrial]) -> tuple[dict[str, float], str]:
     """Each parameter's share of PED-ANOVA importance for reaching the fastest of ``trials`` (by
     samples/s, whatever the search's objective), and a sentence on how it was found or why not."""
     n = len(trials)
     if n < MIN_IMPORTANCE_TRIALS:
-        return {}, (f"Importance: too few measured trials for PED-ANOVA ({n}; it needs at least "
+        return {}, (f"Importance: too few measured trials for PED-ANOVA ({n}, {LEFT_OUT}; it needs at least "
                     f"{MIN_IMPORTANCE_TRIALS} to tell the fastest from the rest).")
     # the top group holds TOP_TRIALS trials (Optuna keeps ceil(quantile * n) of them: the half
     # keeps the product off a whole number) until TOP_SHARE of the trials is more

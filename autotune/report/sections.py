@@ -11,6 +11,7 @@ import pandas as pd
 
 import strategies
 from autotune.report.data import KNOBS, ReportData
+from autotune.report.effects import LEFT_OUT
 from autotune.report.format import (
     as_float,
     fmt_g,
@@ -212,13 +213,13 @@ def paired_intro(d: ReportData) -> str:
     """What the paired table shows, in one paragraph both renderings print above it."""
     n = d.effects.trials if d.effects is not None else 0
     if not any(p.changes for p in (d.effects.params if d.effects is not None else [])):
-        return (f"No two of the {n} measured trials differ in one knob alone, so no knob's own effect can be "
+        return (f"No two of the {n} measured trials ({LEFT_OUT}) differ in one knob alone, so no knob's own effect can be "
                 "told apart from the others': the marginal figures below mix them.")
     return ("From pairs of measured trials that differ in that knob alone (every other parameter equal), so no "
             "other knob is mixed in: for each change of value, the median ratio of the two trials' samples/s "
             "(after over before) and its range over the pairs, against the noise band within which a difference "
             f"says nothing ({fmt_pct(NOISE_FLOOR, 0)}, or half the larger step-time spread of the two). "
-            f"{n} measured trials compared.")
+            f"{n} measured trials compared ({LEFT_OUT}).")
 
 
 def paired_rows(d: ReportData, noun: str = "bars") -> list[dict[str, Any]]:

@@ -79,6 +79,9 @@ def _accuracy_text(d: ReportData, best: pd.Series | None) -> str:
             text += ", training was not stable"
     elif acc.get("accuracy") is not None:
         text = f"accuracy {fmt_g(acc['accuracy'])}"
+    elif acc.get("verdict"):
+        # judged on the training loss alone: a workload with no held-out set (a language model's)
+        text = acc["verdict"] + (f": {acc['reason']}" if acc.get("reason") else "")
     elif exported.get("verdict") == "not checked":
         text = f"not checked: {exported.get('reason')}"
     elif d.has["accuracy"]:
