@@ -18,6 +18,7 @@ from autotune.deploy.space import SearchSpace
 from autotune.errors import ConfigError
 from autotune.search.options import SearchConfig
 from autotune.search.seeds import seed_configurations
+from autotune.search.steering import complete_params
 from autotune.search.space import build_space
 from autotune.workload.models import WorkloadSpec
 from strategies import describe
@@ -210,5 +211,10 @@ def test_a_language_model_on_cuda_is_seeded_with_nanogpts_recipes_sized_in_token
     assert [(p["precision.mode"], p["batch_size.batch_size"], p["compile.mode"]) for p in fp8_seeds[1:]] == [
         ("bf16", 16, "off"), ("bf16", 64, "off"), ("fp16", 64, "off"), ("bf16", 64, "default"),
         ("fp8", 64, "default"), ("bf16", 16, "default")]
+    # each seed is the parameter set its trial records (complete_params): no knob the space offers
+    # one value of (a language model's memory format), so the seed feeder knows a seed a steered
+    # trial measured already (yield_models:gpt_lm on an H200 ran two such copies as seeds)
+    for _, params in seed_configurations(fp8_space, 1024):
+        assert "memory_format.format" not in params and complete_params(params, fp8_space) == params
     # an image model keeps the guides' recipes and its base batch of 256
     assert build_space(SearchConfig(workload=WorkloadSpec(model="resnet50")), "cuda", _info()).base_batch_size == 256

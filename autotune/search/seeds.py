@@ -83,7 +83,11 @@ def seed_configurations(space: SearchSpace, tokens_per_sample: int | None = None
     precision, a batch and what a recipe changes of the step. A language model (``tokens_per_sample``)
     on a GPU gets nanoGPT's recipes, sized in tokens: the image guides' batches of 256 to 1,024
     sequences ran out of memory, and their optimizer was not the fused AdamW nanoGPT trains with."""
-    baseline = strategies.seed_params(space, tuned=False)
+    from autotune.search.steering import complete_params
+
+    # as a trial records them: a knob with one value offered (the memory format of a language
+    # model) is not a parameter; left in, a seed never equals the measured trial it repeats
+    baseline = complete_params(strategies.seed_params(space, tuned=False), space)
     seeds = [("baseline", baseline)]
     if space.device == "cuda" and tokens_per_sample:
         fused = {"optimizer.implementation": "fused"}
@@ -124,7 +128,7 @@ def seed_configurations(space: SearchSpace, tokens_per_sample: int | None = None
         if mode not in space.precisions or not _offered(space, step):
             continue
         fixed = {**step, "precision.mode": mode, "batch_size.batch_size": nearest(space.batch_sizes, batch)}
-        p = strategies.seed_params(space, tuned=True, fixed=fixed)
+        p = complete_params(strategies.seed_params(space, tuned=True, fixed=fixed), space)
         if p not in seen:
             seen.append(p)
             seeds.append(("known-good", p))
