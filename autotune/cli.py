@@ -381,7 +381,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_accuracy(args: argparse.Namespace) -> int:
-    from autotune.accuracy.gate import compare_modes, mode_configurations
+    from autotune.accuracy.compare import compare_modes, mode_configurations
     from autotune.accuracy.settings import AccuracySettings
     from autotune.deploy.space import SearchSpace
     from autotune.errors import ConfigError

@@ -244,6 +244,52 @@ def test_the_gate_takes_the_reference_from_the_cache_instead_of_training_it(tmp_
     assert fresh._reference(optuna.create_study()) is None
 
 
+def test_no_reference_is_trained_when_the_share_cannot_follow_it_with_a_check(tmp_path, monkeypatch):
+    """hf:llama (2 layers) on the H200, --budget 6m: the FP32 reference took 94 s of the checks' 90 s
+    share, and nothing was checked with it; the trials lost that time. The plan now says what a first
+    verdict costs (the reference worker and one configuration's), and no reference is started that
+    the share cannot follow with a check."""
+    import autotune.trial.runner as runner
+
+    started: list[dict] = []
+
+    def fake_worker(request, **_):
+        started.append(request)
+        reference = {**REFERENCE, "device_name": "cpu", "torch": "x"}
+        return {"status": "ok", "run": {**REFERENCE, "numerics_key": "k"}, "reference": reference}
+
+    monkeypatch.setattr(runner, "run_worker", fake_worker)
+    # the Llama's figures: 14.6 samples/s in FP32, a worker start of 12.6 s and builds of 6 s
+    measured = {"samples_per_s": 14.6, "overhead_s": 12.6 + 5 * 6.0, "trial": 0, "baseline": True}
+    planned = plan(SETTINGS, budget_s=360, share=0.25, measured=measured, held_out=False)
+    run_s = planned["steps"] * 16 / 14.6
+    assert planned["first_verdict_s"] == pytest.approx(2 * measured["overhead_s"] + 3 * run_s, abs=0.1)
+    assert planned["first_verdict_s"] > 0.25 * 360 and planned["first_verdict_s"] < planned["estimate_s"]
+    for share, runs in ((0.25, 0), (0.5, 1)):
+        study = _study_with_baseline(14.6, worker_start_s=12.6, build_s=6.0)
+        gate = AccuracyGate(settings=SETTINGS, space=SPACE, workload=TINY, timeout_s=300, budget_s=360, share=share,
+                            scale_steps=True, held_out=False, cache=ReferenceCache(tmp_path / str(share)))
+        gate.attach(study)
+        judged = gate.evidence(study, {"precision": {"mode": "bf16"}}, check=True)
+        assert len(started) == runs and (judged is None) == (runs == 0), share
+        assert gate.spent_s < 1
+        started.clear()
+    # a reference already there (the file cache: an earlier search's) needs one run: checked
+    study = _study_with_baseline(14.6, worker_start_s=12.6, build_s=6.0)
+    gate = AccuracyGate(settings=SETTINGS, space=SPACE, workload=TINY, timeout_s=300, budget_s=360, share=0.25,
+                        scale_steps=True, held_out=False, cache=ReferenceCache(tmp_path / "0.25"))
+    gate.attach(study)
+    gate.settle(study)
+    study.set_user_attr(REFERENCE_ATTR.format(fingerprint=gate.settings.fingerprint()), REFERENCE)
+    assert gate.evidence(study, {"precision": {"mode": "bf16"}}, check=True) is not None and len(started) == 1
+    # after the search the recommendation may still take what is left of the budget (ensure_recommendation)
+    late = _study_with_baseline(14.6, worker_start_s=12.6, build_s=6.0)
+    gate = AccuracyGate(settings=SETTINGS, space=SPACE, workload=TINY, timeout_s=300, budget_s=360, share=0.25,
+                        scale_steps=True, held_out=False, cache=ReferenceCache(tmp_path / "late"))
+    gate.attach(late)
+    assert gate.evidence(late, {"precision": {"mode": "bf16"}}, check=True, within_share=False) is not None
+
+
 # end to end ----------------------------------------------------------------------------------------
 
 @pytest.mark.slow

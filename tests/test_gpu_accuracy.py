@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from autotune.accuracy.gate import compare_modes, mode_configurations
+from autotune.accuracy.compare import compare_modes, mode_configurations
 from autotune.accuracy.settings import AccuracySettings
 from autotune.deploy.space import SearchSpace
 from conftest import run_cli

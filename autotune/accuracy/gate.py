@@ -1,7 +1,7 @@
 """The study side of the accuracy check: judge a run against the reference (judge), cache the
 checks in the study's user attributes (and the FP32 reference across searches: reference_cache),
-decide which trials to check and at how many steps (AccuracyGate, plan), and compare precision
-modes (`autotune accuracy`)."""
+and decide which trials to check and at how many steps (AccuracyGate, plan). `autotune accuracy`'s
+comparison of precision modes is autotune.accuracy.compare."""
 
 from __future__ import annotations
 
@@ -25,9 +25,7 @@ from autotune.accuracy.settings import (
     numerics_key,
     numerics_knobs,
 )
-from autotune.errors import AutotuneError
 from autotune.trial.record import TrialRecord
-from strategies.precision import AUTOCAST_DTYPES
 
 # ---------------------------------------------------------------------------------------------
 # the verdict
@@ -274,6 +272,8 @@ class AccuracyGate:
         found = cached_run(study, self.settings, knobs)
         if found is None and check and self.unavailable is None:
             timeout = self._timeout(timeout_s, within_share)
+            if timeout is not None and within_share and not self._first_verdict_fits(study):
+                timeout = None
             if timeout is not None:
                 found = self._measure(study, knobs, timeout, label)
         if found is None:
@@ -293,6 +293,17 @@ class AccuracyGate:
                 return None  # the recommendation is still checked at the end, with what is left
             timeout = min(timeout, left)
         return timeout
+
+    def _first_verdict_fits(self, study) -> bool:
+        """Whether, with no FP32 reference yet, the reference and one configuration's check fit in
+        what is left of the share (the plan's ``first_verdict_s``). A reference the share cannot
+        follow with a check is time taken from the trials for nothing: a 2-layer Llama's took 94 s of
+        a 6-minute search on the H200 (its share: 90 s) and nothing was checked; the trials get that
+        time instead, and the recommendation says it was not checked within the budget."""
+        if self.budget_s is None or self._reference(study) is not None:
+            return True
+        need = (study.user_attrs.get(PLAN_ATTR) or {}).get("first_verdict_s") or 0.0
+        return self.spent_s + need <= self.share * self.budget_s
 
     def _reference(self, study) -> dict[str, Any] | None:
         """The FP32 reference of these settings: the study's, else one an earlier search kept in the
@@ -423,77 +434,3 @@ class AccuracyGate:
 
 MIN_CHECK_S = 5.0
 """A check is not started with less of the budget left than this."""
-
-
-class AccuracyCheckError(AutotuneError):
-    """The FP32 reference of the accuracy check could not be trained: the data or model is at fault."""
-
-
-def summary_row(mode: str, judged: Mapping[str, Any]) -> dict[str, Any]:
-    """One row of `autotune accuracy`'s table."""
-    n = judged.get("numerics") or {}
-    return {
-        "mode": mode,
-        "steps": judged.get("steps"),
-        "final_loss": judged.get("final_loss"),
-        "accuracy": judged.get("accuracy"),
-        "accuracy_drop": judged.get("accuracy_drop"),
-        "loss_drift": judged.get("loss_drift"),
-        "skipped_steps": judged.get("skipped_steps"),
-        "loss_rel_error": n.get("loss_rel_error_vs_fp32"),
-        "grad_cosine": n.get("grad_cosine_vs_fp32"),
-        "grad_cosine_fp64": n.get("grad_cosine_vs_fp64"),
-        "verdict": judged.get("verdict"),
-        "reason": judged.get("reason"),
-    }
-
-
-def compare_modes(*, workload: dict[str, Any], space, settings: AccuracySettings,
-                  configurations: list[tuple[str, dict[str, Any]]], timeout_s: float = 1800.0,
-                  on_row=None) -> list[dict[str, Any]]:
-    """`autotune accuracy`: check each (label, numerics knobs) against FP32, one worker each, the
-    FP32 reference trained once; returns one judged row per configuration."""
-    from autotune.trial.runner import run_worker
-
-    reference = None
-    rows = []
-    for label, knobs in configurations:
-        request = {"mode": "accuracy", "workload": workload, "space": space.to_dict(), "knobs": knobs,
-                   "settings": settings.to_dict(), "reference": reference}
-        result = run_worker(request, timeout_s=timeout_s)
-        if result["status"] != "ok":
-            if reference is None:
-                raise AccuracyCheckError(f"the FP32 reference run failed ({result['status']}): {result.get('reason')}"
-                                         f"\n{result.get('traceback', '')}")
-            row = {"mode": label, "verdict": "error", "reason": f"{result['status']}: {result.get('reason')}"}
-        else:
-            reference = result["reference"]
-            judged = judge(result["run"], reference, max_accuracy_drop=settings.max_accuracy_drop,
-                           max_loss_drift=settings.max_loss_drift)
-            row = summary_row(label, judged)
-            row["wall_s"] = result["run"].get("wall_s")
-        rows.append(row)
-        if on_row is not None:
-            on_row(row)
-    return rows
-
-
-def mode_configurations(precisions: list[str], fp32_layers: list[str] | None = None
-                        ) -> list[tuple[str, dict[str, Any]]]:
-    """What `autotune accuracy` checks: each precision mode (fp16 with the default GradScaler and
-    without one), then each autocast mode with each requested fp32_layers combination."""
-    out: list[tuple[str, dict[str, Any]]] = []
-    for mode in precisions:
-        if mode == "fp16":
-            out.append(("fp16", {"precision": {"mode": "fp16"}, "grad_scaler": {"enabled": True}}))
-            out.append(("fp16, no GradScaler", {"precision": {"mode": "fp16"}}))
-        else:
-            out.append((mode, {"precision": {"mode": mode}}))
-    for layers in fp32_layers or []:
-        for mode in precisions:
-            if mode in AUTOCAST_DTYPES:
-                knobs: dict[str, Any] = {"precision": {"mode": mode}, "fp32_layers": {"layers": layers}}
-                if mode == "fp16":
-                    knobs["grad_scaler"] = {"enabled": True}
-                out.append((f"{mode}, fp32 {layers}", knobs))
-    return out

@@ -31,6 +31,11 @@ BUILDS_PER_WORKER = 5
 16 over the CHECK_WORKERS (the reference's two runs and its FP32 and FP64 steps; each configuration's
 run and its own, FP32's and FP64's steps). A large model's build is seconds each (a 2-layer Llama of
 0.67 billion parameters on the H200: about 6 s)."""
+FIRST_VERDICT_RUNS = 3
+"""Training runs before the first configuration has a verdict: the FP32 reference, its reshuffled
+twin and the configuration's run."""
+FIRST_VERDICT_WORKERS = 2
+"""Workers those runs take: the reference's (its two runs) and the configuration's."""
 EVAL_COST = 1 / 3
 """A held-out batch (forward only, no gradients) costs about a third of a training step."""
 FP64_FACTOR = 2
@@ -92,11 +97,14 @@ def plan(settings: AccuracySettings, *, budget_s: float, share: float, measured:
     room = share * budget_s - CHECK_WORKERS * measured["overhead_s"]
     fit = math.floor(room / (CHECK_RUNS * step_s) - eval_steps)
     steps = max(MIN_STEPS, min(settings.steps, fit))
-    estimate = CHECK_WORKERS * measured["overhead_s"] + CHECK_RUNS * (steps + eval_steps) * step_s
+    run_s = (steps + eval_steps) * step_s
+    estimate = CHECK_WORKERS * measured["overhead_s"] + CHECK_RUNS * run_s
+    first = FIRST_VERDICT_WORKERS * measured["overhead_s"] + FIRST_VERDICT_RUNS * run_s
     fitted = {"batch_size": batch, "default_batch_size": settings.batch_size} if batch != settings.batch_size else {}
     return {"how": "scaled", "steps": steps, "default_steps": settings.steps, "share": share,
             "budget_s": budget_s, "step_s": round(step_s, 6), "estimate_s": round(estimate, 1),
-            "from_trial": measured["trial"], "from_baseline": measured["baseline"], **fitted}
+            "first_verdict_s": round(first, 1), "from_trial": measured["trial"], "from_baseline": measured["baseline"],
+            **fitted}
 
 
 def describe(plan: dict[str, Any] | None) -> str | None:
