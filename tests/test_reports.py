@@ -101,3 +101,28 @@ def test_the_reports_accuracy_line_gives_the_verdict_config_json_gives(path: Pat
         assert line.startswith("accuracy drop "), line
     else:
         assert line.startswith(f"{accuracy['verdict']}: {accuracy['reason']}"), line
+
+
+LANGUAGE = [p for p in CHECKED if (json.loads(p.read_text()).get("units") or {}).get("tokens_per_sample")]
+
+
+@pytest.mark.parametrize("path", LANGUAGE, ids=lambda p: p.parent.name)
+def test_a_language_models_report_shows_the_loss_drift_and_plots_speed_against_it(path: Path):
+    """Its checks have no held-out accuracy: the tables' "accuracy drop" column was empty and the
+    speed-versus-accuracy plot missing; the training loss drift against FP32 is what they give."""
+    import optuna
+
+    from autotune.report.data import collect
+    from autotune.report.plots import plot_speed_accuracy
+    from autotune.report.render import render_markdown
+
+    study = optuna.load_study(study_name=None, storage=f"sqlite:///{path.parent / 'study.db'}")
+    data = collect(study, path.parent, json.loads(path.read_text()))
+    assert data.accuracy_measure == ("loss_drift", "loss drift")
+    md = render_markdown(data)
+    best = md.split("## Best vs baseline")[1].split("\n## ")[0]
+    assert "| loss drift |" in best and "accuracy drop" not in best
+    drift = data.best["loss_drift"]
+    assert f"| {drift:.3g} |" in best.splitlines()[4]  # the best's row gives its drift
+    plot = plot_speed_accuracy(data)
+    assert plot is not None and "loss drift" in plot.svg

@@ -48,13 +48,23 @@ class ReportData:
     units: Units = field(default_factory=Units)
     """What a sample is: a language model's tables show tokens/s next to samples/s."""
 
+    @property
+    def accuracy_measure(self) -> tuple[str, str]:
+        """The frame's column, and its heading, that says how a trial trained against FP32: the
+        held-out accuracy drop; or, where no check had a held-out set (a language model's own
+        batches), the training loss drift (the share of FP32's loss decrease the run lost)."""
+        drop = self.frame["accuracy_drop"] if "accuracy_drop" in self.frame else pd.Series(dtype=float)
+        if pd.to_numeric(drop, errors="coerce").notna().any():
+            return "accuracy_drop", "accuracy drop"
+        return "loss_drift", "loss drift"
+
 
 _FRAME_COLUMNS = ["number", "role", "state", "status", "reason", "duplicate_of", "config", "samples_per_s", "tokens_per_s",
                   "ddp_world_size", "per_gpu_samples_per_s", "single_gpu_samples_per_s", "scaling_efficiency",
                   "loader_fed_samples_per_s", "compute_only_samples_per_s", "loader_wait_share", "data_bound",
                   "step_time_ms", "spread", "noisy", "peak_memory_gb", "worker_start_s", "build_s", "warmup_s",
                   "measure_s", "trial_wall_s", "compile_s", "compile_cache", "joules_per_sample", "avg_power_w", "accuracy",
-                  "accuracy_drop"]
+                  "accuracy_drop", "loss_drift"]
 
 
 def collect(study: optuna.Study, out_dir: Path, config: dict[str, Any] | None) -> ReportData:

@@ -163,7 +163,8 @@ def render_markdown(d: ReportData) -> str:
 
 def _md_best_vs_baseline(d: ReportData) -> list[str]:
     """The best and baseline trials side by side, and their ratios (a search that completed)."""
-    extra_cols = (["J/sample"] if d.has["energy"] else []) + (["accuracy drop"] if d.has["accuracy"] else [])
+    accuracy_key, accuracy_label = d.accuracy_measure
+    extra_cols = (["J/sample"] if d.has["energy"] else []) + ([accuracy_label] if d.has["accuracy"] else [])
     tokens = d.units.has_tokens  # a language model: tokens/s next to samples/s
     out = ["## Best vs baseline", ""]
 
@@ -174,7 +175,7 @@ def _md_best_vs_baseline(d: ReportData) -> list[str]:
         if d.has["energy"]:
             cells.append(fmt_g(r.get("joules_per_sample"), 3))
         if d.has["accuracy"]:
-            cells.append(fmt_g(r.get("accuracy_drop"), 3))
+            cells.append(fmt_g(r.get(accuracy_key), 3))
         return cells
 
     rows = [line("best", d.best)]

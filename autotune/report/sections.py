@@ -59,14 +59,15 @@ def trial_rows(d: ReportData) -> tuple[list[dict[str, Any]], list[dict[str, Any]
     if d.has["energy"]:
         cols.append(("joules_per_sample", "J/sample", "number"))
     if d.has["accuracy"]:
-        cols.append(("accuracy_drop", "accuracy drop", "number"))
+        cols.append((*d.accuracy_measure, "number"))
     if (pd.to_numeric(d.frame["compile_s"], errors="coerce").fillna(0) > 0).any():
         cols.append(("compile_s", "compile s", "number"))
     cols += [("reason", "reason", "text"), ("trial_wall_s", "time s", "number")]
     formats = {"samples_per_s": fmt_rate, "tokens_per_s": fmt_rate, "per_gpu_samples_per_s": fmt_rate,
                "scaling_efficiency": lambda v: fmt_pct(v, 0), "step_time_ms": fmt_ms, "spread": lambda v: fmt_pct(v, 1),
                "peak_memory_gb": fmt_gib, "joules_per_sample": lambda v: fmt_g(v, 3),
-               "accuracy_drop": lambda v: fmt_g(v, 3), "trial_wall_s": lambda v: fmt_g(v, 3),
+               "accuracy_drop": lambda v: fmt_g(v, 3), "loss_drift": lambda v: fmt_g(v, 3),
+               "trial_wall_s": lambda v: fmt_g(v, 3),
                "compile_s": lambda v: fmt_g(v, 3)}
     best_n = int(d.best["number"]) if d.best is not None else None
     rows = []
