@@ -106,7 +106,7 @@ def test_the_fixed_value_is_the_best_trials_under_a_minimized_objective():
 # the whole search, with the probe and the worker replaced by figures that depend on the knobs ----
 
 
-def fake_probe(config, device, list_devices=False):
+def fake_probe(config, device, list_devices=False, spare=False):
     return {"status": "ok", "provenance": {"torch": "test", "num_cpus": 2}, "precisions": ["fp32"], "input_dim": 4,
             "input_shape": [3, 8, 8], "num_parameters": 10}
 

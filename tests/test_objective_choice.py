@@ -80,7 +80,7 @@ def test_energy_is_refused_without_nvml_before_any_trial(tmp_path, monkeypatch):
                                 accuracy_check=False, objective="energy"))
     # a GPU whose driver has no usable NVML: refused after the probe says so
     monkeypatch.setattr(autotune.search.run, "resolve_device", lambda requested: "cuda")
-    monkeypatch.setattr(autotune.search.run, "probe", lambda config, device, list_devices=False: {
+    monkeypatch.setattr(autotune.search.run, "probe", lambda config, device, list_devices=False, spare=False: {
         "provenance": {"gpu": "Test GPU"}, "precisions": ["fp32"],
         "nvml": {"available": False, "reason": "NVML Shared Library Not Found"}})
     with pytest.raises(ConfigError, match="NVML Shared Library Not Found.*nvidia-ml-py"):
@@ -94,7 +94,7 @@ def test_energy_is_refused_without_nvml_before_any_trial(tmp_path, monkeypatch):
 # faster, use more memory and less energy per sample ---------------------------------------------
 
 
-def fake_probe(config, device, list_devices=False):
+def fake_probe(config, device, list_devices=False, spare=False):
     return {"status": "ok", "provenance": {"torch": "test", "num_cpus": 2}, "precisions": ["fp32"], "input_dim": 2,
             "input_shape": [8], "num_parameters": 10}
 
@@ -114,7 +114,7 @@ def fake_search(tmp_path, monkeypatch, objective: str):
     monkeypatch.setattr(autotune.search.objective, "run_worker", fake_worker)
     device = "cuda" if objective == "energy" else "cpu"  # the energy objective needs a GPU with NVML
     monkeypatch.setattr(autotune.search.run, "resolve_device", lambda requested: device)
-    monkeypatch.setattr(autotune.search.run, "probe", lambda config, device, list_devices=False: {
+    monkeypatch.setattr(autotune.search.run, "probe", lambda config, device, list_devices=False, spare=False: {
         **fake_probe(config, device), "nvml": {"available": True, "reason": ""}})
     config = SearchConfig(workload=SPEC, device=device, out_dir=tmp_path / objective, trials=6, min_batch_size=4,
                           max_batch_size=32, base_batch_size=16, accuracy_check=False, objective=objective, seed=0,

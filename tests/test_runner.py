@@ -254,3 +254,82 @@ def test_without_an_nvidia_driver_the_clis_early_probe_is_a_cpu_one(monkeypatch)
         assert started.pop() == expected
     cli._prestart_probe(argparse.Namespace(model="resnet18", device="cuda", gpus=None))
     assert started == ["cuda"]
+
+
+def test_the_probe_and_the_accuracy_checks_leave_a_spare_for_the_next_trial(tmp_path, monkeypatch):
+    """hf:gpt2 and hf:llama on the H200: the first trial waited 13 s for its worker (none was started
+    during the probe), and each trial after an accuracy check 13-15 s (the check's worker had taken
+    the spare started for it). A spare any of the three starts serves the next trial: their requests
+    share a worker environment."""
+    import optuna
+
+    from autotune.accuracy.gate import AccuracyGate
+    from autotune.accuracy.reference_cache import ReferenceCache
+    from autotune.accuracy.settings import AccuracySettings
+    from autotune.deploy.space import SearchSpace
+    from autotune.search import run as search_run
+    from autotune.search.options import SearchConfig
+    from autotune.workload.models import WorkloadSpec
+
+    monkeypatch.delenv("AUTOTUNE_PRESTART", raising=False)  # GPU workers prestart by default
+    workload = PROBE["workload"]
+    space = SearchSpace(device="cuda", precisions=["fp32", "bf16"])
+    trial = {"mode": "trial", "space": space.to_dict(), "workload": workload}
+    accuracy = {"mode": "accuracy", "workload": workload, "space": space.to_dict()}
+    probe = {**PROBE, "device": "cuda"}
+    keys = {runner._env_key(process.worker_env(r)) for r in (trial, accuracy, probe)}
+    assert len(keys) == 1
+
+    asked: list[dict] = []
+
+    def fake_worker(request, **options):
+        asked.append({"mode": request["mode"], "spare": options.get("spare", False)})
+        return {"status": "crashed", "reason": "stopped here"}
+
+    monkeypatch.setattr(runner, "run_worker", fake_worker)
+    for prestart in (True, False):
+        gate = AccuracyGate(settings=AccuracySettings.for_device("cuda"), space=space, workload=workload,
+                            timeout_s=60, cache=ReferenceCache(tmp_path), prestart=prestart)
+        gate.attach(optuna.create_study())
+        gate.evidence(optuna.create_study(), {"precision": {"mode": "bf16"}}, check=True)
+    assert asked == [{"mode": "accuracy", "spare": True}, {"mode": "accuracy", "spare": False}]
+
+    probed: list[bool] = []
+
+    def fake_probe(config, device, list_devices=False, spare=False):
+        probed.append(spare)
+        raise KeyboardInterrupt  # stop the search here
+
+    monkeypatch.setattr(search_run, "probe", fake_probe)
+    monkeypatch.setattr(search_run, "resolve_device", lambda device: "cuda")  # no GPU here: none is used
+    for options in ({}, {"prestart_workers": False}, {"gpus": "0,1"}):
+        config = SearchConfig(workload=WorkloadSpec(model="fake_models:tiny_cnn"), device="cuda", trials=1,
+                              out_dir=str(tmp_path / "out"), **options)
+        with pytest.raises(KeyboardInterrupt):
+            search_run.run_search(config)
+    assert probed == [True, False, False]
+
+
+def test_autotune_accuracy_starts_each_next_modes_worker_while_one_runs(monkeypatch):
+    from autotune.accuracy.compare import compare_modes, mode_configurations
+    from autotune.accuracy.settings import AccuracySettings
+    from autotune.deploy.space import SearchSpace
+
+    spares: list[bool] = []
+
+    def fake_worker(request, **options):
+        spares.append(options.get("spare", False))
+        return {"status": "crashed", "reason": "stopped here"} if spares[1:] else {
+            "status": "ok", "run": {"steps": 1, "final_loss": 1.0}, "reference": {"initial_loss": 2.0, "final_loss": 1.0}}
+
+    monkeypatch.delenv("AUTOTUNE_PRESTART", raising=False)
+    monkeypatch.setattr(runner, "run_worker", fake_worker)
+    rows = compare_modes(workload=PROBE["workload"], space=SearchSpace(device="cuda", precisions=["fp32", "bf16", "fp8"]),
+                         settings=AccuracySettings.for_device("cuda"), configurations=mode_configurations(["fp32", "bf16", "fp8"]))
+    assert [r["mode"] for r in rows] == ["fp32", "bf16", "fp8"]
+    assert spares == [True, True, False]  # none left waiting after the last
+    monkeypatch.setenv("AUTOTUNE_PRESTART", "0")
+    spares.clear()
+    compare_modes(workload=PROBE["workload"], space=SearchSpace(device="cuda", precisions=["fp32", "bf16"]),
+                  settings=AccuracySettings.for_device("cuda"), configurations=mode_configurations(["fp32", "bf16"]))
+    assert spares == [False, False]

@@ -186,7 +186,8 @@ class AccuracyGate:
 
     def __init__(self, *, settings: AccuracySettings, space, workload: dict[str, Any], timeout_s: float,
                  log_dir: Path | None = None, budget_s: float | None = None, share: float = DEFAULT_SHARE,
-                 scale_steps: bool = False, cache: ReferenceCache | None = None, held_out: bool = True) -> None:
+                 scale_steps: bool = False, cache: ReferenceCache | None = None, held_out: bool = True,
+                 prestart: bool = False) -> None:
         self.settings = settings
         self.space = space
         self.workload = workload
@@ -202,6 +203,9 @@ class AccuracyGate:
         """The steps are still to be planned, from the first measured step time, before the first check."""
         self.held_out = held_out
         """The check evaluates a held-out set after training (not for a workload's own batches)."""
+        self.prestart = prestart
+        """The search's GPU workers prestart: a check takes the spare started for the next trial, and
+        starts another (on the H200 each check otherwise left the next trial 13-15 s of start-up)."""
         self.cache = cache if cache is not None else ReferenceCache()
         self.spent_s = 0.0
         """Seconds this run's checks took."""
@@ -350,7 +354,7 @@ class AccuracyGate:
             said = None
             if self.on_phase is not None:
                 said = lambda words: self.on_phase(f"accuracy check{' of ' + label if label else ''}: {words}")  # noqa: E731
-            result = run_worker(request, timeout_s=timeout_s, log_path=log, on_progress=said)
+            result = run_worker(request, timeout_s=timeout_s, log_path=log, on_progress=said, spare=self.prestart)
         finally:
             self.spent_s += time.time() - started
         if result["status"] == "timeout" and timeout_s < self.timeout_s:

@@ -69,7 +69,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
     # --gpus: the probe sees the requested GPUs (its device 0 the first) and names them, which
     # makes the pool; a mix of GPU models or a missing one is refused here
     with pinned(probe_view(config.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))):
-        info = probe(config, device, list_devices=config.gpus is not None)
+        info = probe(config, device, list_devices=config.gpus is not None, spare=prestart and config.gpus is None)
     phases["probe"] = time.time() - started
     _start_fork_server(config, device)
     gpu_pool = GpuPool.for_search(config.gpus, device, probed=info.get("cuda_devices"))
@@ -92,7 +92,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         recovered = recover_dead_trials(study) if config.storage is None else []
         shared = SharedStudy(study, storage, config.storage or f"sqlite:///{out_dir / 'study.db'}", config.trials)
         config.measure = config.measure or MeasureSettings.for_device(device)
-        gate = _accuracy_gate(config, device, space, out_dir, study, info)
+        gate = _accuracy_gate(config, device, space, out_dir, study, info, prestart=prestart)
         objective = _objective(config, device, info, space, out_dir, started, target=target, gate=gate,
                                prestart=prestart, limit=limit)
         objective.on_phase = lambda words: emit("phase", words)
@@ -214,7 +214,7 @@ def _deadline(config: SearchConfig, started: float) -> float | None:
 
 
 def _accuracy_gate(config: SearchConfig, device: str, space: SearchSpace, out_dir: Path, study: optuna.Study,
-                   info: dict[str, Any]):
+                   info: dict[str, Any], *, prestart: bool = False):
     """The accuracy check's gate, attached to the study; None when the check is off."""
     if not config.accuracy_check:
         return None
@@ -226,7 +226,7 @@ def _accuracy_gate(config: SearchConfig, device: str, space: SearchSpace, out_di
                         workload=config.workload.to_dict(), timeout_s=config.trial_timeout_s,
                         log_dir=out_dir / "logs", budget_s=config.budget_s, share=config.accuracy_share,
                         scale_steps=config.accuracy_steps is None,
-                        held_out=not (info.get("own_batches") and config.data is None))
+                        held_out=not (info.get("own_batches") and config.data is None), prestart=prestart)
     gate.attach(study)
     return gate
 
