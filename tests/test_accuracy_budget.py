@@ -267,8 +267,7 @@ def test_no_reference_is_trained_when_the_share_cannot_follow_it_with_a_check(tm
     assert planned["first_verdict_s"] > 0.25 * 360 and planned["first_verdict_s"] < planned["estimate_s"]
     for share, runs in ((0.25, 0), (0.5, 1)):
         study = _study_with_baseline(14.6, worker_start_s=12.6, build_s=6.0)
-        gate = AccuracyGate(settings=SETTINGS, space=SPACE, workload=TINY, timeout_s=300, budget_s=360, share=share,
-                            scale_steps=True, held_out=False, cache=ReferenceCache(tmp_path / str(share)))
+        gate = _gate(tmp_path / str(share), budget_s=360, share=share, scale_steps=True, held_out=False)
         gate.attach(study)
         judged = gate.evidence(study, {"precision": {"mode": "bf16"}}, check=True)
         assert len(started) == runs and (judged is None) == (runs == 0), share
@@ -276,16 +275,14 @@ def test_no_reference_is_trained_when_the_share_cannot_follow_it_with_a_check(tm
         started.clear()
     # a reference already there (the file cache: an earlier search's) needs one run: checked
     study = _study_with_baseline(14.6, worker_start_s=12.6, build_s=6.0)
-    gate = AccuracyGate(settings=SETTINGS, space=SPACE, workload=TINY, timeout_s=300, budget_s=360, share=0.25,
-                        scale_steps=True, held_out=False, cache=ReferenceCache(tmp_path / "0.25"))
+    gate = _gate(tmp_path / "0.25", budget_s=360, share=0.25, scale_steps=True, held_out=False)
     gate.attach(study)
     gate.settle(study)
     study.set_user_attr(REFERENCE_ATTR.format(fingerprint=gate.settings.fingerprint()), REFERENCE)
     assert gate.evidence(study, {"precision": {"mode": "bf16"}}, check=True) is not None and len(started) == 1
     # after the search the recommendation may still take what is left of the budget (ensure_recommendation)
     late = _study_with_baseline(14.6, worker_start_s=12.6, build_s=6.0)
-    gate = AccuracyGate(settings=SETTINGS, space=SPACE, workload=TINY, timeout_s=300, budget_s=360, share=0.25,
-                        scale_steps=True, held_out=False, cache=ReferenceCache(tmp_path / "late"))
+    gate = _gate(tmp_path / "late", budget_s=360, share=0.25, scale_steps=True, held_out=False)
     gate.attach(late)
     assert gate.evidence(late, {"precision": {"mode": "bf16"}}, check=True, within_share=False) is not None
 

@@ -55,11 +55,10 @@ def replay_configurations(folder: Path, space: SearchSpace) -> tuple[list[tuple[
 
 def enqueue_replay(study: optuna.Study, folder: Path, space: SearchSpace, seeds: list[dict[str, Any]]) -> None:
     """Queue the configurations of the search in ``folder`` behind this one's seeds (which that
-    search measured first too: they are not queued twice)."""
-    from autotune.search.steering import complete_params
-
+    search measured first too: they are not queued twice). ``seeds`` are seed_configurations',
+    complete parameter sets already, as the replayed ones are."""
     replayed, left_out = replay_configurations(folder, space)
-    seeded = [complete_params(params, space) for params in seeds]
+    seeded = list(seeds)
     for number, params in replayed:
         if params in seeded:
             seeded.remove(params)  # its first one is this search's seed; a repeat of it is replayed
