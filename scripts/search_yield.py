@@ -386,6 +386,14 @@ def reference_from_config(folder: Path) -> dict[str, Any]:
             "trials": (config.get("search") or {}).get("num_trials")}
 
 
+def _unset_dropped(value: Any) -> Any:
+    """A workload as it is compared: the options an older config.json did not write yet (None, {})
+    mean the same as their absence (reports/resnet50-h200-compile has no model_config or seq_len)."""
+    if isinstance(value, dict):
+        return {k: v for k, v in value.items() if v not in (None, {}, [])}
+    return value
+
+
 def check_reference(name: str, reference: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
     """Refuse a reference of another workload, device or objective; notes for one whose space differs."""
     notes = []
@@ -393,7 +401,7 @@ def check_reference(name: str, reference: dict[str, Any], runs: list[dict[str, A
         if "best_value" not in run:
             continue
         for key in ("workload", "gpu", "objective"):
-            if reference.get(key) != run.get(key):
+            if _unset_dropped(reference.get(key)) != _unset_dropped(run.get(key)):
                 raise SystemExit(f"the reference of {name} ({reference['out_dir']}) has {key} {reference.get(key)!r}, "
                                  f"the run in {run['out_dir']} {run.get(key)!r}: give a reference of the same search")
         if reference.get("space") != run.get("space") and not notes:
@@ -550,7 +558,8 @@ def checkout() -> str:
         proc = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
         return proc.stdout.strip() if proc.returncode == 0 else ""
 
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    # a copy of the working tree without its .git (the GPU machine's) names it in AUTOTUNE_COMMIT
+    commit = git("rev-parse", "--short", "HEAD") or os.environ.get("AUTOTUNE_COMMIT", "unknown")
     return commit + (" + local changes" if git("status", "--porcelain", "--", "autotune", "strategies") else "")
 
 

@@ -170,6 +170,24 @@ def test_finished_runs_are_reused_and_compared_with_the_reference(tmp_path, caps
                            "--reference", f"odd_mlp_tiny={tmp_path / 'other'}"])
 
 
+def test_a_reference_from_an_older_config_json_is_the_same_workload_and_a_copy_without_git_names_its_commit(
+        tmp_path, monkeypatch):
+    # the H200 run of 0cbb071 refused reports/resnet50-h200-compile: its config.json was written
+    # before workloads carried model_config and seq_len, which mean the same when unset
+    old = {"workload": {"model": "resnet50", "input_shape": None, "num_classes": 1000}, "gpu": "H200",
+           "objective": "throughput", "space": {}, "out_dir": "old"}
+    run = {"workload": {"model": "resnet50", "input_shape": None, "num_classes": 1000, "model_config": {},
+                        "seq_len": None}, "gpu": "H200", "objective": "throughput", "space": {}, "out_dir": "new",
+           "best_value": 1.0}
+    assert search_yield.check_reference("resnet50", old, [run]) == []
+    with pytest.raises(SystemExit, match="workload"):  # a set option still tells two workloads apart
+        search_yield.check_reference("resnet50", old, [{**run, "workload": {**run["workload"], "seq_len": 256}}])
+    # the GPU machine gets the working tree without .git: the commit comes from AUTOTUNE_COMMIT
+    monkeypatch.setattr(search_yield, "ROOT", tmp_path)
+    monkeypatch.setenv("AUTOTUNE_COMMIT", "0cbb071")
+    assert search_yield.checkout() == "0cbb071"
+
+
 def test_an_unfinished_run_is_run_again_from_a_fresh_folder(tmp_path, monkeypatch):
     folder = tmp_path / "odd_mlp_tiny-30s"
     folder.mkdir()
