@@ -141,3 +141,36 @@ def test_steps_of_a_second_or_more_are_windows_of_their_own(step_ms, windows_of)
     with pytest.raises(TooSlow) as stopped:  # two slow windows in a row stop it
         _warm_up(lambda: None, timer, settings, give_up=lambda ms: True)
     assert len(stopped.value.windows_ms) == 2 and timer.steps == settings.min_warmup_steps + 2 * windows_of
+
+
+def test_a_trial_says_where_its_build_went(monkeypatch) -> None:
+    # on the H200 the yield benchmark's MLP built in 4-6 s a trial and ResNet-50 in 1-2 s, with no
+    # figure saying which part: the worker now records the request, the model and optimizer, their
+    # preparation with the train step, and the batches
+    import optuna
+
+    import strategies
+    from autotune.deploy.space import SearchSpace
+    from autotune.trial import worker
+    from autotune.workload.models import WorkloadSpec
+
+    slow_batches = worker.input_batches
+
+    def batches_taking_a_while(*args, **kwargs):
+        time.sleep(0.3)
+        return slow_batches(*args, **kwargs)
+
+    monkeypatch.setattr(worker, "input_batches", batches_taking_a_while)
+    space = SearchSpace(device="cpu", batch_sizes=[8], base_batch_size=8, thread_counts=[1])
+    knobs = strategies.sample(optuna.trial.FixedTrial({}), space)
+    settings = MeasureSettings(min_warmup_steps=1, max_warmup_s=0.5, steady_tolerance=0.5, min_steps=3,
+                               min_time_s=0.05, max_steps=20, spread_tolerance=1.0, max_remeasure=0)
+    spec = WorkloadSpec(model="fake_models:tiny_cnn", input_shape=(3, 16, 16), num_classes=10)
+    result = worker.run_trial({"space": space.to_dict(), "knobs": strategies.knobs_to_dict(knobs),
+                               "workload": spec.to_dict(), "measure": settings.to_dict(), "seed": 0})
+    assert result["status"] == "ok", result
+    figures = result["figures"]
+    parts = ("build_request_s", "build_model_s", "build_prepare_s", "build_batches_s")
+    assert all(figures[p] >= 0 for p in parts)
+    assert figures["build_batches_s"] >= 0.3  # the slow part is named
+    assert sum(figures[p] for p in parts) == pytest.approx(figures["build_s"], abs=0.01)

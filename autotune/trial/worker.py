@@ -167,12 +167,15 @@ class _Steps:
 
     def __init__(self, cfg: TunedConfig, spec: WorkloadSpec, *, data_spec: Any, input_on_device: bool,
                  seed: int) -> None:
+        t0 = time.perf_counter()
         torch.manual_seed(seed)
         self.workload = build(spec)
         model = self.workload.model
         optimizer = self.workload.optimizer(model)
+        t1 = time.perf_counter()
         self.model, self.optimizer = cfg.prepare(model, optimizer)
         self.step = cfg.train_step(self.model, self.optimizer, self.workload.loss_fn)
+        t2 = time.perf_counter()
         self.feed = LoaderFeed(data_spec, self.workload, cfg, seed) if data_spec else None
         if self.feed is None:
             self.batches = input_batches(self.workload, cfg.batch_size, cfg.device, input_on_device, seed)
@@ -180,6 +183,12 @@ class _Steps:
             # the loader's first batches, cycled from memory: the same step with no loader to wait for
             self.batches = self.feed.first_batches()
         self.stream = iter(cfg.loader(itertools.cycle(self.batches)))
+        # where a build's seconds go (on the H200 the yield benchmark's MLP took 4-6 s a trial to
+        # build, ResNet-50 1-2 s, and the MLP 0.1-0.4 s on a CPU): the model and its optimizer as
+        # the workload makes them, the tuned config's preparation of both (device, memory format,
+        # compile wrapper) and its train step, the input batches
+        self.build_parts = {"build_model_s": t1 - t0, "build_prepare_s": t2 - t1,
+                            "build_batches_s": time.perf_counter() - t2}
         self.last_loss: list[torch.Tensor] = []
         self.micro_steps = cfg.accumulation_steps
 
@@ -208,8 +217,10 @@ def run_trial(request: dict[str, Any]) -> dict[str, Any]:
     if limit and device == "cuda":
         cap_memory(int(limit))
     progress.say("building the model")
+    t_request = time.perf_counter() - t0
     run = _Steps(cfg, trial.spec, data_spec=data_spec, input_on_device=trial.input_on_device, seed=seed)
     timings["build_s"] = time.perf_counter() - t0
+    timings.update(run.build_parts, build_request_s=t_request)  # the request read, the memory cap set
     progress.say("compiling, then warming up" if run.step.num_setup_steps else "warming up and measuring")
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
