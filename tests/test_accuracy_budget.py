@@ -43,6 +43,18 @@ def _study_with_baseline(samples_per_s: float, worker_start_s: float = 0.0, figu
     return study
 
 
+def test_a_check_worker_build_is_the_model_and_its_preparation_not_the_trial_batches():
+    """yield_models:gpt_lm on the H200: its trials built in 4-6.5 s, the plan counted five of those a
+    check worker (26.5 s), and its 3-minute search started no check; last session's check workers of
+    the same model spent 3.4-5.0 s beside their training runs. A check makes its own data, so where a
+    trial recorded its build's parts, only the model, its optimizer and their preparation count."""
+    parts = {"build_model_s": 0.7, "build_prepare_s": 0.3, "build_batches_s": 3.5, "build_request_s": 0.5}
+    with_parts = _study_with_baseline(150.0, worker_start_s=0.5, build_s=5.0, figures=parts)
+    assert step_time(with_parts)["overhead_s"] == pytest.approx(0.5 + 5 * 1.0)
+    # a study from before the parts were recorded plans with the whole build, as it did
+    assert step_time(_study_with_baseline(150.0, worker_start_s=0.5, build_s=5.0))["overhead_s"] == 0.5 + 5 * 5.0
+
+
 def _gate(cache_path, **options) -> AccuracyGate:
     return AccuracyGate(settings=SETTINGS, space=SPACE, workload=TINY, timeout_s=300,
                         cache=ReferenceCache(cache_path), **options)

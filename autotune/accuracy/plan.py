@@ -63,12 +63,23 @@ def step_time(study) -> dict[str, Any] | None:
     if not measured:
         return None
     _, rate, record = min(measured, key=lambda m: (m[0], m[1]))
-    overhead = (record.timing.get("worker_start_s") or 0.0) + BUILDS_PER_WORKER * (record.timing.get("build_s") or 0.0)
     figures = record.figures
+    overhead = (record.timing.get("worker_start_s") or 0.0) + BUILDS_PER_WORKER * check_build_s(record)
     limits = [b for b in (figures.get("device_total_bytes"), study.user_attrs.get("memory_limit_bytes")) if b]
     return {"samples_per_s": rate, "trial": record.number, "baseline": record.role == "baseline",
             "overhead_s": overhead, "batch_size": figures.get("batch_size"),
             "peak_memory_bytes": figures.get("peak_memory_bytes"), "limit_bytes": min(limits) if limits else None}
+
+
+def check_build_s(record: TrialRecord) -> float:
+    """What one build costs a check worker, from a measured trial: its model and optimizer and their
+    preparation, where the trial recorded them apart (autotune.trial.worker), not the trial's input
+    batches and request, which a check does not make; the trial's whole build otherwise."""
+    figures = record.figures
+    parts = [figures.get("build_model_s"), figures.get("build_prepare_s")]
+    if all(isinstance(p, (int, float)) for p in parts):
+        return float(sum(parts))
+    return record.timing.get("build_s") or 0.0
 
 
 def fitting_batch(batch_size: int, measured: dict[str, Any]) -> int:
