@@ -154,11 +154,11 @@ def test_a_trial_says_where_its_build_went(monkeypatch) -> None:
     from autotune.trial import worker
     from autotune.workload.models import WorkloadSpec
 
-    slow_batches = worker.input_batches
+    real_batches = worker.input_batches
 
     def batches_taking_a_while(*args, **kwargs):
         time.sleep(0.3)
-        return slow_batches(*args, **kwargs)
+        return real_batches(*args, **kwargs)
 
     monkeypatch.setattr(worker, "input_batches", batches_taking_a_while)
     space = SearchSpace(device="cpu", batch_sizes=[8], base_batch_size=8, thread_counts=[1])
