@@ -6,7 +6,9 @@ by a bounded factor, so the eager figure ranks candidates for compiling at a fra
 
 * ``screen_eagerly`` (the objective, before a compiled trial runs): a compiled configuration whose
   eager twin (the same knobs, compile off) was not measured yet is not started, and its twin is
-  queued; one whose twin ran below SCREEN_SHARE of the fastest eager trial is not compiled at all.
+  queued; one whose twin ran below SCREEN_SHARE of the fastest eager trial is not compiled at all,
+  and once a compile of its precision was measured, neither is one that could not win with the
+  most that compiling gave that precision here (GAIN_SPREAD over it).
   Both are pruned unstarted and uncounted (no "status"); Optuna's sampler ranks them low, so its own
   proposals stay mostly eager and the budget measures many configurations. fp8 is the exception
   (COMPILED_ONLY_PRECISIONS): it is built to be compiled, and its eager figure says little.
@@ -23,12 +25,19 @@ from optuna.trial import TrialState
 
 from autotune.deploy.space import SearchSpace
 from autotune.search.steering import complete_params
-from autotune.search.trials import planned_params
+from autotune.search.trials import best_trial, planned_params
 from autotune.trial.record import TrialRecord, queue_attrs, write
 
 SCREEN_SHARE = 0.9
 """A configuration is compiled only when its eager twin ran at this share of the fastest eager
 trial or more (ResNet-50 on the H200: the best eager 5,800 img/s, compiled 7,200 to 7,491)."""
+
+GAIN_SPREAD = 0.05
+"""How much more compiling may give one configuration than it gave another of the same precision
+and compile mode in the same search: the compiled-to-eager ratios measured on the H200 spread by
+4.4% at most (ResNet-50 fp16: 1.116-1.165 in one search, 1.163-1.200 in another; the GPT-style LM's
+bf16 1.784-1.837; GPT-2's bf16 2.186-2.235), while they differ by far more between precisions
+(ResNet-50 bf16 1.44-1.45 against fp16's 1.12-1.20), so a gain is carried within a precision only."""
 
 RULE_SCREEN, RULE_FINALIST = "screen eagerly", "compile the fastest eager"
 
@@ -89,6 +98,47 @@ def screen_eagerly(trial: optuna.Trial, space: SearchSpace, *, compile_mode: str
                  else f"over {1 / SCREEN_SHARE:.0%} of the best eager")
         _prune(trial, f"not compiled: its eager twin #{twin.number} measured {twin.value:,.4g} {unit}, "
                       f"{where} #{best.number} ({best.value:,.4g})")
+    _prune_if_it_cannot_win(trial, twin, space, compile_mode=compile_mode, maximize=maximize, unit=unit)
+
+
+def compile_gains(study: optuna.Study, space: SearchSpace, precision: str, compile_mode: str
+                  ) -> list[tuple[float, int, int]]:
+    """(compiled value / eager twin's value, compiled trial, twin) of each compiled configuration of
+    ``precision`` and ``compile_mode`` measured in the study with its eager twin."""
+    done = [(t, complete_params(planned_params(t), space))
+            for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value]
+    eager = {}
+    for t, params in done:
+        if params.get("compile.mode", "off") == "off":
+            eager.setdefault(tuple(sorted(params.items())), t)
+    gains = []
+    for t, params in done:
+        if params.get("compile.mode") != compile_mode or params.get("precision.mode") != precision:
+            continue
+        twin = eager.get(tuple(sorted(eager_twin(params, space).items())))
+        if twin is not None and not TrialRecord.of(t).unstable:
+            gains.append((t.value / twin.value, t.number, twin.number))
+    return gains
+
+
+def _prune_if_it_cannot_win(trial: optuna.Trial, twin: optuna.trial.FrozenTrial, space: SearchSpace, *,
+                            compile_mode: str, maximize: bool, unit: str) -> None:
+    """Prune a compiled configuration whose eager twin, times the most that compiling gave its
+    precision in this search (GAIN_SPREAD more), stays behind the best trial: a compile costs the
+    time of several eager trials (ResNet-50 on the H200: 42-51 s against 9-13 s)."""
+    params = complete_params(trial.params, space)
+    gains = compile_gains(trial.study, space, params.get("precision.mode"), compile_mode)
+    best = best_trial(trial.study)
+    if not gains or best is None:
+        return
+    gain, compiled, measured_twin = (max if maximize else min)(gains)
+    reach = twin.value * gain * ((1 + GAIN_SPREAD) if maximize else 1 / (1 + GAIN_SPREAD))
+    if reach >= best.value if maximize else reach <= best.value:
+        return
+    _prune(trial, f"not compiled: its eager twin #{twin.number} measured {twin.value:,.4g} {unit}; with compiling's "
+                  f"gain for {params.get('precision.mode', 'its precision')} here (x{gain:.2f}: #{compiled} over "
+                  f"#{measured_twin}) and {GAIN_SPREAD:.0%} more, about {reach:,.4g}, "
+                  f"{'below' if maximize else 'over'} the best #{best.number} ({best.value:,.4g})")
 
 
 def _prune(trial: optuna.Trial, reason: str) -> None:
