@@ -8,9 +8,11 @@ and ``accuracy/`` (the accuracy check's FP32 references, autotune.accuracy.refer
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 CACHE_ENV = "AUTOTUNE_CACHE_DIR"
+INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 
 def cache_root() -> Path:
@@ -23,3 +25,17 @@ def compile_cache_dir() -> Path:
     persistent, where torch's default (/tmp/torchinductor_<user>) goes with a reboot or a new
     container."""
     return cache_root() / "compile"
+
+
+def users_inductor_cache() -> str | None:
+    """TORCHINDUCTOR_CACHE_DIR as the user set it, else None. Torch's own cache_dir() writes its
+    default (/tmp/torchinductor_<user>) into os.environ of a process that had none, and importing
+    torch._dynamo calls it: torchvision's models import it, so a search of a torchvision model had it
+    set in its own process before its first trial, and every trial compiled into /tmp instead of
+    compile_cache_dir() (on the H200, a search_yield run "with empty caches" loaded the compiles of
+    the search before it). That default is no user's choice; set to it explicitly, it counts as unset."""
+    value = os.environ.get(INDUCTOR_ENV)
+    torch_cache = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
+    if not value or torch_cache is None:  # torch has not written it: the user's, or none
+        return value or None
+    return None if os.path.abspath(value) == os.path.abspath(torch_cache.default_cache_dir()) else value

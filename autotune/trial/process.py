@@ -9,7 +9,7 @@ import signal
 import sys
 from typing import Any
 
-from autotune.cache import compile_cache_dir
+from autotune.cache import INDUCTOR_ENV, compile_cache_dir, users_inductor_cache
 
 # what a worker does before its request, after importing torch and autotune (autotune.trial.worker)
 PRELOAD_IMPORTS = "AUTOTUNE_WORKER_IMPORTS"
@@ -49,7 +49,7 @@ def worker_env(request: dict[str, Any] | None = None) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env.setdefault("PYTHONUNBUFFERED", "1")
     # compiled graphs kept across trials and searches (a user's own setting wins)
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir()))
+    env[INDUCTOR_ENV] = users_inductor_cache() or str(compile_cache_dir())
     from autotune.trial.gpus import current_pin
 
     pin = current_pin()  # --gpus: this trial's GPU, and only it
