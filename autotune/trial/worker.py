@@ -58,6 +58,15 @@ def _preload() -> list[str]:
             done.append(module)
         except Exception:
             pass
+        try:
+            # a trial's first optimizer imports it (torch.optim does), 1-4 s: on the H200 every trial of
+            # the yield benchmark's MLP and LM spent 3.5-5.6 s building its model and optimizer, against
+            # 0.2-0.4 s for ResNet-50, whose torchvision import had brought it in (so does the CPU's
+            # fork server, autotune.trial.zygote)
+            importlib.import_module("torch._dynamo")
+            done.append("torch._dynamo")
+        except Exception:
+            pass
     if os.environ.get(PRELOAD_CUDA) == "1":
         try:
             if torch.cuda.is_available():
