@@ -41,7 +41,7 @@ def test_each_request_gets_a_fresh_forked_worker_with_none_of_the_last_ones_stat
     (server,) = servers.values()
     pids = [r["pid"] for r in results]
     assert len(set(pids)) == 3 and server.proc.pid not in pids
-    assert all(r["preloaded"] == ["fake_models", "torch._dynamo"] for r in results)  # imported once, in the server
+    assert all(r["preloaded"] == ["fake_models"] for r in results)  # imported once, in the server
     # each build found what the server imported: no earlier build counted, threads as they were
     found = [line.split() for line in marker.read_text().splitlines()]
     assert [int(pid) for pid, _, _ in found] == pids

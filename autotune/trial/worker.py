@@ -58,11 +58,13 @@ def _preload() -> list[str]:
             done.append(module)
         except Exception:
             pass
+    if module and os.environ.get(PRELOAD_CUDA) == "1":
         try:
             # a trial's first optimizer imports it (torch.optim does), 1-4 s: on the H200 every trial of
             # the yield benchmark's MLP and LM spent 3.5-5.6 s building its model and optimizer, against
-            # 0.2-0.4 s for ResNet-50, whose torchvision import had brought it in (so does the CPU's
-            # fork server, autotune.trial.zygote)
+            # 0.2-0.4 s for ResNet-50, whose torchvision import had brought it in. A GPU worker does it
+            # here, as a spare while the trial before it runs; a CPU's fork server has it already
+            # (autotune.trial.zygote), and a CPU spare (the probe's) would take a core from the search
             importlib.import_module("torch._dynamo")
             done.append("torch._dynamo")
         except Exception:
