@@ -45,8 +45,8 @@ from autotune.workload.models import WorkloadSpec, build  # noqa: E402
 
 def _preload() -> list[str]:
     """What autotune.trial.runner.preload asked for, done before the request: the model's module
-    imported, the CUDA context made. Each is done again by the trial if it fails here, and says
-    what went wrong then."""
+    imported and, for a GPU, torch._dynamo imported and the CUDA context made. Each is done again by
+    the trial if it fails here, and says what went wrong then."""
     done = []
     module = os.environ.get(PRELOAD_IMPORTS)
     if module:
@@ -58,18 +58,19 @@ def _preload() -> list[str]:
             done.append(module)
         except Exception:
             pass
-    if module and os.environ.get(PRELOAD_CUDA) == "1":
-        try:
-            # a trial's first optimizer imports it (torch.optim does), 1-4 s: on the H200 every trial of
-            # the yield benchmark's MLP and LM spent 3.5-5.6 s building its model and optimizer, against
-            # 0.2-0.4 s for ResNet-50, whose torchvision import had brought it in. A GPU worker does it
-            # here, as a spare while the trial before it runs; a CPU's fork server has it already
-            # (autotune.trial.zygote), and a CPU spare (the probe's) would take a core from the search
-            importlib.import_module("torch._dynamo")
-            done.append("torch._dynamo")
-        except Exception:
-            pass
     if os.environ.get(PRELOAD_CUDA) == "1":
+        if module:
+            try:
+                # a trial's first optimizer imports it (torch.optim does), 1-4 s: on the H200 every trial
+                # of the yield benchmark's MLP and LM spent 3.5-5.6 s building its model and optimizer,
+                # against 0.2-0.4 s for ResNet-50, whose torchvision import had brought it in. A GPU
+                # worker does it here, as a spare while the trial before it runs; a CPU's fork server has
+                # it already (autotune.trial.zygote), and a CPU spare (the probe's) would take a core
+                # from the search
+                importlib.import_module("torch._dynamo")
+                done.append("torch._dynamo")
+            except Exception:
+                pass
         try:
             if torch.cuda.is_available():
                 torch.empty(1, device="cuda")  # the first allocation makes the context
