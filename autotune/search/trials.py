@@ -61,8 +61,19 @@ def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
     return pick(done, key=lambda t: t.value)
 
 
-def baseline_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
+def role_trial(study: optuna.Study, role: str) -> optuna.trial.FrozenTrial | None:
+    """The first completed trial of ``role`` that ran (not a copy of another's result)."""
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-        if TrialRecord.of(t).role == "baseline":
+        if TrialRecord.of(t).role == role:
             return t
     return None
+
+
+def baseline_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
+    """The FP32 baseline, as the user's own script would run it."""
+    return role_trial(study, "baseline")
+
+
+def plain_recipe_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
+    """The plain recipe (autotune.search.plain_recipe): the bar every recommendation must clear."""
+    return role_trial(study, "plain-recipe")

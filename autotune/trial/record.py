@@ -15,9 +15,10 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-ROLES = ("baseline", "known-good", "steered", "replayed", "search")
-"""Why a trial was measured: the FP32 baseline, a seeded configuration, one a finding queued, one
-replayed from another search (--replay), or one the sampler chose."""
+ROLES = ("baseline", "plain-recipe", "known-good", "steered", "replayed", "search")
+"""Why a trial was measured: the FP32 baseline, the plain recipe (what a user writes in five lines:
+autotune.search.plain_recipe), a seeded configuration, one a finding queued, one replayed from
+another search (--replay), or one the sampler chose."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,89 @@
+"""The plain recipe: what a user writes in five lines, and the bar every recommendation must clear.
+
+bf16 autocast where the device has it (fp16 with torch.amp.GradScaler where not), TF32 for what
+stays in float32, channels_last for an image model, cudnn.benchmark, the fused optimizer,
+torch.compile's default mode, and the largest batch that fits (the GPU, or --memory-limit), up to
+four times the base batch. Every search measures it early, as a trial of its own role
+("plain-recipe"), and the recommendation is never slower than it: a user compares this tool with
+that recipe, not with FP32.
+
+Only the knobs a user of the recipe sets are set; the rest stay at what a plain training loop has
+(one CUDA stream, no CUDA graphs, no padding, PyTorch's own attention choice).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import strategies
+from autotune.deploy.space import SearchSpace
+
+ROLE = "plain-recipe"
+MAX_BATCH_FACTOR = 4
+"""The recipe's batch is at most this many times the base batch: "the largest batch that fits",
+within what a user would still train with at the learning rate they tuned (scaled linearly)."""
+
+
+def precision(space: SearchSpace) -> str | None:
+    """The recipe's precision on this device: bf16, else fp16 (with a GradScaler), else None."""
+    return next((mode for mode in ("bf16", "fp16") if mode in space.precisions), None)
+
+
+def fixed_knobs(space: SearchSpace, batch: int) -> dict[str, Any] | None:
+    """The recipe's Optuna parameters that it sets itself (precision, batch and the step's lines), for
+    the knobs this space offers; None where the device has neither bf16 nor fp16."""
+    mode = precision(space)
+    if mode is None:
+        return None
+    fixed: dict[str, Any] = {"precision.mode": mode, "batch_size.batch_size": batch}
+    if "fused" in space.optimizer_implementations:
+        fixed["optimizer.implementation"] = "fused"
+    if "default" in space.compile_modes:
+        fixed["compile.mode"] = "default"
+    if 1 in space.stream_counts:
+        fixed["streams.num_streams"] = 1
+    if False in space.cuda_graphs:
+        fixed["cuda_graphs.enabled"] = False
+    return fixed
+
+
+def params(space: SearchSpace, batch: int) -> dict[str, Any] | None:
+    """The plain recipe at ``batch`` as a complete parameter set (as a trial records it); None where
+    the device has no 16-bit autocast (the FP32 baseline is then the plain recipe)."""
+    from autotune.search.steering import complete_params
+
+    fixed = fixed_knobs(space, batch)
+    if fixed is None:
+        return None
+    return complete_params(strategies.seed_params(space, tuned=True, fixed=fixed), space)
+
+
+def batch(space: SearchSpace, fits: Callable[[int], bool] | None = None) -> int:
+    """The largest offered batch up to MAX_BATCH_FACTOR x the base batch that ``fits`` (the memory
+    model's prediction: autotune.search.memory), else the smallest offered; the base batch where
+    nothing predicts memory (a CPU)."""
+    from strategies.batch_size import nearest
+
+    base = nearest(space.batch_sizes, space.base_batch_size)
+    if fits is None:
+        return base
+    allowed = [b for b in space.batch_sizes if b <= MAX_BATCH_FACTOR * space.base_batch_size]
+    fitting = [b for b in allowed if fits(b)]
+    return max(fitting) if fitting else min(space.batch_sizes)
+
+
+def describe(space: SearchSpace) -> str:
+    """The recipe in words, for the start of a search: "bf16 autocast, TF32, channels_last, ..."."""
+    mode = precision(space)
+    parts = [f"{mode} autocast" + (" + GradScaler" if mode == "fp16" else "") if mode else "fp32"]
+    if space.device == "cuda":
+        parts.append("TF32")
+    if "channels_last" in space.memory_formats:
+        parts.append("channels_last")
+    if space.device == "cuda":
+        parts.append("cudnn.benchmark")
+    if "fused" in space.optimizer_implementations:
+        parts.append("fused optimizer")
+    if "default" in space.compile_modes:
+        parts.append("torch.compile")
+    return ", ".join(parts)
