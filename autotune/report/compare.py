@@ -1,6 +1,7 @@
 """Compare `autotune search` output folders (GPUs, drivers, torch versions): the best configuration
-of each run side by side, the knobs in which they differ, each run's throughput and memory relative
-to the first, and what each precision mode buys on each run over that run's own FP32 baseline.
+of each run side by side (with its speed-up over its own plain recipe and FP32 baseline), the knobs
+in which they differ, each run's throughput and memory relative to the first, and what each
+precision mode buys on each run over that run's own FP32 baseline.
 
     comparison = compare([Path("reports/resnet50-h200"), Path("reports/resnet50-a100")], Path("cmp"))
     console.print(comparison.table)       # and cmp/compare.html, cmp/compare.md
@@ -52,6 +53,8 @@ class Comparison:
     """"samples_per_s" / "peak_memory" -> each run's figure over the first run's."""
     precision_speedups: dict[str, list[float | None]]
     """Precision mode -> each run's best samples/s with it over its FP32 baseline; None: not measured."""
+    plain_recipe_speedups: list[float | None]
+    """Each run's best samples/s over its own plain recipe's; None: no plain recipe in its config.json."""
     html: Path
     markdown: Path
     table: Table
@@ -88,7 +91,8 @@ def compare(folders: Sequence[Path], out_dir: Path, *, allow_different_models: b
     html_path.write_text(render_html(title, runs, columns, sections, svg))
     md_path.write_text(render_markdown(title, runs, columns, sections))
     return Comparison(runs=runs, columns=columns, sections=sections, differing_knobs=differing, ratios=ratios,
-                      precision_speedups=speedups, html=html_path, markdown=md_path,
+                      precision_speedups=speedups, plain_recipe_speedups=[r.speedup_vs_plain_recipe for r in runs],
+                      html=html_path, markdown=md_path,
                       table=render_table(title, columns, sections), chart=svg is not None)
 
 
@@ -178,9 +182,25 @@ def _side_by_side(runs: list[Run]) -> Section:
         row("peak memory GiB", [fmt_gib(r.best.peak_memory_gib) or MISSING for r in runs]),
         row("FP32 baseline", [MISSING if r.baseline is None else
                               f"{r.baseline.summary}: {fmt_rate(r.baseline.samples_per_s)} samples/s" for r in runs]),
+        row("plain recipe", [_plain_recipe_text(r) for r in runs]),
+        row("speed-up over own plain recipe", [_over_plain_recipe(r) for r in runs]),
         row("speed-up over own FP32 baseline", [fmt_times(r.speedup) for r in runs]),
         row("joules per sample", [energy(r) for r in runs]),
     ], note=_objective_note(runs))
+
+
+def _plain_recipe_text(run: Run) -> str:
+    """The run's plain recipe and its samples/s; why it has none (config.json says), or "-" for a
+    config.json written before the recipe was measured."""
+    if run.plain_recipe is None:
+        return run.plain_recipe_missing or MISSING
+    return f"{run.plain_recipe.summary}: {fmt_rate(run.plain_recipe.samples_per_s)} samples/s"
+
+
+def _over_plain_recipe(run: Run) -> str:
+    """The run's best over its plain recipe; that nothing beat the recipe where it is the best."""
+    text = fmt_times(run.speedup_vs_plain_recipe)
+    return f"{text} (nothing beat it: the recipe is the best)" if run.best_is_plain_recipe else text
 
 
 def _objective_note(runs: list[Run]) -> str:

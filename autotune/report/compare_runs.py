@@ -1,5 +1,5 @@
 """One output folder of `autotune search` read back for `autotune compare`: its config.json (the best
-configuration, the FP32 baseline, where it ran) and trials.csv."""
+configuration, the FP32 baseline, the plain recipe, where it ran) and trials.csv."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from autotune.errors import ConfigError
 
 @dataclass(kw_only=True, slots=True)
 class Measured:
-    """One measured configuration of a run (its best, or its FP32 baseline)."""
+    """One measured configuration of a run (its best, its FP32 baseline or its plain recipe)."""
 
     summary: str
     """Short description, e.g. "fp16, channels_last, batch 1024, cudnn.benchmark, 2 streams"."""
@@ -65,6 +65,9 @@ class Run:
     best: Measured
     baseline: Measured | None
     """The FP32 baseline trial; None when the search has none that completed."""
+    plain_recipe: Measured | None
+    """The plain recipe's trial (autotune.search.plain_recipe); None when it did not complete, or the
+    config.json is from before the recipe existed."""
     trials: pd.DataFrame
     """trials.csv: every trial, its state and figures (empty when the file is missing)."""
     info: dict[str, Any] = field(repr=False)
@@ -102,6 +105,24 @@ class Run:
         if self.baseline is None:
             return None
         return self.best.samples_per_s / self.baseline.samples_per_s
+
+    @property
+    def speedup_vs_plain_recipe(self) -> float | None:
+        """Best samples/s over the run's plain recipe's (config.json's figure); None without one."""
+        if self.plain_recipe is None:
+            return None
+        exported = _number(self.info.get("speedup_vs_plain_recipe"))
+        return exported if exported is not None else self.best.samples_per_s / self.plain_recipe.samples_per_s
+
+    @property
+    def best_is_plain_recipe(self) -> bool:
+        """Nothing the run measured beat its plain recipe: the recipe is its recommendation."""
+        return self.plain_recipe is not None and bool(self.info.get("best_is_plain_recipe"))
+
+    @property
+    def plain_recipe_missing(self) -> str | None:
+        """Why the run has no plain recipe, as config.json says (None: it has one, or the file is older)."""
+        return None if self.plain_recipe is not None else self.info.get("plain_recipe_missing")
 
     @property
     def joules_per_sample(self) -> float | None:
@@ -170,14 +191,21 @@ def load_run(folder: Path) -> Run:
     base = info.get("baseline")
     best = Measured(summary=info.get("summary") or strategies.describe(info["knobs"]), knobs=info["knobs"],
                     figures=info["figures"], trial_number=(info.get("study") or {}).get("trial_number"))
-    baseline = None if not base else Measured(summary=base.get("summary") or strategies.describe(base.get("knobs", {})),
-                                              knobs=base.get("knobs", {}), figures=base["figures"],
-                                              trial_number=base.get("trial_number"))
+    baseline, plain = _measured(base), _measured(info.get("plain_recipe"))
     device = info.get("device") or ("cuda" if info["provenance"].get("gpu") else "cpu")
     run = Run(folder=folder, label="", model=str(info["workload"]["model"]), workload=info["workload"],
-              device=device, provenance=info["provenance"], best=best, baseline=baseline, trials=trials, info=info)
+              device=device, provenance=info["provenance"], best=best, baseline=baseline, plain_recipe=plain,
+              trials=trials, info=info)
     run.label = f"{run.model} on {run.where}, torch {run.provenance.get('torch', '?')}"
     return run
+
+
+def _measured(entry: Any) -> Measured | None:
+    """config.json's baseline or plain recipe entry; None where it is absent or has no samples/s."""
+    if not isinstance(entry, dict) or _number((entry.get("figures") or {}).get("samples_per_s")) is None:
+        return None
+    return Measured(summary=entry.get("summary") or strategies.describe(entry.get("knobs", {})),
+                    knobs=entry.get("knobs", {}), figures=entry["figures"], trial_number=entry.get("trial_number"))
 
 
 def _number(x: Any) -> float | None:

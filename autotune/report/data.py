@@ -1,5 +1,6 @@
 """The data the report shows, collected once from the study (and its exported config.json): one
-row per trial with its figures and knob values, the best and baseline rows, and the search's cost."""
+row per trial with its figures and knob values, the best, baseline and plain recipe rows, and the
+search's cost."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import pandas as pd
 
 import strategies
 from autotune.report.effects import Effects, measure
-from autotune.report.export import trials_frame
-from autotune.search.trials import baseline_trial, best_trial, search_cost
+from autotune.report.export import plain_recipe_missing, trials_frame
+from autotune.search.trials import baseline_trial, best_trial, plain_recipe_trial, search_cost
 from autotune.trial.record import TrialRecord
 from autotune.workload.units import ATTR as UNITS_ATTR, Units
 
@@ -47,6 +48,21 @@ class ReportData:
     """Each parameter's effect from pairs of trials that differ in it alone, and its PED-ANOVA importance."""
     units: Units = field(default_factory=Units)
     """What a sample is: a language model's tables show tokens/s next to samples/s."""
+    plain_recipe: pd.Series | None = None
+    """The plain recipe's row (autotune.search.plain_recipe): the bar the recommendation must clear."""
+    plain_recipe_missing: str | None = None
+    """Why there is no plain recipe row when its trial did not complete; None where the search had none."""
+
+    @property
+    def best_is_plain_recipe(self) -> bool:
+        """Nothing measured beat the plain recipe: the recommendation is the recipe (config.json says so)."""
+        if self.best is None or self.plain_recipe is None:
+            return False
+        exported = (self.config or {}).get("best_is_plain_recipe")
+        if exported is not None:
+            return bool(exported)
+        return int(self.best["number"]) == int(self.plain_recipe["number"]) or \
+            self.records[int(self.best["number"])].knobs == self.records[int(self.plain_recipe["number"])].knobs
 
     @property
     def accuracy_measure(self) -> tuple[str, str]:
@@ -98,12 +114,13 @@ def collect(study: optuna.Study, out_dir: Path, config: dict[str, Any] | None) -
     frame = pd.concat([frame.reset_index(drop=True), extra_frame], axis=1)
     measured = frame[(frame["state"] == "COMPLETE") & frame["samples_per_s"].notna() & frame["duplicate_of"].isna()]
 
-    best_t, base_t = best_trial(study), baseline_trial(study)
+    best_t, base_t, plain_t = best_trial(study), baseline_trial(study), plain_recipe_trial(study)
     if config and "study" in config and config["study"].get("trial_number") in by_number:
         best_t = by_number[config["study"]["trial_number"]]
     row_of = {n: frame.loc[i] for i, n in enumerate(frame["number"])}
     best = row_of.get(best_t.number) if best_t is not None else None
     baseline = row_of.get(base_t.number) if base_t is not None else None
+    plain = row_of.get(plain_t.number) if plain_t is not None else None
 
     workload = (config or {}).get("workload") or study.user_attrs.get("workload") or {}
     device = (config or {}).get("device") or study.user_attrs.get("device") or "unknown"
@@ -114,6 +131,8 @@ def collect(study: optuna.Study, out_dir: Path, config: dict[str, Any] | None) -
     data.has = {key: any(getattr(r, key) for r in records.values()) for key in ("energy", "profile", "findings", "accuracy")}
     data.effects = measure(study, KNOBS)
     data.units = Units.from_dict((config or {}).get("units") or study.user_attrs.get(UNITS_ATTR))
+    data.plain_recipe = plain
+    data.plain_recipe_missing = plain_recipe_missing(study) if plain is None else None
     return data
 
 

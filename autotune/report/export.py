@@ -16,7 +16,7 @@ from autotune.accuracy.gate import SETTINGS_ATTR, UNAVAILABLE_ATTR, accuracy_of
 from autotune.accuracy.plan import PLAN_ATTR
 from autotune.deploy.config import TunedConfig
 from autotune.deploy.space import SearchSpace
-from autotune.search.trials import baseline_trial, best_trial, search_cost
+from autotune.search.trials import baseline_trial, best_trial, plain_recipe_trial, search_cost
 from autotune.trial.record import TrialRecord
 from autotune.workload.units import ATTR as UNITS_ATTR, Units
 
@@ -138,8 +138,8 @@ def export(study: optuna.Study, out_dir: Path, *, config, space: SearchSpace, pr
 
 def _config_info(study: optuna.Study, out_dir: Path, best: optuna.trial.FrozenTrial, *, config, space: SearchSpace,
                  probe: dict[str, Any]) -> dict[str, Any]:
-    """What config.json records besides the knobs: how the search ran, the best and baseline
-    figures, where it ran, the search's cost, the objective and the accuracy evidence."""
+    """What config.json records besides the knobs: how the search ran, the best, baseline and plain
+    recipe figures, where it ran, the search's cost, the objective and the accuracy evidence."""
     base = baseline_trial(study)
     best_record, base_record = TrialRecord.of(best), None if base is None else TrialRecord.of(base)
 
@@ -178,8 +178,51 @@ def _config_info(study: optuna.Study, out_dir: Path, best: optuna.trial.FrozenTr
         b, f = base_record.figures, best_record.figures
         info["speedup_vs_baseline"] = f["samples_per_s"] / b["samples_per_s"]
         info["memory_vs_baseline"] = f["peak_memory_bytes"] / b["peak_memory_bytes"]
+    plain = plain_recipe_trial(study)
+    info.update(_plain_recipe_info(study, best, plain, units))
     _add_objective_and_accuracy(info, study, best, base)
+    info["objective"]["plain_recipe_value"] = plain.value if plain is not None else None
     return info
+
+
+def _plain_recipe_info(study: optuna.Study, best: optuna.trial.FrozenTrial, plain: optuna.trial.FrozenTrial | None,
+                       units: Units) -> dict[str, Any]:
+    """config.json's plain recipe (autotune.search.plain_recipe), the bar the recommendation must clear:
+    its figures, the best's speed-up and memory over it, and whether the best is the recipe itself;
+    or, where it did not complete, why (``plain_recipe_missing``; absent where the search has none)."""
+    if plain is None:
+        missing = plain_recipe_missing(study)
+        return {"plain_recipe": None, **({"plain_recipe_missing": missing} if missing else {})}
+    record, best_record = TrialRecord.of(plain), TrialRecord.of(best)
+    p, f = record.figures, best_record.figures
+    return {
+        "plain_recipe": {"summary": strategies.describe(record.knobs), "knobs": record.knobs,
+                         "figures": units.with_tokens(p), "trial_number": plain.number},
+        "speedup_vs_plain_recipe": f["samples_per_s"] / p["samples_per_s"],
+        "memory_vs_plain_recipe": (f["peak_memory_bytes"] / p["peak_memory_bytes"]
+                                   if f.get("peak_memory_bytes") and p.get("peak_memory_bytes") else None),
+        # nothing measured beat it: the recommendation is the recipe (or a trial of the same knobs)
+        "best_is_plain_recipe": best.number == plain.number or best_record.knobs == record.knobs,
+    }
+
+
+def plain_recipe_missing(study: optuna.Study) -> str | None:
+    """Why a search has no completed plain recipe, in a few words: it did not complete (and why), or it
+    was queued but the search ended first; None where the search has no plain-recipe trial at all
+    (one from before the recipe existed, or a device with neither bf16 nor fp16)."""
+    from autotune.search.plain_recipe import ROLE
+
+    tried = [t for t in study.get_trials(deepcopy=False) if TrialRecord.of(t).role == ROLE]
+    if not tried:
+        return None
+    finished = [t for t in tried if TrialRecord.of(t).counted]
+    if not finished:
+        return f"not measured: trial #{tried[0].number} was queued, and the search ended before it ran"
+    last = TrialRecord.of(finished[-1])
+    if last.status == "pruned":
+        return (f"did not complete: trial #{last.number} was stopped in its warm-up as clearly slower "
+                "than the best")
+    return f"did not complete: trial #{last.number}, {last.status}" + (f": {last.reason}" if last.reason else "")
 
 
 def _add_objective_and_accuracy(info: dict[str, Any], study: optuna.Study, best: optuna.trial.FrozenTrial,

@@ -96,27 +96,30 @@ def _scatter(ax, m: pd.DataFrame, x: str, y: str) -> None:
 
 
 def _label_points(ax, d: ReportData, m: pd.DataFrame, x: str, y: str) -> None:
-    """Mark best and baseline, with text placed away from the data's edge."""
+    """Mark the best, the plain recipe and the FP32 baseline, with text placed away from the data's
+    edge; one trial that is two of them gets one mark ("best = plain recipe"), and a mark at the best's
+    point is left out."""
     xs, ys = m[x].astype(float), m[y].astype(float)
     x_mid = (xs.min() + xs.max()) / 2
     y_mid = (ys.min() + ys.max()) / 2
+    shown = set(m["number"])
+    marks: dict[int, tuple[str, str]] = {}
+    for row, text, color in ((d.best, "best", "#b30000"), (d.plain_recipe, "plain recipe", "#1f5fa8"),
+                             (d.baseline, "baseline", "#222222")):
+        if row is not None and int(row["number"]) in shown:
+            n = int(row["number"])
+            marks[n] = (f"{marks[n][0]} = {text}", marks[n][1]) if n in marks else (text, color)
     best_n = int(d.best["number"]) if d.best is not None else None
-    base_n = int(d.baseline["number"]) if d.baseline is not None else None
-    for n, text, color in ((best_n, "best", "#b30000"), (base_n, "baseline", "#222222")):
-        if n is None or n not in set(m["number"]):
-            continue
+    best = m[m["number"] == best_n].iloc[0] if best_n in marks else None
+    for n, (text, color) in marks.items():
         row = m[m["number"] == n].iloc[0]
-        if n == best_n and n == base_n:
-            text = "best = baseline"
-        elif n == base_n and best_n is not None and best_n in set(m["number"]):
-            other = m[m["number"] == best_n].iloc[0]
-            if other[x] == row[x] and other[y] == row[y]:
-                continue
+        if n != best_n and best is not None and best[x] == row[x] and best[y] == row[y]:
+            continue
         px, py = float(row[x]), float(row[y])
         dx = -14 if px > x_mid else 14
         dy = -16 if py > y_mid else 14
-        if text == "baseline":
-            dy = -dy if best_n is not None and abs(py - float(d.best[y] if d.best is not None else py)) < 1e-9 else dy
+        if n != best_n and best is not None and abs(py - float(best[y])) < 1e-9:
+            dy = -dy  # level with the best: its label on the other side
         ax.scatter([px], [py], s=110, facecolors="none", edgecolors=color, linewidths=1.4, zorder=4)
         ax.annotate(f"{text} #{n}", (px, py), xytext=(dx, dy), textcoords="offset points",
                     ha="right" if dx < 0 else "left", va="top" if dy < 0 else "bottom", fontsize=8,

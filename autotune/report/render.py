@@ -45,6 +45,8 @@ from autotune.report.plots import (
     plot_throughput_memory,
 )
 from autotune.report.sections import (
+    best_vs_note,
+    best_vs_rows,
     failed_rows,
     finding_rows,
     is_ddp,
@@ -78,6 +80,8 @@ def _context(d: ReportData) -> dict[str, Any]:
         "completed": d.best is not None,
         "summary": summary_items(d),
         "kpis": kpis(d),
+        "best_vs": best_vs_rows(d) if d.best is not None else None,
+        "best_vs_note": best_vs_note(d),
         "notes": cfg.get("notes") or [],
         "failed": failed_rows(d),
         "has": d.has,
@@ -162,40 +166,11 @@ def render_markdown(d: ReportData) -> str:
 
 
 def _md_best_vs_baseline(d: ReportData) -> list[str]:
-    """The best and baseline trials side by side, and their ratios (a search that completed)."""
-    accuracy_key, accuracy_label = d.accuracy_measure
-    extra_cols = (["J/sample"] if d.has["energy"] else []) + ([accuracy_label] if d.has["accuracy"] else [])
-    tokens = d.units.has_tokens  # a language model: tokens/s next to samples/s
-    out = ["## Best vs baseline", ""]
-
-    def line(label: str, r: pd.Series) -> list[Any]:
-        cells = [label, f"#{int(r['number'])}", r["config"], fmt_rate(r["samples_per_s"]),
-                 *([fmt_rate(r["tokens_per_s"])] if tokens else []),
-                 fmt_ms(r["step_time_ms"]), fmt_gib(r["peak_memory_gb"])]
-        if d.has["energy"]:
-            cells.append(fmt_g(r.get("joules_per_sample"), 3))
-        if d.has["accuracy"]:
-            cells.append(fmt_g(r.get(accuracy_key), 3))
-        return cells
-
-    rows = [line("best", d.best)]
-    if d.baseline is not None:
-        rows.append(line("baseline", d.baseline))
-        b, r = d.best, d.baseline
-        ratio = ["best / baseline", "", "", fmt_ratio(b["samples_per_s"] / r["samples_per_s"]),
-                 *([fmt_ratio(b["samples_per_s"] / r["samples_per_s"])] if tokens else []),
-                 fmt_ratio(b["step_time_ms"] / r["step_time_ms"]) if as_float(r["step_time_ms"]) else "",
-                 fmt_ratio(b["peak_memory_gb"] / r["peak_memory_gb"]) if as_float(r["peak_memory_gb"]) else ""]
-        if d.has["energy"]:
-            e_b, e_r = as_float(b.get("joules_per_sample")), as_float(r.get("joules_per_sample"))
-            ratio.append(fmt_ratio(e_b / e_r) if e_b is not None and e_r else "")
-        if d.has["accuracy"]:
-            ratio.append("")
-        rows.append(ratio)
-    out += _md_table(["", "trial", "configuration", "samples/s", *(["tokens/s"] if tokens else []), "step ms",
-                      "peak GiB", *extra_cols], rows)
-    out.append("")
-    return out
+    """The best, plain recipe and baseline trials side by side, and the best's ratios over the two."""
+    header, rows = best_vs_rows(d)
+    out = ["## Best vs baseline", "", *_md_table(header, rows), ""]
+    note = best_vs_note(d)
+    return out + [_md(note), ""] if note else out
 
 
 def _md_top(d: ReportData, cfg: dict[str, Any]) -> list[str]:
@@ -205,19 +180,21 @@ def _md_top(d: ReportData, cfg: dict[str, Any]) -> list[str]:
     ranking = goal_of_config(cfg)  # the top configurations under the search's objective
     top = d.measured.sort_values(ranking.column, ascending=not ranking.maximize).head(10)
     base_rate = as_float(d.baseline["samples_per_s"]) if d.baseline is not None else None
+    plain_rate = as_float(d.plain_recipe["samples_per_s"]) if d.plain_recipe is not None else None
     out = ["## Top 10 configurations", ""]
     ddp = is_ddp(d)  # --ddp: total samples/s, per GPU, and scaling efficiency versus one GPU
     tokens = d.units.has_tokens
     out += _md_table(
         ["rank", "trial", "role", "configuration", "samples/s", *(["tokens/s"] if tokens else []),
          *(["samples/s per GPU", "scaling efficiency"] if ddp else []),
-         "step ms", "spread", "peak GiB", "vs baseline"],
+         "step ms", "spread", "peak GiB", "vs baseline", *(["vs plain recipe"] if plain_rate else [])],
         [[i + 1, f"#{int(r['number'])}", r["role"],
           r["config"] + (" (unstable: loss not finite, never chosen as best)" if r["unstable"] else ""),
           fmt_rate(r["samples_per_s"]), *([fmt_rate(r["tokens_per_s"])] if tokens else []),
           *([fmt_rate(r["per_gpu_samples_per_s"]), fmt_pct(r["scaling_efficiency"], 0)] if ddp else []),
           fmt_ms(r["step_time_ms"]), fmt_pct(r["spread"]), fmt_gib(r["peak_memory_gb"]),
-          fmt_ratio(r["samples_per_s"] / base_rate) if base_rate else ""]
+          fmt_ratio(r["samples_per_s"] / base_rate) if base_rate else "",
+          *([fmt_ratio(r["samples_per_s"] / plain_rate)] if plain_rate else [])]
          for i, (_, r) in enumerate(top.iterrows())])
     out.append("")
     return out

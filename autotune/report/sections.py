@@ -45,8 +45,17 @@ def is_ddp(d: ReportData) -> bool:
     return bool(pd.to_numeric(d.frame["ddp_world_size"], errors="coerce").fillna(0).gt(1).any())
 
 
-def trial_rows(d: ReportData) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The table of all trials: (columns, rows); each cell has its text and a sort value."""
+_FORMATS = {"samples_per_s": fmt_rate, "tokens_per_s": fmt_rate, "per_gpu_samples_per_s": fmt_rate,
+            "scaling_efficiency": lambda v: fmt_pct(v, 0), "step_time_ms": fmt_ms, "spread": lambda v: fmt_pct(v, 1),
+            "peak_memory_gb": fmt_gib, "joules_per_sample": lambda v: fmt_g(v, 3),
+            "accuracy_drop": lambda v: fmt_g(v, 3), "loss_drift": lambda v: fmt_g(v, 3),
+            "trial_wall_s": lambda v: fmt_g(v, 3), "compile_s": lambda v: fmt_g(v, 3),
+            "vs_baseline": fmt_ratio, "vs_plain_recipe": fmt_ratio}
+"""How the table of all trials writes each numeric column."""
+
+
+def _trial_columns(d: ReportData, bars: dict[str, float]) -> list[tuple[str, str, str]]:
+    """The table of all trials' columns: (key, heading, kind); ``bars``: the ratio columns there are."""
     cols = [("number", "#", "number"), ("role", "role", "text"), ("state", "state", "text"),
             ("config", "configuration", "text"), ("samples_per_s", "samples/s", "number"),
             ("step_time_ms", "step ms", "number"), ("spread", "spread", "number"),
@@ -56,62 +65,127 @@ def trial_rows(d: ReportData) -> tuple[list[dict[str, Any]], list[dict[str, Any]
                      ("scaling_efficiency", "scaling efficiency", "number")]
     if d.units.has_tokens:  # a language model: samples/s times its sequence length
         cols.insert(5, ("tokens_per_s", "tokens/s", "number"))
+    # each trial's samples/s over the FP32 baseline's and over the plain recipe's
+    cols += [(key, label, "number") for key, label in (("vs_baseline", "vs baseline"),
+                                                       ("vs_plain_recipe", "vs plain recipe")) if key in bars]
     if d.has["energy"]:
         cols.append(("joules_per_sample", "J/sample", "number"))
     if d.has["accuracy"]:
         cols.append((*d.accuracy_measure, "number"))
     if (pd.to_numeric(d.frame["compile_s"], errors="coerce").fillna(0) > 0).any():
         cols.append(("compile_s", "compile s", "number"))
-    cols += [("reason", "reason", "text"), ("trial_wall_s", "time s", "number")]
-    formats = {"samples_per_s": fmt_rate, "tokens_per_s": fmt_rate, "per_gpu_samples_per_s": fmt_rate,
-               "scaling_efficiency": lambda v: fmt_pct(v, 0), "step_time_ms": fmt_ms, "spread": lambda v: fmt_pct(v, 1),
-               "peak_memory_gb": fmt_gib, "joules_per_sample": lambda v: fmt_g(v, 3),
-               "accuracy_drop": lambda v: fmt_g(v, 3), "loss_drift": lambda v: fmt_g(v, 3),
-               "trial_wall_s": lambda v: fmt_g(v, 3),
-               "compile_s": lambda v: fmt_g(v, 3)}
+    return cols + [("reason", "reason", "text"), ("trial_wall_s", "time s", "number")]
+
+
+def _rate_bars(d: ReportData) -> dict[str, float]:
+    """The samples/s the table's ratio columns divide by: the FP32 baseline's, the plain recipe's."""
+    rows = {"vs_baseline": d.baseline, "vs_plain_recipe": d.plain_recipe}
+    rates = {key: as_float(row["samples_per_s"]) for key, row in rows.items() if row is not None}
+    return {key: rate for key, rate in rates.items() if rate}
+
+
+def _trial_cell(r: pd.Series, key: str, kind: str, bars: dict[str, float]) -> dict[str, Any]:
+    """One cell of the table of all trials: its text, its sort value and, for some, a tooltip."""
+    v = r.get(key)
+    if key in bars:
+        rate = as_float(r.get("samples_per_s"))
+        v = rate / bars[key] if rate is not None else None
+    if key == "state":
+        text = _STATE_WORDS.get(r["state"], r["state"].lower())
+        if r.get("status") and r["status"] != "ok":
+            text += f" ({r['status']})"
+        if r.get("unstable"):
+            text += " (unstable)"
+    elif key == "reason":
+        text = "; ".join(x for x in (str(r.get("reason") or ""), r.get("note") or "") if x)
+    elif key == "number":
+        text = str(int(v))
+    elif key in _FORMATS:
+        text = _FORMATS[key](v)
+    else:
+        text = "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
+    value = ("" if as_float(v) is None else repr(as_float(v))) if kind == "number" else text
+    cell = {"key": key, "text": text, "value": value}
+    if key == "trial_wall_s" and as_float(v) is not None:
+        compiled = (as_float(r.get("compile_s")) or 0) > 0
+        cell["title"] = (f"worker start {fmt_s(r.get('worker_start_s'))}, build {fmt_s(r.get('build_s'))}, "
+                         + (f"compiling {fmt_s(r['compile_s'])}"
+                            + (" (from the cache)" if r.get("compile_cache") == "hit" else "") + ", "
+                            if compiled else "")
+                         + f"warm-up {fmt_s(r.get('warmup_s'))}, measuring {fmt_s(r.get('measure_s'))}")
+    if key == "spread" and r.get("noisy") is True:
+        cell["title"] = "noisy: p90-p10 above the tolerance after re-measuring"
+        cell["text"] += " ⚠"
+    return cell
+
+
+def trial_rows(d: ReportData) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The table of all trials: (columns, rows); each cell has its text and a sort value. The best
+    trial, the FP32 baseline and the plain recipe are marked by their row's css class."""
+    bars = _rate_bars(d)
+    cols = _trial_columns(d, bars)
     best_n = int(d.best["number"]) if d.best is not None else None
     rows = []
     for _, r in d.frame.sort_values("number").iterrows():
-        cells = []
-        for key, _, kind in cols:
-            v = r.get(key)
-            if key == "state":
-                text = _STATE_WORDS.get(r["state"], r["state"].lower())
-                if r.get("status") and r["status"] != "ok":
-                    text += f" ({r['status']})"
-                if r.get("unstable"):
-                    text += " (unstable)"
-            elif key == "reason":
-                text = "; ".join(x for x in (str(r.get("reason") or ""), r.get("note") or "") if x)
-            elif key == "number":
-                text = str(int(v))
-            elif key in formats:
-                text = formats[key](v)
-            else:
-                text = "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
-            if kind == "number":
-                value = "" if as_float(v) is None else repr(as_float(v))
-            else:
-                value = text
-            cell = {"key": key, "text": text, "value": value}
-            if key == "trial_wall_s" and as_float(v) is not None:
-                compiled = (as_float(r.get("compile_s")) or 0) > 0
-                cell["title"] = (f"worker start {fmt_s(r.get('worker_start_s'))}, build {fmt_s(r.get('build_s'))}, "
-                                 + (f"compiling {fmt_s(r['compile_s'])}"
-                                    + (" (from the cache)" if r.get("compile_cache") == "hit" else "") + ", "
-                                    if compiled else "")
-                                 + f"warm-up {fmt_s(r.get('warmup_s'))}, measuring {fmt_s(r.get('measure_s'))}")
-            if key == "spread" and r.get("noisy") is True:
-                cell["title"] = "noisy: p90-p10 above the tolerance after re-measuring"
-                cell["text"] += " ⚠"
-            cells.append(cell)
+        cells = [_trial_cell(r, key, kind, bars) for key, _, kind in cols]
         css = {"COMPLETE": "ok", "PRUNED": "pruned", "FAIL": "failed"}.get(r["state"], "other")
         if int(r["number"]) == best_n:
             css += " best"
-        if r.get("role") == "baseline":
-            css += " baseline"
+        if r.get("role") in ("baseline", "plain-recipe"):
+            css += f" {r['role']}"
         rows.append({"number": int(r["number"]), "css": css, "cells": cells})
     return [{"key": k, "label": label, "type": kind} for k, label, kind in cols], rows
+
+
+def best_vs_rows(d: ReportData) -> tuple[list[str], list[list[str]]]:
+    """"Best vs baseline" (a search that completed): the best, the plain recipe and the FP32 baseline
+    side by side, then the best over each of the two: (header, rows of cell texts)."""
+    accuracy_key, accuracy_label = d.accuracy_measure
+    tokens = d.units.has_tokens  # a language model: tokens/s next to samples/s
+    header = ["", "trial", "configuration", "samples/s", *(["tokens/s"] if tokens else []), "step ms", "peak GiB",
+              *(["J/sample"] if d.has["energy"] else []), *([accuracy_label] if d.has["accuracy"] else [])]
+
+    def line(label: str, r: pd.Series) -> list[str]:
+        cells = [label, f"#{int(r['number'])}", str(r["config"]), fmt_rate(r["samples_per_s"]),
+                 *([fmt_rate(r["tokens_per_s"])] if tokens else []),
+                 fmt_ms(r["step_time_ms"]), fmt_gib(r["peak_memory_gb"])]
+        if d.has["energy"]:
+            cells.append(fmt_g(r.get("joules_per_sample"), 3))
+        if d.has["accuracy"]:
+            cells.append(fmt_g(r.get(accuracy_key), 3))
+        return cells
+
+    def ratio(label: str, b: pd.Series, r: pd.Series) -> list[str]:
+        def over(key: str) -> str:
+            x, y = as_float(b.get(key)), as_float(r.get(key))
+            return fmt_ratio(x / y) if x is not None and y else ""
+
+        speed = over("samples_per_s")
+        return [label, "", "", speed, *([speed] if tokens else []), over("step_time_ms"), over("peak_memory_gb"),
+                *([over("joules_per_sample")] if d.has["energy"] else []), *([""] if d.has["accuracy"] else [])]
+
+    rows = [line("best", d.best)]
+    if d.plain_recipe is not None:
+        rows.append(line("plain recipe" + (" (= best)" if d.best_is_plain_recipe else ""), d.plain_recipe))
+    if d.baseline is not None:
+        rows.append(line("baseline", d.baseline))
+    if d.plain_recipe is not None:
+        rows.append(ratio("best / plain recipe", d.best, d.plain_recipe))
+    if d.baseline is not None:
+        rows.append(ratio("best / baseline", d.best, d.baseline))
+    return header, rows
+
+
+def best_vs_note(d: ReportData) -> str | None:
+    """What "Best vs baseline" says below its table about the plain recipe: that nothing measured beat
+    it, or why it is missing (None: it was beaten, or the search had none)."""
+    if d.best is None:
+        return None
+    if d.best_is_plain_recipe:
+        return "Nothing measured beat the plain recipe: it is the recommendation."
+    if d.plain_recipe is None and d.plain_recipe_missing:
+        return f"Plain recipe: {d.plain_recipe_missing}."
+    return None
 
 
 def failed_rows(d: ReportData) -> list[dict[str, Any]]:

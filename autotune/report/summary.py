@@ -128,6 +128,8 @@ def summary_items(d: ReportData) -> list[dict[str, str]]:
             speedup = best["samples_per_s"] / base["samples_per_s"]
         items.append({"label": "Speed-up over the FP32 baseline",
                       "text": fmt_ratio(speedup) if speedup is not None else "no baseline to compare with"})
+        if (plain := plain_recipe_text(d)) is not None:
+            items.append({"label": "Speed-up over the plain recipe", "text": plain})
         items.append({"label": "Peak memory", "text": _memory_text(best, base)})
         note = (cfg.get("baseline") or {}).get("note")
         if note:
@@ -160,6 +162,30 @@ def summary_items(d: ReportData) -> list[dict[str, str]]:
         + (f"compiling {fmt_s(c['compile_s'])}, " if c.get("compile_s") else "")
         + f"warm-up {fmt_s(c.get('warmup_s'))}, measuring {fmt_s(c.get('measure_s'))}")})
     return items
+
+
+def plain_recipe_speedup(d: ReportData) -> float | None:
+    """The best's samples/s over the plain recipe's (config.json's figure where exported); None without one."""
+    if d.best is None or d.plain_recipe is None:
+        return None
+    exported = (d.config or {}).get("speedup_vs_plain_recipe")
+    if exported is not None:
+        return float(exported)
+    rate = as_float(d.plain_recipe["samples_per_s"])
+    return as_float(d.best["samples_per_s"]) / rate if rate else None
+
+
+def plain_recipe_text(d: ReportData) -> str | None:
+    """The best against the plain recipe, in words: its speed-up over it and the recipe's figures; that
+    nothing beat the recipe (it is the recommendation); or why the recipe is missing. None where the
+    search has no plain-recipe trial (one from before the recipe existed, or a device without 16-bit)."""
+    plain = d.plain_recipe
+    if plain is None:
+        return d.plain_recipe_missing
+    recipe = f"{plain['config']} (trial #{int(plain['number'])}): {fmt_rate(plain['samples_per_s'])} samples/s"
+    if d.best_is_plain_recipe:
+        return f"nothing measured beat the plain recipe: it is the recommendation ({recipe})"
+    return f"{fmt_ratio(plain_recipe_speedup(d))} (the plain recipe: {recipe})"
 
 
 def _ddp_text(best: pd.Series, device: str) -> str:
@@ -208,6 +234,11 @@ def kpis(d: ReportData) -> list[dict[str, str]]:
     if speedup is not None:
         out.append({"key": "speedup", "value": repr(float(speedup)), "text": fmt_ratio(speedup),
                     "label": "speed-up over the FP32 baseline"})
+    over_plain = plain_recipe_speedup(d)
+    if over_plain is not None:
+        label = "speed-up over the plain recipe" + (" (it is the best)" if d.best_is_plain_recipe else "")
+        out.append({"key": "speedup-plain-recipe", "value": repr(float(over_plain)), "text": fmt_ratio(over_plain),
+                    "label": label})
     out.append({"key": "best-rate", "value": repr(float(best["samples_per_s"])),
                 "text": fmt_rate(best["samples_per_s"]), "label": "samples/s, best"})
     if d.units.has_tokens:
