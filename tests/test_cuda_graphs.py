@@ -132,8 +132,12 @@ def test_cuda_seeds_include_the_top_configurations_and_replay() -> None:
             name, field = key.split(".", 1)
             assert getattr(knobs[name], field) == value, key
         described.append(describe(strategies.knobs_to_dict(knobs)))
+    # the plain recipe second: what a user writes in five lines, compiled, at the base batch without
+    # a memory probe (autotune.search.plain_recipe)
+    assert seeds[1][0] == "plain-recipe"
+    assert described[1] == "bf16, channels_last, batch 256, cudnn.benchmark, fused optimizer, compile default"
     # eager first (screened in seconds; the fastest is compiled after), the compiled top after them
-    eager, compiled = described[1:6], described[6:]
+    eager, compiled = described[2:7], described[7:]
     assert eager[0].startswith("fp16, channels_last, batch 256") and eager[1].startswith("fp16, channels_last, batch 1024")
     assert not any("compile" in d for d in eager)
     assert any(d.startswith("fp16, channels_last, batch 256") and "CUDA graphs" in d for d in eager)
@@ -195,6 +199,10 @@ def test_a_language_model_on_cuda_is_seeded_with_nanogpts_recipes_sized_in_token
     described = [describe(strategies.knobs_to_dict(strategies.sample(optuna.trial.FixedTrial(p), space)))
                  for _, p in seeds]
     assert described[0].startswith("fp32, contiguous, batch 16,")
+    # the plain recipe: bf16, fused AdamW, compiled, the model's own vocabulary
+    assert seeds[1][0] == "plain-recipe" and described[1] == (
+        "bf16, contiguous, batch 16, cudnn.benchmark, fused optimizer, compile default")
+    described = described[:1] + described[2:]
     assert [d.split(", ")[0] for d in described[1:]] == ["bf16", "bf16", "fp16", "bf16", "bf16"]
     assert [int(d.split("batch ")[1].split(",")[0]) for d in described[1:]] == [16, 64, 64, 64, 16]
     assert all("fused optimizer" in d for d in described[1:])
@@ -202,13 +210,13 @@ def test_a_language_model_on_cuda_is_seeded_with_nanogpts_recipes_sized_in_token
     assert all("vocab x64" in d for d in described[1:])  # 50,257 padded to 50,304
     # 4,096 tokens a sequence: 4 and 16 sequences, within the offered batches (16 at least)
     longer = seed_configurations(space, 4096)
-    assert {p["batch_size.batch_size"] for _, p in longer[1:]} == {16}
+    assert {p["batch_size.batch_size"] for _, p in longer[2:]} == {16}
     # with FP8 Tensor Cores and Linear layers for them (a Llama's, not GPT-2's Conv1D), fp8 beside
     # the large bf16 one, compiled: torchao's float8 is meant to run compiled
     fp8_space = build_space(config, "cuda", _info(**lm, precisions=["fp32", "tf32", "fp16", "bf16", "fp8"],
                                                   fp8_eligible_share=0.9))
     fp8_seeds = [p for _, p in seed_configurations(fp8_space, 1024)]
-    assert [(p["precision.mode"], p["batch_size.batch_size"], p["compile.mode"]) for p in fp8_seeds[1:]] == [
+    assert [(p["precision.mode"], p["batch_size.batch_size"], p["compile.mode"]) for p in fp8_seeds[2:]] == [
         ("bf16", 16, "off"), ("bf16", 64, "off"), ("fp16", 64, "off"), ("bf16", 64, "default"),
         ("fp8", 64, "default"), ("bf16", 16, "default")]
     # each seed is the parameter set its trial records (complete_params): no knob the space offers

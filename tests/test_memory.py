@@ -203,10 +203,11 @@ def test_a_model_that_does_not_fit_above_batch_32_gets_a_baseline_and_a_recommen
 
 
 def test_a_backed_off_baseline_is_served_before_the_queued_seeds():
-    from autotune.search.objective import serve_urgent_first
+    from autotune.deploy.space import SearchSpace
+    from autotune.search.planner import Planner
 
     study = optuna.create_study()
-    serve_urgent_first(study)
+    Planner(SearchSpace(device="cpu", precisions=["fp32"], batch_sizes=[32], base_batch_size=32)).install(study)
     for batch in (256, 512):
         study.enqueue_trial({"x": batch}, user_attrs={"role": "known-good"})
     study.enqueue_trial({"x": 32}, user_attrs={"role": "baseline", "urgent": True})

@@ -32,7 +32,7 @@ def deadline(config: SearchConfig, started: float) -> float | None:
 
 
 def estimate_next_wall(study: optuna.Study, walls: list[tuple[float, bool]], *, left_s: float | None = None,
-                       compile_prior_s: float = 0.0) -> float:
+                       compile_prior_s: float = 0.0, planner=None) -> float:
     """Expected seconds of the next trial, from past trials' walls ``(seconds, compiled)``.
 
     A trial that compiles takes minutes where an eager one takes seconds, so the two kinds are
@@ -48,6 +48,10 @@ def estimate_next_wall(study: optuna.Study, walls: list[tuple[float, bool]], *, 
         return eager
     waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
     if waiting:
+        # the one the planner (autotune.search.planner) runs next, else the queue's first
+        plan = planner.choose(study, left_s) if planner is not None else None
+        if plan is not None:
+            return plan.cost_s
         fixed = planned_params(waiting[0])
         return compiled if fixed.get("compile.mode", "off") != "off" else eager
     share = sum(c for _, c in walls) / len(walls)
@@ -68,6 +72,8 @@ class StopRule:
         self.walls: list[tuple[float, bool]] = []  # (wall seconds, compiled) of each measured trial
         self.compile_prior_s = compile_prior_s
         self.new_trials = 0
+        self.planner = None
+        """The search's planner (autotune.search.planner), asked what runs next and what it costs."""
 
     def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         config, started, record = self.config, self.started, TrialRecord.of(trial)
@@ -88,5 +94,6 @@ class StopRule:
             study.stop()
         if end is not None:
             now = time.time()
-            if now + estimate_next_wall(study, self.walls, left_s=end - now, compile_prior_s=self.compile_prior_s) > end:
+            if now + estimate_next_wall(study, self.walls, left_s=end - now, compile_prior_s=self.compile_prior_s,
+                                        planner=self.planner) > end:
                 study.stop()

@@ -37,6 +37,14 @@ BACKOFF_FILL = 0.92
 H200 hf:gpt2 probed at 94.7% of the GPU for two steps at batch 96, then ran out of memory in its
 measured trial there, twice; ResNet-152's probe at 96.7% held."""
 
+PROBE_ATTR = "memory_probe"
+"""The study's user attribute holding the memory probe's findings (autotune.search.fit): the family
+it measured, its peaks at small batches and the batch that did not fit, if one did not."""
+ACTIVATION_FACTOR = {"fp32": 2.0, "tf32": 2.0}
+"""How much more a sample holds in a precision mode than in the probed 16-bit autocast: FP32
+activations are twice bf16's; the fixed part (FP32 master weights, gradients, optimizer state) is
+the same in every mode, which keeps FP32 weights under autocast."""
+
 # knobs that do not change device memory: the batch is the model's variable, the rest act on the
 # host (threads, the data loader) or only on the loss scale's arithmetic (GradScaler settings)
 _NOT_MEMORY = ("batch_size", "threads", "dataloader", "grad_scaler")
@@ -81,11 +89,15 @@ class MemoryModel:
     peaks: dict[str, dict[int, float]] = field(default_factory=lambda: defaultdict(dict))
     """family -> batch -> peak bytes (the highest seen at that batch)."""
     ooms: dict[str, list[tuple[int, int]]] = field(default_factory=lambda: defaultdict(list))
-    """family -> (batch, trial number) of each measured out-of-memory trial."""
+    """family -> (batch, trial number) of each measured out-of-memory trial (-1: the memory probe)."""
+    prior: tuple[str, float, float] | None = None
+    """(probed family, fixed bytes, bytes per sample) from the memory probe: what a family that has
+    no line of its own is predicted by (:meth:`prior_predict`)."""
 
     @classmethod
     def from_study(cls, study: optuna.Study, limit_bytes: float | None) -> "MemoryModel":
         model = cls(limit_bytes)
+        model.add_probe(study.user_attrs.get(PROBE_ATTR))
         for trial in map(TrialRecord.of, study.get_trials(deepcopy=False)):
             knobs = trial.knobs
             if not knobs or trial.duplicate_of is not None:
@@ -100,6 +112,41 @@ class MemoryModel:
             if trial.fit_oom_batch:  # the worker's search for a batch that fits failed here too
                 model.ooms[fam].append((int(trial.fit_oom_batch), trial.number))
         return model
+
+    def add_probe(self, probed: Mapping[str, Any] | None) -> None:
+        """Take the memory probe's peaks as its family's, and its line as every family's prior."""
+        if not probed or not probed.get("family"):
+            return
+        fam = probed["family"]
+        for batch, peak in (probed.get("peaks") or {}).items():
+            self.add(fam, int(batch), float(peak))
+        if probed.get("does_not_fit_at"):
+            self.ooms[fam].append((int(probed["does_not_fit_at"]), -1))
+        points = sorted((int(b), float(p)) for b, p in (probed.get("peaks") or {}).items())
+        fitted = self.line(fam)
+        if fitted is not None:
+            self.prior = (fam, *fitted)
+        elif points and self.limit_bytes and probed.get("does_not_fit_at"):
+            # one batch fitted and the next did not: each sample holds at least what was left
+            (b, p), over = points[0], int(probed["does_not_fit_at"])
+            self.prior = (fam, p - b * max(0.0, self.limit_bytes - p) / (over - b),
+                          max(0.0, self.limit_bytes - p) / (over - b))
+
+    def prior_predict(self, knobs: Mapping[str, Mapping[str, Any]], batch: int | None = None) -> float | None:
+        """Predicted peak bytes of a family with no line of its own: the probe's bytes per sample,
+        scaled by the precision's ACTIVATION_FACTOR, from the family's one measured batch if it has
+        one, else from the probe's fixed part. None without a probe."""
+        if self.prior is None:
+            return None
+        _, fixed, per_sample = self.prior
+        mode = (knobs.get("precision") or {}).get("mode", "fp32")
+        per_sample *= ACTIVATION_FACTOR.get(mode, 1.0)
+        batch = batch if batch is not None else batch_of(knobs)
+        measured = sorted(self.peaks.get(family(knobs), {}).items())
+        if measured:
+            b, peak = measured[-1]
+            return peak + per_sample * (batch - b)
+        return fixed + per_sample * batch
 
     def add(self, fam: str, batch: int, peak: float) -> None:
         self.peaks[fam][batch] = max(peak, self.peaks[fam].get(batch, 0.0))
@@ -121,7 +168,7 @@ class MemoryModel:
         """Predicted peak bytes of ``knobs`` (at ``batch`` instead of its own, if given)."""
         fitted = self.line(family(knobs))
         if fitted is None:
-            return None
+            return self.prior_predict(knobs, batch)
         fixed, per_sample = fitted
         return fixed + per_sample * (batch if batch is not None else batch_of(knobs))
 
@@ -131,12 +178,14 @@ class MemoryModel:
         failed = [(b, n) for b, n in self.ooms.get(fam, []) if b <= batch]
         if failed:
             b, n = min(failed)
-            return f"does not fit: the same configuration ran out of memory at batch {b} (#{n})"
+            where = "in the memory probe" if n < 0 else f"(#{n})"
+            return f"does not fit: the same configuration ran out of memory at batch {b} {where}"
         predicted = self.predict(knobs)
         if self.limit_bytes and predicted is not None and predicted > self.limit_bytes * PREDICT_MARGIN:
+            source = (f"fitted from the peaks measured at batch {', '.join(str(b) for b in sorted(self.peaks[fam]))}"
+                      if self.line(fam) is not None else "from the memory probe's bytes per sample")
             return (f"predicted not to fit: needs about {predicted / 2**30:.0f} GiB of "
-                    f"{self.limit_bytes / 2**30:.0f} (batch {batch}; fitted from the peaks measured at "
-                    f"batch {', '.join(str(b) for b in sorted(self.peaks[fam]))})")
+                    f"{self.limit_bytes / 2**30:.0f} (batch {batch}; {source})")
         return None
 
     def backoff_batch(self, knobs: Mapping[str, Mapping[str, Any]], candidates: list[int],
@@ -160,6 +209,11 @@ class MemoryModel:
         if self.limit_bytes and self.line(fam) is not None:
             fitting = [c for c in below if self.predict(knobs, c) <= self.limit_bytes * BACKOFF_FILL]
             return max(fitting) if fitting else None
+        if self.limit_bytes and self.prior is not None:
+            # sized by the memory probe; where it predicts nothing fits, the smallest is measured (an
+            # out-of-memory there is a result: the search then says the model does not fit)
+            fitting = [c for c in below if self.prior_predict(knobs, c) <= self.limit_bytes * BACKOFF_FILL]
+            return max(fitting) if fitting else min(below)
         half = max((c for c in below if c <= ceiling // 2), default=min(below))
         borrowed = self.borrowed_per_sample(knobs)
         if self.limit_bytes and borrowed:

@@ -24,29 +24,6 @@ from strategies.compile import COMPILE_ALLOWANCE_S
 RESULT_ATTRS = ("status", "reason", "figures", "knobs", "timing", "energy", "profile", "findings", "screening")
 
 
-def serve_urgent_first(study: optuna.Study) -> None:
-    """Make ``study`` serve queued trials marked urgent (the FP32 baseline backed off to a batch that
-    fits) before the others; Optuna serves its queue oldest first, and the seeds queued at the start
-    (minutes each when they compile) would otherwise all run before the baseline.
-
-    Optuna has no public way to reorder its queue: this wraps the method that pops from it, and
-    claims an urgent trial the way Optuna claims any (an atomic WAITING -> RUNNING update)."""
-    storage, pop = study._storage, study._pop_waiting_trial_id
-
-    def pop_urgent_first() -> int | None:
-        for trial in storage.get_all_trials(study._study_id, deepcopy=False, states=(TrialState.WAITING,)):
-            if not TrialRecord.of(trial).urgent:
-                continue
-            try:
-                if storage.set_trial_state_values(trial._trial_id, state=TrialState.RUNNING):
-                    return trial._trial_id
-            except optuna.exceptions.UpdateFinishedTrialError:
-                continue
-        return pop()
-
-    study._pop_waiting_trial_id = pop_urgent_first
-
-
 class TrialFailed(Exception):
     """The worker crashed, timed out or raised: recorded on the trial, and the study goes on."""
 
@@ -130,7 +107,8 @@ class Objective:
             return self._reuse(trial, previous)
         self._prune_what_cannot_run(trial)
         self._prune_if_it_cannot_fit(trial)
-        if self.screen_compiles and TrialRecord.of(trial).role != "replayed":
+        # the plain recipe is measured as a user runs it, compiled, with no eager twin first
+        if self.screen_compiles and TrialRecord.of(trial).role not in ("replayed", "plain-recipe"):
             screen_eagerly(trial, self.space, compile_mode=knobs["compile"].mode, maximize=self.goal.maximize,
                            unit=self.goal.unit)
         self._skip_a_compile_past_the_budget(trial, knobs)

@@ -44,6 +44,8 @@ def fixed_knobs(space: SearchSpace, batch: int) -> dict[str, Any] | None:
         fixed["streams.num_streams"] = 1
     if False in space.cuda_graphs:
         fixed["cuda_graphs.enabled"] = False
+    if 1 in space.choices.get("vocab_padding", ()):
+        fixed["vocab_padding.multiple"] = 1  # the model's own vocabulary, as the user built it
     return fixed
 
 

@@ -19,6 +19,7 @@ from autotune.errors import ConfigError
 from autotune.search.artifacts import Artifacts
 from autotune.search.budget import StopRule, deadline
 from autotune.search.distributed import SharedStudy
+from autotune.search.fit import plain_recipe_batch, probe_fit, widen_to_fit
 from autotune.search.goal import Goal, goal, nvml_refusal
 from autotune.search.objective import Objective, TrialFailed
 from autotune.search.options import (
@@ -26,9 +27,11 @@ from autotune.search.options import (
     DEFAULT_OUT,
     SearchConfig,
     device_slug,
+    memory_limit_bytes,
     resolve_device,
 )
 from autotune.search.outputs import check_writable, write_outputs
+from autotune.search.planner import Planner
 from autotune.search.runlog import run_log
 from autotune.search.screening import CompileFinalist
 from autotune.search.seeds import SeedFeeder
@@ -75,7 +78,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
     gpu_pool = GpuPool.for_search(config.gpus, device, probed=info.get("cuda_devices"))
     if target.needs_nvml and (refusal := nvml_refusal(device, info.get("nvml"))):
         raise ConfigError(refusal)
-    space = build_space(config, device, info)
+    space = _fit(config, device, info, phases, spare=prestart and config.gpus is None)
     _warn_without_nvml(config, device, info)
     slug = _slug(config, device, info)
     out_dir = Path(config.out_dir or DEFAULT_OUT / f"{config.workload.short_name}-{slug}")
@@ -91,7 +94,6 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         study, storage, limit = prepare_study(config, storage, device, info, space, out_dir, slug)
         recovered = recover_dead_trials(study) if config.storage is None else []
         shared = SharedStudy(study, storage, config.storage or f"sqlite:///{out_dir / 'study.db'}", config.trials)
-        config.measure = config.measure or MeasureSettings.for_device(device)
         gate = _accuracy_gate(config, device, space, out_dir, study, info, prestart=prestart)
         objective = _objective(config, device, info, space, out_dir, started, target=target, gate=gate,
                                prestart=prestart, limit=limit)
@@ -102,6 +104,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
                        "recovered": recovered, "done": len(counted_trials(study)), "config": config})
         stop_rule = StopRule(config, shared, started, emit, compile_prior_s=compile_prior_s(info))
         objective.walls, objective.compile_prior_s = stop_rule.walls, stop_rule.compile_prior_s
+        stop_rule.planner = _planner(study, space, objective, stop_rule, target, _deadline(config, started))
         artifacts = Artifacts(out_dir)  # each trial's log and trace, for optuna-dashboard
         if tracking is not None:
             tracking.start(study, config.command)
@@ -158,6 +161,32 @@ def _check_before_device_time(config: SearchConfig) -> tuple[str, bool, optuna.s
     if target.needs_nvml and device != "cuda":  # known before the probe: refuse at once
         raise ConfigError(nvml_refusal(device, None))
     return device, prestart, storage, target
+
+
+def _fit(config: SearchConfig, device: str, info: dict[str, Any], phases: dict[str, float], *, spare: bool
+         ) -> SearchSpace:
+    """The search space, fitted before any trial: the memory probe (autotune.search.fit) measures what
+    the model needs at small batches, which sizes every trial before it starts; where the base batch
+    does not fit, the batch range goes down to 1. The probe's findings go into ``info``."""
+    space = build_space(config, device, info)
+    config.measure = config.measure or MeasureSettings.for_device(device)
+    fit = probe_fit(config, device, space, info, memory_limit_bytes(config, device, info), spare=spare)
+    if widen_to_fit(config, space, fit):
+        space = build_space(config, device, info)
+    if fit is not None:
+        info["memory_probe"] = {**fit.probed, "plain_recipe_batch": plain_recipe_batch(space, fit)}
+        phases["memory probe"] = fit.probed.get("seconds") or 0.0
+    return space
+
+
+def _planner(study: optuna.Study, space: SearchSpace, objective: Objective, stop_rule: StopRule, target: Goal,
+             end: float | None) -> Planner:
+    """One place decides what runs next, from the whole picture (autotune.search.planner): installed
+    on the study's queue, and asked by the stop rule what the next trial costs."""
+    planner = Planner(space, maximize=target.maximize, limit_bytes=objective.fit_limit_bytes, walls=stop_rule.walls,
+                      compile_prior_s=stop_rule.compile_prior_s, deadline=end, unit=target.unit)
+    planner.install(study)
+    return planner
 
 
 def _mlflow_log(config: SearchConfig):

@@ -13,6 +13,7 @@ from optuna.trial import TrialState
 import strategies
 from autotune.deploy.space import SearchSpace
 from autotune.errors import ConfigError
+from autotune.search import plain_recipe
 from autotune.search.trials import FINISHED, planned_params
 from autotune.trial.record import TrialRecord, queue_attrs
 from strategies.batch_size import LM_BASE_TOKENS, nearest
@@ -76,8 +77,10 @@ baseline's, 16k tokens) and four times that, where an H200 ran hf:gpt2 fastest
 (449,695 tokens/s at 64 x 1,024 against 411,077 at 16 x 1,024, hand-written, 2026-12-03)."""
 
 
-def seed_configurations(space: SearchSpace, tokens_per_sample: int | None = None) -> list[tuple[str, dict[str, Any]]]:
-    """The FP32 baseline first, then configurations the guides call good, as Optuna params. Each
+def seed_configurations(space: SearchSpace, tokens_per_sample: int | None = None,
+                        plain_batch: int | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """The FP32 baseline first, the plain recipe (autotune.search.plain_recipe, at ``plain_batch``,
+    else the base batch) second, then configurations the guides call good, as Optuna params. Each
     knob gives its own values in both (Strategy.seed); the list below names only the recipes: a
     precision, a batch and what a recipe changes of the step. A language model (``tokens_per_sample``)
     on a GPU gets nanoGPT's recipes, sized in tokens: the image guides' batches of 256 to 1,024
@@ -88,6 +91,9 @@ def seed_configurations(space: SearchSpace, tokens_per_sample: int | None = None
     # model) is not a parameter; left in, a seed never equals the measured trial it repeats
     baseline = complete_params(strategies.seed_params(space, tuned=False), space)
     seeds = [("baseline", baseline)]
+    plain = plain_recipe.params(space, plain_batch or plain_recipe.batch(space))
+    if plain is not None and plain != baseline:
+        seeds.append((plain_recipe.ROLE, plain))
     if space.device == "cuda" and tokens_per_sample:
         fused = {"optimizer.implementation": "fused"}
         small, large = (max(1, tokens // tokens_per_sample) for tokens in LM_SEED_TOKENS)
@@ -122,7 +128,7 @@ def seed_configurations(space: SearchSpace, tokens_per_sample: int | None = None
     else:
         base = nearest(space.batch_sizes, space.base_batch_size)
         wanted = [("bf16", base, {}), ("fp32", max(space.batch_sizes), {})]
-    seen = [baseline]
+    seen = [params for _, params in seeds]
     for mode, batch, step in wanted:
         if mode not in space.precisions or not _offered(space, step):
             continue
@@ -143,9 +149,9 @@ BACKLOG_ATTR = "seed_backlog"
 
 
 def enqueue_seeds(study: optuna.Study, seeds: list[tuple[str, dict[str, Any]]], *, all_now: bool = False) -> None:
-    """Queue the baseline and the first SEEDS_UPFRONT known-good seeds; keep the rest in the
+    """Queue the baseline, the plain recipe and the first SEEDS_UPFRONT known-good seeds; keep the rest in the
     study's backlog for SeedFeeder (``all_now``: queue every one, as --replay's order needs)."""
-    upfront = len(seeds) if all_now else 1 + SEEDS_UPFRONT
+    upfront = len(seeds) if all_now else sum(role != "known-good" for role, _ in seeds) + SEEDS_UPFRONT
     for role, params in seeds[:upfront]:
         study.enqueue_trial(params, user_attrs=queue_attrs(role=role))
     study.set_user_attr(BACKLOG_ATTR, [params for _, params in seeds[upfront:]])
@@ -188,7 +194,7 @@ class SeedFeeder:
         if any(t.state == TrialState.WAITING and role == "known-good" for t, role in zip(trials, roles)):
             return False
         seeded = sum(role == "known-good" for role in roles)
-        others = sum(role not in ("known-good", "baseline") for t, role in zip(trials, roles)
+        others = sum(role not in ("known-good", "baseline", plain_recipe.ROLE) for t, role in zip(trials, roles)
                      if t.state != TrialState.WAITING)
         if seeded - SEEDS_UPFRONT >= others:
             return False

@@ -21,8 +21,9 @@ from autotune.search.distributed import (
     wait_for_setup,
 )
 from autotune.search.knob_effects import apply_fixed_knobs
+from autotune.search.memory import PROBE_ATTR
 from autotune.search.machine import MACHINE_ATTR, check_resume, this_machine
-from autotune.search.objective import requeue, serve_urgent_first
+from autotune.search.objective import requeue
 from autotune.search.options import SearchConfig, memory_limit_bytes
 from autotune.search.seeds import enqueue_replay, enqueue_seeds, seed_configurations
 from autotune.search.space import same_space
@@ -109,7 +110,6 @@ def prepare_study(config: SearchConfig, storage: optuna.storages.BaseStorage | N
         # a resumed study gets a fresh sampler seed, so it does not re-propose the same sequence;
         # on a shared storage, neither does another process joining it at the same moment
         study.sampler = tpe_sampler(sampler_seed(config.seed, len(study.trials), shared=not own_storage), parallel)
-    serve_urgent_first(study)  # a baseline backed off to a batch that fits runs next
     if config.steer:
         # knobs an earlier run of this study found to have no effect stay fixed
         apply_fixed_knobs(study)
@@ -162,7 +162,11 @@ def _set_up(config: SearchConfig, device: str, info: dict[str, Any], study: optu
     # what one sample is (a language model's tokens per sample): the report's tokens/s
     units = Units.from_dict(info)
     study.set_user_attr(UNITS_ATTR, units.to_dict())
-    seeds = seed_configurations(space, units.tokens_per_sample)
+    probed = info.get("memory_probe")
+    if probed:  # the memory model's prior (autotune.search.fit)
+        study.set_user_attr(PROBE_ATTR, {k: v for k, v in probed.items() if k != "plain_recipe_batch"})
+    seeds = seed_configurations(space, units.tokens_per_sample,
+                                plain_batch=(probed or {}).get("plain_recipe_batch"))
     # the guides' best first; the rest fed as the search's own trials catch up (SeedFeeder),
     # all at once for --replay, which measures in the earlier search's order
     enqueue_seeds(study, seeds, all_now=config.replay is not None)

@@ -38,34 +38,42 @@ def cap_memory(limit_bytes: int) -> None:
     torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, (limit_bytes - outside) / total)))
 
 
+def peak_at(step, workload, cfg: TunedConfig, batch: int, seed: int) -> int | None:
+    """Peak device bytes of two steps of ``step`` at ``batch`` (at least one optimizer step, and its
+    state), from a clean allocator; None when they run out of memory."""
+    import gc
+
+    device = cfg.device
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        stream = iter(cfg.loader(itertools.cycle(input_batches(workload, batch, device, False, seed))))
+        for _ in range(cfg.accumulation_steps + 1):
+            x, y = next(stream)
+            loss = step(x, y)
+        float(loss.float().item())  # waits for the GPU
+    except Exception as exc:
+        if is_out_of_memory(exc):
+            return None
+        raise
+    return memory_figures(device)["peak_memory_bytes"]
+
+
 def largest_fit(step, workload, cfg: TunedConfig, candidates: list[int], seed: int) -> dict[str, Any]:
     """After a step ran out of memory: the largest of ``candidates`` (smaller batches, ascending)
     at which two steps of the same configuration fit, found by bisection (a fit at b means a fit
     below b), with each fitting batch's peak. The search measures the configuration there next
     (autotune.search.memory); eager steps only, so no recompilation or graph capture is involved."""
-    import gc
-
-    device = cfg.device
     peaks: dict[int, int] = {}
     failed: list[int] = []
 
     def fits(batch: int) -> bool:
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        try:
-            stream = iter(cfg.loader(itertools.cycle(input_batches(workload, batch, device, False, seed))))
-            for _ in range(cfg.accumulation_steps + 1):  # at least one optimizer step, and its state
-                x, y = next(stream)
-                loss = step(x, y)
-            float(loss.float().item())  # waits for the GPU
-        except Exception as exc:
-            if is_out_of_memory(exc):
-                return False
-            raise
-        peaks[batch] = memory_figures(device)["peak_memory_bytes"]
-        return True
+        peak = peak_at(step, workload, cfg, batch, seed)
+        if peak is not None:
+            peaks[batch] = peak
+        return peak is not None
 
     low, high, best = 0, len(candidates) - 1, None
     while low <= high:

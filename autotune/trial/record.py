@@ -69,6 +69,9 @@ class TrialRecord:
     fit_oom_batch: int | None = None
     urgent: bool = False
     """Measured next, before the queued seeds (a backed-off baseline: every figure is compared with it)."""
+    planned: dict[str, Any] | None = None
+    """Why the planner ran this trial when it did: its predicted value, cost in seconds, peak
+    memory and the words (autotune.search.planner.Plan)."""
     retry_of: int | None = None
     """The trial this one re-runs (its process died; a trial that dies twice stays failed)."""
 

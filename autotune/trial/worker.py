@@ -35,7 +35,7 @@ from autotune.trial.batches import input_batches  # noqa: E402
 from autotune.trial.instruments import compile_cache, compiled_graphs, nvml_monitor, profile_window  # noqa: E402
 from autotune.trial.loader_feed import LoaderFeed  # noqa: E402
 from autotune.trial.measure import Measurement, MeasureSettings, TooSlow, measure, memory_figures  # noqa: E402
-from autotune.trial.memory_fit import cap_memory, is_out_of_memory, largest_fit  # noqa: E402
+from autotune.trial.memory_fit import cap_memory, is_out_of_memory, largest_fit, peak_at  # noqa: E402
 from autotune.trial.process import PRELOAD_CUDA, PRELOAD_IMPORTS  # noqa: E402
 from autotune.trial import progress  # noqa: E402
 from autotune.trial.request import read_request  # noqa: E402
@@ -289,6 +289,39 @@ def run_trial(request: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def probe_memory(request: dict[str, Any]) -> dict[str, Any]:
+    """What a configuration needs at a few small batches, before any trial: two eager steps at each
+    of the request's ``batches`` (ascending; the first that runs out of memory ends it), under the
+    memory limit. Their peaks put a line through the fixed part (weights, gradients, optimizer state,
+    the CUDA context) and the per-sample part, which the search's memory model sizes every trial by
+    (autotune.search.memory)."""
+    t0 = time.perf_counter()
+    trial = read_request(request)
+    cfg = trial.cfg
+    limit = request.get("memory_limit_bytes")
+    if limit and cfg.device == "cuda":
+        cap_memory(int(limit))
+    seed = int(request.get("seed", 0))
+    batches = [int(b) for b in request["batches"]]
+    peaks: dict[str, int] = {}
+    does_not_fit_at = None
+    try:
+        run = _Steps(cfg, trial.spec, data_spec=None, input_on_device=False, seed=seed)
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        return {"status": "ok", "peaks": {}, "does_not_fit_at": batches[0], "build_oom": True,
+                "seconds": time.perf_counter() - t0}
+    run.drop_batches()
+    for batch in batches:
+        peak = peak_at(run.step, run.workload, cfg, batch, seed)
+        if peak is None:
+            does_not_fit_at = batch
+            break
+        peaks[str(batch)] = peak
+    return {"status": "ok", "peaks": peaks, "does_not_fit_at": does_not_fit_at, "seconds": time.perf_counter() - t0}
+
+
 def _give_up(request: dict[str, Any], cfg: TunedConfig, run: _Steps):
     """The warm-up's test of a window (``measure``'s ``give_up``): its samples/s below the request's
     ``prune_below`` (a share of the best so far). None without one, and with --data, whose
@@ -352,6 +385,8 @@ def serve(request: dict[str, Any], result_path: str, ready_at: float | None = No
     try:
         if request.get("mode") == "probe":
             result = {"status": "ok", **probe(request)}
+        elif request.get("mode") == "memory":
+            result = probe_memory(request)
         elif request.get("mode") == "accuracy":
             from autotune.accuracy.check import run_check
 

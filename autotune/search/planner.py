@@ -1,0 +1,312 @@
+"""The planner: which queued configuration runs next, and why.
+
+Proposers queue candidates with Optuna's ``enqueue_trial``: the seeds (the FP32 baseline, the plain
+recipe, the known-good list and its feeder), the findings' remedies (steering), eager screening's
+twins, the compile finalist and the out-of-memory back-off; Optuna's sampler (TPE) proposes when
+the queue is empty. The planner decides among the queued ones (Ray Tune's split of a Searcher that
+proposes from a TrialScheduler that chooses), from the whole picture:
+
+* each candidate's predicted value: that of its nearest measured configuration (the fewest knobs
+  apart), times what the differing knobs are known to give: compiling's gain as this search measured
+  it for the precision (else COMPILE_GAIN_PRIOR), 16-bit autocast over FP32 (AUTOCAST_GAIN_PRIOR);
+* its predicted cost in seconds: this run's measured walls of its kind (compiled or eager), a first
+  compile's cost from the model's size before any compile ran (autotune.search.walls);
+* its predicted peak memory (autotune.search.memory, which the memory probe primes).
+
+Fixed roles first: a baseline backed off to a batch that fits, then a configuration predicted not to
+fit (sized down before it runs, at no cost), a repeat of a measured one (its result is copied), the
+FP32 baseline, the plain recipe (the bar every recommendation must clear, compiled early). The rest
+by expected gain per second of budget: the predicted improvement on the best so far, plus NOVELTY
+of the best for a knob value no trial measured yet (what it gives is unknown until it runs). When
+the budget left holds the candidate of most gain but not after the one of most gain per second, the
+first runs. Each chosen trial records its plan (predicted value, cost, peak, why) as its ``planned``
+user attribute: "why did this trial run now?" is answered on the trial itself.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from autotune.deploy.space import SearchSpace
+from autotune.search.trials import planned_params
+from autotune.search.walls import expected_wall
+from autotune.trial.record import TrialRecord
+
+COMPILE_GAIN_PRIOR = 1.3
+"""torch.compile's gain over eager before this search measured one: 1.12-1.20 for ResNet-50 in fp16
+and 1.44 in bf16, 1.6-2.2 for the language models, on the H200 (the reports' records)."""
+AUTOCAST_GAIN_PRIOR = {("fp32", "16"): 2.0, ("tf32", "16"): 1.3, ("fp32", "tf32"): 1.5}
+"""Speed of one precision over another before this search measured them apart ("16": fp16, bf16
+and fp8 alike): the guides' 2x for AMP over FP32 (ResNet-50 on an RTX 4090, 842 -> 1882 img/s)."""
+NOVELTY = 0.05
+"""Expected gain, as a share of the best value, of a candidate with a knob value no trial measured
+(a precision mode, CUDA graphs, a compile mode): about the run-to-run spread of the measured gains."""
+UNMEASURED_COST_S = 10.0
+"""A trial's cost before any trial was measured (the compile prior comes on top for a compiled one)."""
+
+_SIXTEEN = {"fp16", "bf16", "fp8"}
+_IGNORED = ("grad_scaler.",)  # settings of a knob another parameter decides (fp16's GradScaler)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One queued candidate, as the planner sees it."""
+
+    number: int
+    trial_id: int
+    role: str
+    predicted: float | None
+    """The predicted objective value; None before anything comparable was measured."""
+    cost_s: float
+    peak_bytes: float | None
+    gain: float
+    """Expected improvement on the best so far, in the objective's unit (0 when none is expected)."""
+    rank: int
+    """0-4: the fixed roles' order (see the module's docstring); 5: ranked by gain per second."""
+    why: str
+
+    @property
+    def gain_per_s(self) -> float:
+        return self.gain / max(self.cost_s, 1e-3)
+
+    def to_attr(self) -> dict[str, Any]:
+        out = asdict(self)
+        del out["trial_id"], out["rank"]
+        return out
+
+
+class Planner:
+    """Chooses the next queued trial (``install`` makes the study pop through ``choose``)."""
+
+    def __init__(self, space: SearchSpace, *, maximize: bool = True, limit_bytes: float | None = None,
+                 walls: list[tuple[float, bool]] | None = None, compile_prior_s: float = 0.0,
+                 deadline: float | None = None, unit: str = "samples/s") -> None:
+        self.space = space
+        self.maximize = maximize
+        self.limit_bytes = limit_bytes
+        self.walls = walls if walls is not None else []
+        """This run's measured walls (seconds, compiled): the stop rule's list, shared."""
+        self.compile_prior_s = compile_prior_s
+        self.deadline = deadline
+        self.unit = unit
+
+    # -- the plan ------------------------------------------------------------------------------------
+
+    def plans(self, study: optuna.Study) -> list[Plan]:
+        """Every queued candidate with its prediction, in the order the planner would run them
+        (before the look-ahead on the budget left, which ``choose`` adds)."""
+        from autotune.search.memory import MemoryModel
+        from autotune.search.steering import complete_params
+
+        trials = study.get_trials(deepcopy=False)
+        waiting = [t for t in trials if t.state == TrialState.WAITING]
+        if not waiting:
+            return []
+        done = self._measured(trials)
+        best = self._best(done)
+        memory = MemoryModel.from_study(study, self.limit_bytes)
+        seen = self._seen_values(done)
+        measured_params = [p for _, p, _ in done]
+        gains = {mode: self.compile_gain(study, mode) for mode in self.space.precisions}
+        plans = []
+        for t in waiting:
+            record = TrialRecord.of(t)
+            params = complete_params(planned_params(t), self.space)
+            compiled = params.get("compile.mode", "off") != "off"
+            cost = self._cost(compiled)
+            peak, verdict = self._memory(memory, params)
+            predicted, source = self._predict(params, done, gains)
+            novel = [f"{k}={v}" for k, v in params.items() if k in seen and v not in seen[k]
+                     and k != "batch_size.batch_size"]
+            gain = 0.0
+            if best is not None and predicted is not None:
+                gain = max(0.0, (predicted - best.value) if self.maximize else (best.value - predicted))
+            if best is not None and novel:
+                gain += NOVELTY * abs(best.value)
+            role = record.role or "search"
+            if record.urgent:
+                rank, why = 0, "the FP32 baseline at a batch that fits: every figure is compared with it"
+            elif verdict is not None:
+                rank, cost, why = 1, 0.0, f"sized before it runs: {verdict}"
+            elif params in measured_params:
+                rank, cost, why = 2, 0.0, "a repeat of a measured configuration: its result is copied"
+            elif role == "baseline":
+                rank, why = 3, "the FP32 baseline: every figure is compared with it"
+            elif role == "plain-recipe":
+                rank, why = 4, "the plain recipe: the bar every recommendation must clear"
+            else:
+                rank = 5
+                why = self._words(predicted, source, best, cost, gain, novel)
+            plans.append(Plan(number=t.number, trial_id=t._trial_id, role=role, predicted=predicted, cost_s=cost,
+                              peak_bytes=peak, gain=gain, rank=rank, why=why))
+        # fixed roles in their order (queue order within one); the rest by gain per second, the
+        # queue's order breaking ties (the seeds' order says which the guides rank first)
+        return sorted(plans, key=lambda p: (p.rank, -p.gain_per_s if p.rank == 5 else 0.0, p.number))
+
+    def choose(self, study: optuna.Study, left_s: float | None = None) -> Plan | None:
+        """The queued candidate to run next; None when nothing is queued. ``left_s``: the budget's
+        seconds left (default: until the deadline)."""
+        plans = self.plans(study)
+        if not plans:
+            return None
+        first = plans[0]
+        if first.rank < 5:
+            return first
+        if left_s is None and self.deadline is not None:
+            left_s = self.deadline - time.time()
+        if left_s is None:
+            return first
+        affordable = [p for p in plans if p.cost_s <= left_s]
+        if not affordable:
+            return first  # nothing fits: the objective and the stop rule decide what is left
+        first = affordable[0]
+        most = max(affordable, key=lambda p: (p.gain, -p.number))
+        if most is not first and most.gain > first.gain and left_s - first.cost_s < most.cost_s:
+            # after the most gain per second, the budget would no longer hold the most gain
+            return Plan(**{**asdict(most), "why": most.why + f"; the {left_s:.0f} s left hold it, but not after "
+                                                          f"#{first.number} ({first.cost_s:.0f} s)"})
+        return first
+
+    # -- Optuna's queue --------------------------------------------------------------------------------
+
+    def install(self, study: optuna.Study) -> None:
+        """Make ``study`` pop its queued trials through ``choose``, recording each chosen trial's plan.
+
+        Optuna has no public way to reorder its queue: this wraps the method that pops from it, and
+        claims a trial the way Optuna claims any (an atomic WAITING -> RUNNING update)."""
+        storage, pop = study._storage, study._pop_waiting_trial_id
+
+        def pop_planned() -> int | None:
+            for _ in range(3):  # another process or thread may claim the chosen one first
+                plan = self.choose(study)
+                if plan is None:
+                    return pop()
+                try:
+                    if storage.set_trial_state_values(plan.trial_id, state=TrialState.RUNNING):
+                        storage.set_trial_user_attr(plan.trial_id, "planned", plan.to_attr())
+                        return plan.trial_id
+                except optuna.exceptions.UpdateFinishedTrialError:
+                    continue
+            return pop()
+
+        study._pop_waiting_trial_id = pop_planned
+
+    # -- predictions -------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _measured(trials: list[optuna.trial.FrozenTrial]) -> list[tuple[optuna.trial.FrozenTrial, dict, TrialRecord]]:
+        """Completed, stable trials with a value, their parameters and records."""
+        out = []
+        for t in trials:
+            if t.state != TrialState.COMPLETE or t.value is None:
+                continue
+            record = TrialRecord.of(t)
+            if not record.unstable:
+                out.append((t, dict(t.params), record))
+        return out
+
+    def _best(self, done) -> optuna.trial.FrozenTrial | None:
+        if not done:
+            return None
+        pick = max if self.maximize else min
+        return pick((t for t, _, _ in done), key=lambda t: t.value)
+
+    @staticmethod
+    def _seen_values(done) -> dict[str, set]:
+        seen: dict[str, set] = {}
+        for _, params, _ in done:
+            for k, v in params.items():
+                seen.setdefault(k, set()).add(v)
+        return seen
+
+    def _cost(self, compiled: bool) -> float:
+        if self.walls:
+            return expected_wall(self.walls, compiled, self.compile_prior_s)
+        return UNMEASURED_COST_S + (self.compile_prior_s if compiled else 0.0)
+
+    def _memory(self, memory, params: dict[str, Any]) -> tuple[float | None, str | None]:
+        """Predicted peak bytes of ``params``, and the memory model's reason it cannot fit (None: it may)."""
+        import strategies
+
+        try:
+            knobs = strategies.knobs_to_dict(strategies.sample(optuna.trial.FixedTrial(params), self.space))
+        except (ValueError, KeyError):
+            return None, None
+        return memory.predict(knobs), memory.verdict(knobs)
+
+    def _predict(self, params: dict[str, Any], done, gains: dict[str, float]) -> tuple[float | None, str]:
+        """Predicted value of ``params`` from its nearest measured configuration, and the words saying how."""
+        best: tuple[int, float, float, str] | None = None  # (knobs apart, -value, value, words)
+        for t, measured, _ in done:
+            apart, factor, notes = 0, 1.0, []
+            for key in sorted(set(params) | set(measured)):
+                if key.startswith(_IGNORED) or params.get(key) == measured.get(key):
+                    continue
+                f = self._factor(key, measured, params, gains)
+                if f is None:  # what this knob gives is not known: the analog is that much further off
+                    apart += 1
+                elif f != 1.0:
+                    factor *= f
+                    notes.append(f"{key.split('.')[0]} x{f:.2f}")
+            value = t.value * factor if self.maximize else t.value / factor
+            words = f"#{t.number}" + (f" {' '.join(notes)}" if notes else "")
+            key = (apart, -value if self.maximize else value)
+            if best is None or key < best[:2]:
+                best = (apart, key[1], value, words)
+        return (None, "") if best is None else (best[2], best[3])
+
+    @staticmethod
+    def _factor(key: str, before: dict[str, Any], after: dict[str, Any], gains: dict[str, float]) -> float | None:
+        """How much faster ``after`` is expected to run than ``before`` for the one knob ``key``
+        (``gains``: compiling's, by precision mode); None where that is not known (taken as 1)."""
+        if key == "compile.mode":
+            was, now = before.get(key, "off"), after.get(key, "off")
+            if (was == "off") == (now == "off"):
+                return None  # one compile mode against another
+            mode = after.get("precision.mode") if now != "off" else before.get("precision.mode")
+            gain = gains.get(mode, COMPILE_GAIN_PRIOR)
+            return gain if was == "off" else 1.0 / gain
+        if key == "precision.mode":
+            return _precision_factor(before.get(key, "fp32"), after.get(key, "fp32"))
+        return None
+
+    def compile_gain(self, study: optuna.Study, precision: str | None) -> float:
+        """torch.compile's gain for ``precision`` as this search measured it (its compiled trials over
+        their eager twins), else any precision's, else COMPILE_GAIN_PRIOR."""
+        from autotune.search.screening import compile_gains
+
+        if "default" not in self.space.compile_modes:
+            return 1.0
+        gains = compile_gains(study, self.space, precision, "default") if precision else []
+        if not gains:
+            gains = [g for mode in self.space.precisions for g in compile_gains(study, self.space, mode, "default")]
+        return max(g for g, _, _ in gains) if gains else COMPILE_GAIN_PRIOR
+
+    def _words(self, predicted, source, best, cost, gain, novel) -> str:
+        if predicted is None:
+            text = "nothing comparable measured yet: in the queue's order"
+        else:
+            text = f"predicted {predicted:,.4g} {self.unit} ({source})"
+            if best is not None:
+                text += f" against the best #{best.number}'s {best.value:,.4g}"
+        if novel:
+            text += f"; measures {', '.join(novel[:2])} for the first time"
+        return text + f"; about {cost:.0f} s" + (f", {gain / max(cost, 1e-3):,.3g} {self.unit} gained a second"
+                                                 if gain > 0 else "")
+
+
+def _precision_factor(before: str, after: str) -> float | None:
+    group = {m: ("16" if m in _SIXTEEN else m) for m in (before, after)}
+    a, b = group[before], group[after]
+    if a == b:
+        return None  # fp16 against bf16, say: measured, not assumed
+    if (a, b) in AUTOCAST_GAIN_PRIOR:
+        return AUTOCAST_GAIN_PRIOR[(a, b)]
+    if (b, a) in AUTOCAST_GAIN_PRIOR:
+        return 1.0 / AUTOCAST_GAIN_PRIOR[(b, a)]
+    return None

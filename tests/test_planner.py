@@ -1,0 +1,124 @@
+"""The planner chooses what runs next from predicted speed, cost and memory: tested on a CPU with
+scripted trial values and walls (no worker runs)."""
+
+from __future__ import annotations
+
+import optuna
+from optuna.trial import TrialState
+
+import strategies
+from autotune.deploy.space import SearchSpace
+from autotune.search.memory import PROBE_ATTR
+from autotune.search.planner import COMPILE_GAIN_PRIOR, Planner
+from autotune.search.steering import complete_params
+
+SPACE = SearchSpace(device="cuda", precisions=["fp32", "fp16", "bf16"], batch_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256],
+                    base_batch_size=64, memory_formats=["contiguous"], compile_modes=["off", "default"],
+                    optimizer_implementations=["foreach", "fused"], cuda_graphs=[False], stream_counts=[1])
+
+
+def _params(mode="bf16", batch=64, compile_mode="off", **more):
+    return complete_params({"precision.mode": mode, "batch_size.batch_size": batch, "compile.mode": compile_mode,
+                            "optimizer.implementation": "fused", **more}, SPACE)
+
+
+def _study():
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.create_study(direction="maximize")
+
+
+def _measured(study, params, value, **attrs):
+    """A trial that ran: enqueued, claimed and told its scripted value."""
+    study.enqueue_trial(params, user_attrs=attrs)
+    trial = study.ask()
+    strategies.sample(trial, SPACE)  # the queued params, suggested as a trial's are
+    study.tell(trial, value)
+    return trial.number
+
+
+def _queue(study, params, role="known-good"):
+    study.enqueue_trial(params, user_attrs={"role": role}, skip_if_exists=False)
+    return study.trials[-1].number
+
+
+def _compiled_walls():
+    return [(10.0, False), (12.0, False), (80.0, True)]  # eager ~11 s, a compile ~80 s
+
+
+def test_a_budget_that_holds_one_compile_spends_it_on_the_most_promising_compile():
+    study = _study()
+    _measured(study, _params("bf16", 64), 1000.0)
+    _measured(study, _params("fp16", 64), 900.0)
+    _measured(study, _params("bf16", 32), 800.0)
+    slow = _queue(study, _params("bf16", 32, "default"))
+    fast = _queue(study, _params("bf16", 64, "default"))
+    middling = _queue(study, _params("fp16", 64, "default"))
+    planner = Planner(SPACE, walls=_compiled_walls())
+    plan = planner.choose(study, left_s=100.0)  # one 80 s compile fits, not two
+    assert plan.number == fast
+    assert plan.predicted == 1000.0 * COMPILE_GAIN_PRIOR
+    order = [p.number for p in planner.plans(study)]
+    assert order.index(fast) < order.index(middling) < order.index(slow)
+
+
+def test_the_budget_left_goes_to_the_most_gain_when_it_cannot_hold_both():
+    study = _study()
+    _measured(study, _params("bf16", 64), 1000.0)
+    _queue(study, _params("bf16", 128))  # predicted as measured: no gain expected, 11 s
+    novel = _queue(study, _params("fp32", 64))  # a precision never measured: NOVELTY's 50, 11 s (4.5 a second)
+    compiled = _queue(study, _params("bf16", 64, "default"))  # predicted 1,300 (+ novelty): 350 in 80 s (4.4)
+    planner = Planner(SPACE, walls=_compiled_walls())
+    assert [p.number for p in planner.plans(study)][:2] == [novel, compiled]
+    assert planner.choose(study, left_s=200.0).number == novel  # time for both: the most gain a second first
+    plan = planner.choose(study, left_s=85.0)  # after the 11 s one, 74 s would not hold the 80 s compile
+    assert plan.number == compiled and "hold it, but not after" in plan.why
+
+
+def test_a_measured_compile_gain_replaces_the_prior():
+    study = _study()
+    _measured(study, _params("bf16", 64), 1000.0)
+    _measured(study, _params("bf16", 64, "default"), 2000.0)  # compiling doubled it here
+    _measured(study, _params("bf16", 32), 900.0)
+    queued = _queue(study, _params("bf16", 32, "default"))
+    plan = Planner(SPACE, walls=_compiled_walls()).choose(study, left_s=1000.0)
+    assert plan.number == queued
+    assert plan.predicted == 1800.0 and "compile x2.00" in plan.why
+
+
+def test_fixed_roles_come_first_in_their_order():
+    study = _study()
+    seed = _queue(study, _params("bf16", 64, "default"))
+    plain = _queue(study, _params("bf16", 256, "default"), role="plain-recipe")
+    base = _queue(study, _params("fp32", 64), role="baseline")
+    planner = Planner(SPACE)
+    assert [p.number for p in planner.plans(study)] == [base, plain, seed]
+
+
+def test_a_candidate_predicted_not_to_fit_is_sized_down_before_anything_runs():
+    study = _study()
+    gib = 2**30
+    # the memory probe: 10 GiB fixed, 1 GiB a sample, bf16 eager
+    probed = _params("bf16", 1)
+    from autotune.search.memory import family
+
+    knobs = strategies.knobs_to_dict(strategies.sample(optuna.trial.FixedTrial(probed), SPACE))
+    study.set_user_attr(PROBE_ATTR, {"family": family(knobs), "peaks": {"1": 11 * gib, "2": 12 * gib}})
+    fits = _queue(study, _params("bf16", 8))
+    too_big = _queue(study, _params("fp32", 64))  # 10 + 2 x 64 GiB
+    planner = Planner(SPACE, limit_bytes=24 * gib)
+    first = planner.plans(study)[0]
+    assert first.number == too_big and first.cost_s == 0.0 and "predicted not to fit" in first.why
+    assert {p.number for p in planner.plans(study)} == {fits, too_big}
+
+
+def test_the_chosen_trial_records_why_it_ran():
+    study = _study()
+    _measured(study, _params("bf16", 64), 1000.0)
+    queued = _queue(study, _params("bf16", 64, "default"))
+    Planner(SPACE, walls=_compiled_walls()).install(study)
+    trial = study.ask()
+    assert trial.number == queued
+    planned = study.trials[queued].user_attrs["planned"]
+    assert planned["predicted"] == 1000.0 * COMPILE_GAIN_PRIOR and planned["cost_s"] == 80.0
+    assert "predicted 1,300 samples/s" in planned["why"]
+    assert study.trials[queued].state == TrialState.RUNNING
