@@ -42,6 +42,15 @@ recorded; ``--verify N`` also re-measures the reference's best and each run's be
 `autotune verify`, back to back after the model's searches, so that the "verified" ratio is free of
 whatever drifted between searches run far apart (other load on the machine, clocks, temperature).
 
+The plain recipe (issue 35) is the other yardstick: after each model's searches the script runs
+scripts/plain_recipe_loop.py, a hand-written loop of the benchmark's own (bf16 autocast, TF32,
+channels_last, cudnn.benchmark, fused AdamW, torch.compile, the largest batch that fits up to 4x the
+base), on the same model with the searches' workload and memory options from after ``--``
+(--model-config, --seq-len, --input-shape, --num-classes, --base-batch-size, --memory-limit,
+--memory-headroom, --input-on-device, --compile/--no-compile). Each row gets its samples/s
+(tokens/s), its batch and the ratio best / plain recipe; the summary gives their median across
+rows. Kept in OUT/plain-recipe/ and reused; ``--no-plain-recipe`` skips it.
+
 Each search starts with empty autotune caches of its own (AUTOTUNE_CACHE_DIR in a fresh temporary
 folder, deleted afterwards), as on a machine that never ran autotune: no run profits from the
 compiles or FP32 accuracy references of the runs before it. ``--shared-caches`` lets them share
@@ -118,6 +127,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--verify", type=int, default=0, metavar="N",
                    help="re-measure each run's best and the reference's best N times with `autotune verify`, back "
                         "to back after the model's searches, and compare those (throughput only; default 0: off)")
+    p.add_argument("--no-plain-recipe", dest="plain_recipe", action="store_false",
+                   help="do not run the plain recipe's hand-written loop (scripts/plain_recipe_loop.py) per model")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "search-yield")
     args = p.parse_args(argv)
     args.extra = extra
@@ -416,8 +427,10 @@ def median(values: list[Any]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def aggregate(name: str, budget: str, runs: list[dict[str, Any]], reference: dict[str, Any]) -> dict[str, Any]:
-    """One row of the table: the medians of a (model, budget)'s runs, and their best against the reference."""
+def aggregate(name: str, budget: str, runs: list[dict[str, Any]], reference: dict[str, Any],
+              plain: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One row of the table: the medians of a (model, budget)'s runs, and their best against the
+    reference and against the plain recipe (``plain``: plain_recipe_loop.py's result; None: not run)."""
     done = [r for r in runs if r.get("best_value") is not None]
     row: dict[str, Any] = {"model": name, "target": model_target(name), "budget": budget,
                            "budget_s": runs[0]["budget_s"], "runs": len(runs), "runs_with_result": len(done)}
@@ -441,7 +454,20 @@ def aggregate(name: str, budget: str, runs: list[dict[str, Any]], reference: dic
     row["verified_reference"] = reference.get("verified")
     row["verified_ratio"] = median([r.get("verified_ratio") for r in done])
     row["errors"] = "; ".join(sorted({r["error"] for r in runs if r.get("error")})) or None
+    row.update(plain_figures(row, plain))
     return row
+
+
+def plain_figures(row: dict[str, Any], plain: dict[str, Any] | None) -> dict[str, Any]:
+    """The plain recipe's columns of a row: its samples/s, tokens/s and batch, and best / plain recipe
+    (throughput searches only: the plain recipe is measured in samples/s)."""
+    plain = plain or {}
+    speed = plain.get("samples_per_s")
+    comparable = row["best_value"] is not None and speed and row.get("unit") in (None, "samples/s")
+    return {"plain_samples_per_s": speed, "plain_tokens_per_s": plain.get("tokens_per_s"),
+            "plain_batch": plain.get("batch"),
+            "plain_ratio": round(row["best_value"] / speed, 4) if comparable else None,
+            "plain_error": plain.get("error")}
 
 
 def references_for(name: str, runs: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
@@ -479,8 +505,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], notes: list[str])
              f"`{meta['command']}` (autotune at {', '.join(meta['checkouts'])}; each search with "
              + ("the user's shared caches)" if meta.get("caches") == "shared" else "empty caches of its own)"), "",
              ("| model | budget | wall s | over budget s | trials | completed | seeded / sampled / steered / other "
-              "| best | reference | best / reference | verified | accuracy | best configuration |"),
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| best | reference | best / reference | verified | plain recipe | best / plain | accuracy "
+              "| best configuration |"),
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         roles = " / ".join(fmt(r[k], "g") for k in ("seeded", "sampled", "steered", "other_roles"))
         unit = f" {r['unit']}" if r.get("unit") else ""
@@ -488,7 +515,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], notes: list[str])
         lines.append(f"| {r['model']} | {r['budget']} | {seconds(r['wall_s'])} | {r['over_budget_s']:+.1f} "
                      f"| {fmt(r['trials'], 'g')} | {fmt(r['completed'], 'g')}{noisy} | {roles} | {fmt(r['best_value'])}{unit} "
                      f"| {fmt(r['reference_value'])} | {fmt(r['ratio'], '.1%')} | {fmt(r['verified_ratio'], '.1%')} "
-                     f"| {r['accuracy'] or '-'} "
+                     f"| {plain_cell(r)} | {fmt(r.get('plain_ratio'), '.1%')} | {r['accuracy'] or '-'} "
                      f"| {r['best_config'] or r['errors'] or '-'} |")
     lines += ["", "Time by phase (seconds; they add up to the wall time):", "",
               "| model | budget | " + " | ".join(PHASE_TITLES) + " | wall | accuracy training (within the above) |",
@@ -498,10 +525,47 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], notes: list[str])
                      + f" | {seconds(r['wall_s'])} | {seconds(r['accuracy_training_s'])} |")
     lines += ["", "References:", ""]
     lines += [f"- {model}: {fmt(value)} from {source}" for model, (value, source) in meta["references"].items()]
+    lines += plain_section(rows, meta)
     if meta["repeats"] > 1:
         lines += ["", f"Medians of {meta['repeats']} runs per row; the best configuration is the best run's."]
     lines += [""] + [f"Note: {n}" for n in notes] if notes else []
     return "\n".join(lines) + "\n"
+
+
+def plain_cell(row: dict[str, Any]) -> str:
+    """'3,210 at batch 512' (tokens/s after it for a language model), or '-'."""
+    if row.get("plain_samples_per_s") is None:
+        return "-"
+    tokens = f" ({fmt(row['plain_tokens_per_s'])} tokens/s)" if row.get("plain_tokens_per_s") else ""
+    return f"{fmt(row['plain_samples_per_s'])}{tokens} at batch {row['plain_batch']}"
+
+
+def plain_section(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
+    """The plain recipe's lines of results.md: each model's run (the batches it tried) and the median
+    best / plain recipe across rows."""
+    plains = meta.get("plain_recipes") or {}
+    if not plains:
+        return []
+    lines = ["", "Plain recipe (scripts/plain_recipe_loop.py: bf16 autocast, TF32, channels_last, cudnn.benchmark, "
+             "fused AdamW, torch.compile, the largest batch that fits up to 4x the base):", ""]
+    for model, p in plains.items():
+        if p.get("samples_per_s") is None:
+            lines.append(f"- {model}: {p.get('error') or 'no result'}")
+            continue
+        failed = [t["batch"] for t in p.get("tried", []) if t.get("outcome") != "ok"]
+        tried = f"; out of memory at {', '.join(map(str, failed))}" if failed else ""
+        tokens = f", {fmt(p['tokens_per_s'])} tokens/s" if p.get("tokens_per_s") else ""
+        peak = f", peak {p['peak_memory_gib']:.1f} GiB" if p.get("peak_memory_gib") is not None else ""
+        cap = f" (capped at {p['memory_limit_gib']:.0f} GiB)" if p.get("memory_limit_gib") else ""
+        how = f"{p.get('precision')}{' + GradScaler' if p.get('grad_scaler') else ''}, " + (
+            "compiled" if p.get("compile") else "eager")
+        lines.append(f"- {model}: {fmt(p['samples_per_s'])} samples/s{tokens} at batch {p['batch']} "
+                     f"(base {p.get('base_batch')}{tried}){peak}{cap}; {how}, {p.get('optimizer')}")
+    median_ratio = meta.get("plain_median_ratio")
+    if median_ratio is not None:
+        n = sum(1 for r in rows if r.get("plain_ratio") is not None)
+        lines += ["", f"Median best / plain recipe across {n} rows: {median_ratio:.1%}"]
+    return lines
 
 
 def write_results(out: Path, rows: list[dict[str, Any]], runs: list[dict[str, Any]], meta: dict[str, Any],
@@ -552,6 +616,67 @@ def verify_model(name: str, runs: list[dict[str, Any]], reference: dict[str, Any
             run["verified_ratio"] = round(run["verified_best"] / reference["verified"], 4)
 
 
+PLAIN_OPTIONS = {"--model-config": True, "--seq-len": True, "--input-shape": True, "--num-classes": True,
+                 "--base-batch-size": True, "--memory-limit": True, "--memory-headroom": True,
+                 "--input-on-device": False, "--compile": False, "--no-compile": False}
+"""The search options (after --) that the plain recipe's loop takes too: the workload's shape, its
+memory cap, where its batches live and whether it compiles; True: the option takes a value."""
+PLAIN_TIMEOUT_S = 1800
+
+
+def plain_recipe_args(extra: list[str]) -> list[str]:
+    """The searches' extra arguments that shape the plain recipe's run, in their order."""
+    out, i = [], 0
+    while i < len(extra):
+        name, eq, _ = extra[i].partition("=")
+        if name in PLAIN_OPTIONS:
+            takes_value = PLAIN_OPTIONS[name]
+            out.append(extra[i])
+            if takes_value and not eq and i + 1 < len(extra):
+                out.append(extra[i + 1])
+                i += 1
+        i += 1
+    return out
+
+
+def plain_recipe_command(target: str, device: str | None, extra: list[str]) -> list[str]:
+    return [sys.executable, str(HERE / "plain_recipe_loop.py"), "--model", target,
+            *(["--device", device] if device else []), *plain_recipe_args(extra)]
+
+
+def plain_recipe(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The plain recipe's figures for one model (plain_recipe_loop.py, a subprocess after the model's
+    searches); kept in OUT/plain-recipe/ and reused while its command is the same. On failure a
+    dict with "error"."""
+    command = plain_recipe_command(model_target(name), args.device, args.extra)
+    store = args.out / "plain-recipe" / f"{folder_label(name)}.json"
+    if store.exists():
+        kept = json.loads(store.read_text())
+        if kept.get("command") == command[1:] and kept["result"].get("samples_per_s") is not None:
+            print(f"{name}: reused the plain recipe's run in {store}", flush=True)
+            return kept["result"]
+    print(f"{name}: the plain recipe's loop", flush=True)
+    print(f"  $ {' '.join(command[1:])}", flush=True)
+    try:
+        proc = subprocess.run(command, env=search_env(None), capture_output=True, text=True, errors="replace",
+                              timeout=PLAIN_TIMEOUT_S, check=False)
+        found = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        result = json.loads(found[-1]) if found else {}
+        if not result.get("samples_per_s"):
+            last = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+            result.setdefault("error", f"the plain recipe's loop exited {proc.returncode}: {last[0][:300]}")
+    except subprocess.TimeoutExpired:
+        result = {"error": f"the plain recipe's loop ran over {PLAIN_TIMEOUT_S}s"}
+    if result.get("samples_per_s") is not None:
+        tokens = f", {result['tokens_per_s']:,.0f} tokens/s" if result.get("tokens_per_s") else ""
+        print(f"    {result['samples_per_s']:,.0f} samples/s{tokens} at batch {result['batch']}", flush=True)
+    else:
+        print(f"    failed: {result['error']}", flush=True)
+    store.parent.mkdir(parents=True, exist_ok=True)
+    store.write_text(json.dumps({"command": command[1:], "result": result}, indent=1))
+    return result
+
+
 def checkout() -> str:
     """The commit the searches ran from, "+ local changes" when the engine differed from it."""
     def git(*args: str) -> str:
@@ -570,7 +695,7 @@ def run_folder(out: Path, name: str, budget: str, repeat: int) -> Path:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    rows, all_runs, notes, references, engines = [], [], [], {}, set()
+    rows, all_runs, notes, references, engines, plains = [], [], [], {}, set(), {}
     for name in args.models:
         model_runs: dict[str, list[dict[str, Any]]] = {}
         for budget in args.budgets:
@@ -586,14 +711,18 @@ def main(argv: list[str] | None = None) -> int:
         references[name] = (reference["best_value"], reference["source"])
         engines |= {reference["checkout"]} if reference.get("checkout") else set()
         notes += model_notes
+        plain = plain_recipe(name, args) if args.plain_recipe else None
+        if plain is not None:
+            plains[name] = plain
         for budget, runs in model_runs.items():
-            rows.append(aggregate(name, budget, runs, reference))
+            rows.append(aggregate(name, budget, runs, reference, plain))
             all_runs += runs
     first = next((r for r in all_runs if r.get("torch")), {})
     meta = {"where": first.get("gpu") or "CPU", "torch": first.get("torch", "?"), "repeats": args.repeats,
             "checkouts": sorted(engines | {r["checkout"] for r in all_runs}), "caches": "shared" if args.shared_caches else "cold",
             "command": " ".join(["python3 scripts/search_yield.py", *(argv if argv is not None else sys.argv[1:])]),
-            "references": references}
+            "references": references, "plain_recipes": plains,
+            "plain_median_ratio": median([r["plain_ratio"] for r in rows])}
     paths = write_results(args.out, rows, all_runs, meta, notes)
     print()
     print(paths[1].read_text())

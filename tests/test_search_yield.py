@@ -162,6 +162,18 @@ def test_finished_runs_are_reused_and_compared_with_the_reference(tmp_path, caps
     markdown = (out / "results.md").read_text()
     assert "| odd_mlp_tiny | 30s | 31 | -4.0 | 7 | 4 | 3 / 2 / 1 / 1 | 300 samples/s | 400 | 75.0% | - |" in markdown
     assert (out / "results.csv").read_text().startswith("model,target,budget,budget_s,runs")
+    # the plain recipe's loop ran on the same model (the real script, on the CPU), after the searches
+    plain = result["meta"]["plain_recipes"]["odd_mlp_tiny"]
+    assert plain["model"] == "yield_models:odd_mlp_tiny" and plain["device"] == "cpu" and plain["batch"] == 64
+    assert row["plain_samples_per_s"] == plain["samples_per_s"] > 0 and row["plain_batch"] == 64
+    assert row["plain_ratio"] == round(300.0 / plain["samples_per_s"], 4) == result["meta"]["plain_median_ratio"]
+    assert f"| {row['plain_ratio']:.1%} |" in markdown and "Median best / plain recipe across 1 rows" in markdown
+    assert (out / "plain-recipe" / "odd_mlp_tiny.json").exists()
+    # --no-plain-recipe: the columns stay, empty
+    assert search_yield.main(["--models", "odd_mlp_tiny", "--budgets", "30s", "--repeats", "3", "--out", str(out),
+                              "--reference", f"odd_mlp_tiny={tmp_path / 'reference'}", "--no-plain-recipe"]) == 0
+    (row,) = json.loads((out / "results.json").read_text())["rows"]
+    assert row["plain_samples_per_s"] is None and row["plain_ratio"] is None
 
     # a reference of another workload is refused rather than compared
     plant_run(tmp_path / "other", workload="resnet18")
@@ -234,3 +246,91 @@ def test_one_cpu_run_of_the_script_reports_what_its_search_did(tmp_path):
     assert row["measure_s"] > 0 and row["startup_s"] > 0
     assert "| odd_mlp_tiny | 30s |" in (out / "results.md").read_text()
     assert (out / "results.csv").read_text().startswith("model,target,budget")
+    assert row["plain_samples_per_s"] > 0 and row["plain_ratio"] == round(row["best_value"] / row["plain_samples_per_s"], 4)
+    assert "plain_ratio" in (out / "results.csv").read_text().splitlines()[0]
+
+
+def test_the_plain_recipe_gets_the_searches_workload_and_memory_options():
+    extra = ["--no-accuracy-check", "--model-config", "num_hidden_layers=16,hidden_size=2048", "--seq-len=1024",
+             "--memory-limit", "24GiB", "--seed", "3", "--input-on-device", "--no-compile", "--base-batch-size", "8"]
+    assert search_yield.plain_recipe_args(extra) == [
+        "--model-config", "num_hidden_layers=16,hidden_size=2048", "--seq-len=1024", "--memory-limit", "24GiB",
+        "--input-on-device", "--no-compile", "--base-batch-size", "8"]
+    command = search_yield.plain_recipe_command("hf:llama", "cuda", extra)
+    assert command[1] == str(ROOT / "scripts" / "plain_recipe_loop.py")
+    assert command[2:6] == ["--model", "hf:llama", "--device", "cuda"]
+    assert search_yield.parse_args([]).plain_recipe is True
+    assert search_yield.parse_args(["--no-plain-recipe"]).plain_recipe is False
+
+
+PLAIN = {"model": "resnet50", "batch": 512, "samples_per_s": 2000.0, "tokens_per_s": None, "base_batch": 256,
+         "tried": [{"batch": 1024, "outcome": "oom"}, {"batch": 768, "outcome": "oom"}, {"batch": 512, "outcome": "ok"}],
+         "peak_memory_gib": 21.5, "memory_limit_gib": 24.0, "precision": "bf16", "grad_scaler": False,
+         "compile": True, "optimizer": "fused adamw"}
+
+
+def test_a_row_gives_the_plain_recipe_and_best_over_it_and_the_summary_their_median(tmp_path):
+    folder = tmp_path / "odd_mlp_tiny-30s"
+    plant_run(folder, best=300.0)
+    run = search_yield.summarize_run(folder, json.loads((folder / search_yield.MARKER).read_text()))
+    reference = {"best_value": 400.0, "source": "a long search"}
+    row = search_yield.aggregate("odd_mlp_tiny", "30s", [run], reference, {**PLAIN, "samples_per_s": 250.0})
+    assert (row["plain_samples_per_s"], row["plain_batch"], row["plain_ratio"]) == (250.0, 512, 1.2)
+    assert row["plain_tokens_per_s"] is None and row["plain_error"] is None
+    slower = search_yield.aggregate("odd_mlp_tiny", "3m", [run], reference, {**PLAIN, "samples_per_s": 400.0})
+    assert slower["plain_ratio"] == 0.75                       # the search lost to the plain recipe here
+    lm = search_yield.aggregate("odd_mlp_tiny", "10m", [run], reference,
+                                {**PLAIN, "samples_per_s": 150.0, "tokens_per_s": 153600.0, "batch": 16})
+    failed = search_yield.aggregate("odd_mlp_tiny", "1h", [run], reference, {"error": "no batch fitted"})
+    skipped = search_yield.aggregate("odd_mlp_tiny", "2h", [run], reference)        # --no-plain-recipe
+    assert failed["plain_ratio"] is None and failed["plain_error"] == "no batch fitted"
+    assert skipped["plain_samples_per_s"] is None and skipped["plain_ratio"] is None
+    # another objective's best (joules per sample) is not set against samples/s
+    assert search_yield.plain_figures({"best_value": 0.5, "unit": "J/sample"}, PLAIN)["plain_ratio"] is None
+
+    rows = [row, slower, lm, failed, skipped]
+    meta = {"where": "H200", "torch": "2.x", "command": "python3 scripts/search_yield.py", "checkouts": ["abc"],
+            "references": {"odd_mlp_tiny": (400.0, "a long search")}, "repeats": 1,
+            "plain_recipes": {"resnet50": PLAIN, "hf:gpt2": {"error": "the plain recipe's loop exited 1: boom"}},
+            "plain_median_ratio": search_yield.median([r["plain_ratio"] for r in rows])}
+    assert meta["plain_median_ratio"] == 1.2                   # of 1.2, 0.75 and 2.0
+    markdown = search_yield.markdown(rows, meta, [])
+    assert "| verified | plain recipe | best / plain | accuracy | best configuration |" in markdown
+    assert "| 250 at batch 512 | 120.0% | passed |" in markdown
+    assert "| 150 (153,600 tokens/s) at batch 16 | 200.0% |" in markdown
+    assert "| - | - | passed |" in markdown
+    assert ("- resnet50: 2,000 samples/s at batch 512 (base 256; out of memory at 1024, 768), peak 21.5 GiB "
+            "(capped at 24 GiB); bf16, compiled, fused adamw") in markdown
+    assert "- hf:gpt2: the plain recipe's loop exited 1: boom" in markdown
+    assert "Median best / plain recipe across 3 rows: 120.0%" in markdown
+    header, separator = [line for line in markdown.splitlines() if line.startswith("| model | budget | wall")][0], \
+        markdown.splitlines()[5]
+    assert header.count("|") == separator.count("|") == row_pipes(markdown, "| odd_mlp_tiny | 30s |")
+
+
+def row_pipes(markdown: str, start: str) -> int:
+    return next(line for line in markdown.splitlines() if line.startswith(start)).count("|")
+
+
+def test_the_plain_recipe_runs_once_per_model_and_is_reused(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run(command, **kwargs):
+        calls.append(command)
+        assert "scripts" in kwargs["env"]["PYTHONPATH"]           # yield_models is importable
+        return subprocess.CompletedProcess(command, 0, stdout="compiling\n" + json.dumps(PLAIN) + "\n", stderr="")
+
+    monkeypatch.setattr(search_yield.subprocess, "run", fake_run)
+    args = search_yield.parse_args(["--out", str(tmp_path), "--device", "cuda", "--", "--memory-limit", "24GiB"])
+    assert search_yield.plain_recipe("resnet50", args) == PLAIN
+    assert calls[0][2:] == ["--model", "resnet50", "--device", "cuda", "--memory-limit", "24GiB"]
+    assert search_yield.plain_recipe("resnet50", args) == PLAIN and len(calls) == 1     # reused
+    args.extra = ["--memory-limit", "40GiB"]                                           # another command: run again
+    search_yield.plain_recipe("resnet50", args)
+    assert len(calls) == 2
+
+    # a loop that fails is an error in the row, not a crash of the benchmark
+    monkeypatch.setattr(search_yield.subprocess, "run", lambda command, **kw: subprocess.CompletedProcess(
+        command, 1, stdout="", stderr="Traceback ...\nRuntimeError: CUDA error: an illegal memory access"))
+    result = search_yield.plain_recipe("vit_b_16", args)
+    assert result["error"] == "the plain recipe's loop exited 1: RuntimeError: CUDA error: an illegal memory access"
