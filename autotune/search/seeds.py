@@ -127,7 +127,8 @@ def seed_configurations(space: SearchSpace, tokens_per_sample: int | None = None
         ]
     else:
         base = nearest(space.batch_sizes, space.base_batch_size)
-        wanted = [("bf16", base, {}), ("fp32", max(space.batch_sizes), {})]
+        # bf16 at the base batch is the plain recipe on a CPU (where it has bf16: seeded above)
+        wanted = [*([] if plain is not None else [("bf16", base, {})]), ("fp32", max(space.batch_sizes), {})]
     seen = [params for _, params in seeds]
     for mode, batch, step in wanted:
         if mode not in space.precisions or not _offered(space, step):
@@ -141,7 +142,7 @@ def seed_configurations(space: SearchSpace, tokens_per_sample: int | None = None
 
 
 SEEDS_UPFRONT = 2
-"""Known-good configurations queued at the start, after the FP32 baseline: the guides' best.
+"""Seeds queued at the start, after the FP32 baseline: the plain recipe and the guides' best.
 The rest are fed one at a time (SeedFeeder), so they never outnumber the search's own trials
 by more than this."""
 BACKLOG_ATTR = "seed_backlog"
@@ -149,9 +150,9 @@ BACKLOG_ATTR = "seed_backlog"
 
 
 def enqueue_seeds(study: optuna.Study, seeds: list[tuple[str, dict[str, Any]]], *, all_now: bool = False) -> None:
-    """Queue the baseline, the plain recipe and the first SEEDS_UPFRONT known-good seeds; keep the rest in the
+    """Queue the baseline and the first SEEDS_UPFRONT seeds after it (the plain recipe first); keep the rest in the
     study's backlog for SeedFeeder (``all_now``: queue every one, as --replay's order needs)."""
-    upfront = len(seeds) if all_now else sum(role != "known-good" for role, _ in seeds) + SEEDS_UPFRONT
+    upfront = len(seeds) if all_now else 1 + SEEDS_UPFRONT  # the plain recipe, where there is one, among them
     for role, params in seeds[:upfront]:
         study.enqueue_trial(params, user_attrs=queue_attrs(role=role))
     study.set_user_attr(BACKLOG_ATTR, [params for _, params in seeds[upfront:]])
@@ -193,7 +194,7 @@ class SeedFeeder:
         roles = [TrialRecord.of(t).role for t in trials]
         if any(t.state == TrialState.WAITING and role == "known-good" for t, role in zip(trials, roles)):
             return False
-        seeded = sum(role == "known-good" for role in roles)
+        seeded = sum(role in ("known-good", plain_recipe.ROLE) for role in roles)
         others = sum(role not in ("known-good", "baseline", plain_recipe.ROLE) for t, role in zip(trials, roles)
                      if t.state != TrialState.WAITING)
         if seeded - SEEDS_UPFRONT >= others:
