@@ -162,3 +162,36 @@ def test_without_compile_in_the_space_nothing_is_queued() -> None:
                                                              optuna.distributions.CategoricalDistribution([8, 16])}))
     CompileFinalist(eager_only, maximize=True)(study, study.trials[0])
     assert not study.get_trials(states=(TrialState.WAITING,))
+
+
+def test_a_twin_stopped_early_screens_its_compile_by_its_warm_up_rate(monkeypatch) -> None:
+    """On the H200 every eager hf:gpt2 trial was stopped early below half the compiled plain recipe
+    (2.2x faster), and each compiled configuration was then pruned as 'its eager twin did not
+    complete': no compile ran after the plain recipe. A twin's warm-up rate now screens it."""
+    seen: list[tuple[int, str]] = []
+
+    def fake_worker(request, *, timeout_s, log_path, spare=False, on_progress=None):
+        batch, mode = request["knobs"]["batch_size"]["batch_size"], request["knobs"]["compile"]["mode"]
+        seen.append((batch, mode))
+        rate = SPEED[batch] * (2.2 if mode != "off" else 1.0)
+        if mode == "off" and request.get("prune_below") and rate < request["prune_below"]:
+            return {"status": "pruned", "reason": f"stopped early: {rate:.0f} samples/s in its last warm-up windows",
+                    "screening": {"windows": [rate * 0.99, rate], "below": request["prune_below"], "warmup_s": 1.0},
+                    "wall_s": 2.0, "worker_start_s": 0.1}
+        figures = {"samples_per_s": rate, "step_time_ms": 1e3 * batch / rate, "peak_memory_bytes": 1,
+                   "warmup_s": 1.0, "measure_s": 2.0, "build_s": 0.5, "compile_s": 20.0 if mode != "off" else 0.0,
+                   "loss_finite": True}
+        return {"status": "ok", "figures": figures, "wall_s": 3.0, "worker_start_s": 0.1}
+
+    monkeypatch.setattr("autotune.search.objective.run_worker", fake_worker)
+    study = optuna.create_study(direction="maximize")
+    objective = Objective(space=SPACE, workload=TINY.to_dict(), measure={}, input_on_device=False, seed=0,
+                          trial_timeout_s=100.0, early_stop_below=0.5)
+    study.enqueue_trial(_params(32, "default"), user_attrs={"role": "plain-recipe"})  # 660 samples/s
+    study.enqueue_trial(_params(16, "off"))  # 200: stopped early below 330
+    study.enqueue_trial(_params(16, "default"))
+    study.optimize(objective, n_trials=3)
+    twin, compiled = study.trials[1], study.trials[2]
+    assert twin.state == TrialState.PRUNED and twin.user_attrs["status"] == "pruned"
+    assert compiled.state == TrialState.COMPLETE and compiled.value == pytest.approx(440.0)
+    assert seen == [(32, "default"), (16, "off"), (16, "default")]

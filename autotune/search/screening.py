@@ -65,15 +65,28 @@ def queue_eager_twin(trial: optuna.Trial, space: SearchSpace, rule: str) -> optu
     return twin
 
 
-def _fastest_eager(study: optuna.Study, maximize: bool) -> optuna.trial.FrozenTrial | None:
+def eager_rate(trial: optuna.trial.FrozenTrial) -> float | None:
+    """What an eager trial ran at: its value, or for one stopped early in its warm-up (well below the
+    best so far, such as the compiled plain recipe) its last warm-up window's samples/s; None when
+    it has neither."""
+    if trial.state == TrialState.COMPLETE:
+        return trial.value
+    record = TrialRecord.of(trial)
+    windows = (record.screening or {}).get("windows") if record.status == "pruned" else None
+    return windows[-1] if windows else None
+
+
+def _fastest_eager(study: optuna.Study, maximize: bool) -> tuple[optuna.trial.FrozenTrial, float] | None:
+    """The fastest eager trial and its rate (eager_rate: trials stopped early count by their warm-up)."""
     eager = []
-    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
         record = TrialRecord.of(t)
-        if t.value is not None and record.knob("compile", "mode", "off") == "off" and not record.unstable:
-            eager.append(t)
+        rate = eager_rate(t)
+        if rate is not None and record.knob("compile", "mode", "off") == "off" and not record.unstable:
+            eager.append((t, rate))
     if not eager:
         return None
-    return (max if maximize else min)(eager, key=lambda t: t.value)
+    return (max if maximize else min)(eager, key=lambda pair: pair[1])
 
 
 def screen_eagerly(trial: optuna.Trial, space: SearchSpace, *, compile_mode: str, maximize: bool, unit: str) -> None:
@@ -87,18 +100,22 @@ def screen_eagerly(trial: optuna.Trial, space: SearchSpace, *, compile_mode: str
                       "configuration is compiled only if that one ranks among the fastest")
     if twin.state in (TrialState.WAITING, TrialState.RUNNING):
         _prune(trial, f"screened eagerly first: its eager twin #{twin.number} is queued")
-    if twin.state != TrialState.COMPLETE or twin.value is None:
+    # a twin stopped early in its warm-up counts by its warm-up's rate: on the H200 every eager hf:gpt2
+    # trial was stopped below half the compiled plain recipe, and no compile ran after it
+    rate = eager_rate(twin)
+    if rate is None:
         _prune(trial, f"not compiled: its eager twin #{twin.number} did not complete")
-    best = _fastest_eager(trial.study, maximize)
-    if best is None:
+    fastest = _fastest_eager(trial.study, maximize)
+    if fastest is None:
         return
-    behind = twin.value < SCREEN_SHARE * best.value if maximize else twin.value * SCREEN_SHARE > best.value
+    best, best_rate = fastest
+    behind = rate < SCREEN_SHARE * best_rate if maximize else rate * SCREEN_SHARE > best_rate
     if behind:
         where = (f"below {SCREEN_SHARE:.0%} of the fastest eager" if maximize
                  else f"over {1 / SCREEN_SHARE:.0%} of the best eager")
-        _prune(trial, f"not compiled: its eager twin #{twin.number} measured {twin.value:,.4g} {unit}, "
-                      f"{where} #{best.number} ({best.value:,.4g})")
-    _prune_if_it_cannot_win(trial, twin, space, compile_mode=compile_mode, maximize=maximize, unit=unit)
+        _prune(trial, f"not compiled: its eager twin #{twin.number} measured {rate:,.4g} {unit}, "
+                      f"{where} #{best.number} ({best_rate:,.4g})")
+    _prune_if_it_cannot_win(trial, twin, rate, space, compile_mode=compile_mode, maximize=maximize, unit=unit)
 
 
 def compile_gains(study: optuna.Study, space: SearchSpace, precision: str, compile_mode: str
@@ -121,8 +138,8 @@ def compile_gains(study: optuna.Study, space: SearchSpace, precision: str, compi
     return gains
 
 
-def _prune_if_it_cannot_win(trial: optuna.Trial, twin: optuna.trial.FrozenTrial, space: SearchSpace, *,
-                            compile_mode: str, maximize: bool, unit: str) -> None:
+def _prune_if_it_cannot_win(trial: optuna.Trial, twin: optuna.trial.FrozenTrial, rate: float, space: SearchSpace,
+                            *, compile_mode: str, maximize: bool, unit: str) -> None:
     """Prune a compiled configuration whose eager twin, times the most that compiling gave its
     precision in this search (GAIN_SPREAD more), stays behind the best trial: a compile costs the
     time of several eager trials (ResNet-50 on the H200: 42-51 s against 9-13 s)."""
@@ -132,10 +149,10 @@ def _prune_if_it_cannot_win(trial: optuna.Trial, twin: optuna.trial.FrozenTrial,
     if not gains or best is None:
         return
     gain, compiled, measured_twin = (max if maximize else min)(gains)
-    reach = twin.value * gain * ((1 + GAIN_SPREAD) if maximize else 1 / (1 + GAIN_SPREAD))
+    reach = rate * gain * ((1 + GAIN_SPREAD) if maximize else 1 / (1 + GAIN_SPREAD))
     if reach >= best.value if maximize else reach <= best.value:
         return
-    _prune(trial, f"not compiled: its eager twin #{twin.number} measured {twin.value:,.4g} {unit}; with compiling's "
+    _prune(trial, f"not compiled: its eager twin #{twin.number} measured {rate:,.4g} {unit}; with compiling's "
                   f"gain for {params.get('precision.mode', 'its precision')} here (x{gain:.2f}: #{compiled} over "
                   f"#{measured_twin}) and {GAIN_SPREAD:.0%} more, about {reach:,.4g}, "
                   f"{'below' if maximize else 'over'} the best #{best.number} ({best.value:,.4g})")
@@ -161,7 +178,8 @@ class CompileFinalist:
         waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
         if any(planned_params(t).get("compile.mode", "off") == "off" for t in waiting):
             return  # eager candidates are still queued: the fastest is known once they ran
-        best = _fastest_eager(study, self.maximize)
+        fastest = _fastest_eager(study, self.maximize)
+        best = None if fastest is None else fastest[0]
         if best is None or TrialRecord.of(best).role == "baseline":
             return  # the untuned FP32 baseline is not what anyone compiles
         compiled = complete_params({**best.params, "compile.mode": "default"}, self.space)
