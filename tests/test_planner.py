@@ -4,6 +4,7 @@ scripted trial values and walls (no worker runs)."""
 from __future__ import annotations
 
 import optuna
+import pytest
 from optuna.trial import TrialState
 
 import strategies
@@ -64,14 +65,30 @@ def test_a_budget_that_holds_one_compile_spends_it_on_the_most_promising_compile
 def test_the_budget_left_goes_to_the_most_gain_when_it_cannot_hold_both():
     study = _study()
     _measured(study, _params("bf16", 64), 1000.0)
-    _queue(study, _params("bf16", 128))  # predicted as measured: no gain expected, 11 s
-    novel = _queue(study, _params("fp32", 64))  # a precision never measured: NOVELTY's 50, 11 s (4.5 a second)
-    compiled = _queue(study, _params("bf16", 64, "default"))  # predicted 1,300 (+ novelty): 350 in 80 s (4.4)
+    _measured(study, _params("fp16", 64), 1100.0)
+    _queue(study, _params("bf16", 128))  # predicted as measured, below the best: nothing to gain
+    _queue(study, _params("fp32", 64))  # new, but predicted at half the best: nothing to gain either
+    # the foreach optimizer was never measured: it may give NOVELTY more, 55 in 11 s (5 a second)
+    novel = _queue(study, complete_params({**_params("fp16", 64), "optimizer.implementation": "foreach"}, SPACE))
+    # predicted 1,300 from #0 x COMPILE_GAIN_PRIOR, 1,365 as new: 265 in 80 s (3.3 a second)
+    compiled = _queue(study, _params("bf16", 64, "default"))
     planner = Planner(SPACE, walls=_compiled_walls())
     assert [p.number for p in planner.plans(study)][:2] == [novel, compiled]
     assert planner.choose(study, left_s=200.0).number == novel  # time for both: the most gain a second first
     plan = planner.choose(study, left_s=85.0)  # after the 11 s one, 74 s would not hold the 80 s compile
     assert plan.number == compiled and "hold it, but not after" in plan.why
+
+
+def test_an_eager_candidate_far_below_a_compiled_best_waits_behind_the_compiles():
+    """On the H200 a 3-minute hf:gpt2 search ran six eager candidates (each new in some knob) after
+    its compiled plain recipe, and had no time left for the compiles queued behind them."""
+    study = _study()
+    _measured(study, _params("bf16", 64, "default"), 2000.0, role="plain-recipe")
+    eager = _queue(study, _params("fp16", 64))  # predicted 2,000 / 1.3, new precision: 1,615 at best
+    compiled = _queue(study, _params("fp16", 64, "default"))  # predicted 2,000, new precision: 2,100
+    plans = Planner(SPACE, walls=_compiled_walls()).plans(study)
+    assert [p.number for p in plans] == [compiled, eager]
+    assert plans[0].gain == pytest.approx(100.0) and plans[1].gain == 0.0
 
 
 def test_a_measured_compile_gain_replaces_the_prior():

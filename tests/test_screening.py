@@ -195,3 +195,14 @@ def test_a_twin_stopped_early_screens_its_compile_by_its_warm_up_rate(monkeypatc
     assert twin.state == TrialState.PRUNED and twin.user_attrs["status"] == "pruned"
     assert compiled.state == TrialState.COMPLETE and compiled.value == pytest.approx(440.0)
     assert seen == [(32, "default"), (16, "off"), (16, "default")]
+
+
+def test_a_compile_of_a_precision_already_measured_compiled_runs_without_an_eager_twin(ran) -> None:
+    """Once the plain recipe (compiled) ran, a compiled candidate of its precision is ranked from it by
+    the planner: no eager twin is queued first."""
+    study = optuna.create_study(direction="maximize")
+    study.enqueue_trial(_params(32, "default"), user_attrs={"role": "plain-recipe"})
+    study.enqueue_trial(_params(16, "default"), user_attrs={"role": "known-good"})
+    study.optimize(_objective(), n_trials=2)
+    assert ran == [(32, "default"), (16, "default")]
+    assert all(t.state == TrialState.COMPLETE for t in study.trials) and len(study.trials) == 2

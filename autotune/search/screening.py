@@ -11,7 +11,9 @@ by a bounded factor, so the eager figure ranks candidates for compiling at a fra
   most that compiling gave that precision here (GAIN_SPREAD over it).
   Both are pruned unstarted and uncounted (no "status"); Optuna's sampler ranks them low, so its own
   proposals stay mostly eager and the budget measures many configurations. fp8 is the exception
-  (COMPILED_ONLY_PRECISIONS): it is built to be compiled, and its eager figure says little.
+  (COMPILED_ONLY_PRECISIONS): it is built to be compiled, and its eager figure says little. So is a
+  configuration of a precision already measured compiled (the plain recipe, say) and without an
+  eager twin: the planner (autotune.search.planner) ranks it from that compiled trial.
 * ``CompileFinalist`` (Optuna's callback after each trial): the fastest eager configuration is
   queued compiled, so the compile is spent where it can win.
 """
@@ -53,14 +55,29 @@ def eager_twin(params: dict[str, Any], space: SearchSpace) -> dict[str, Any]:
     return complete_params({**params, "compile.mode": "off"}, space)
 
 
+def _twin(trial: optuna.Trial, space: SearchSpace) -> optuna.trial.FrozenTrial | None:
+    """The trial of ``trial``'s eager twin, measured or queued; None when there is none."""
+    twin_params = eager_twin(trial.params, space)
+    return next((t for t in trial.study.get_trials(deepcopy=False)
+                 if t.number != trial.number and complete_params(planned_params(t), space) == twin_params), None)
+
+
+def _compiled_sibling(trial: optuna.Trial, compile_mode: str) -> optuna.trial.FrozenTrial | None:
+    """A completed trial of ``trial``'s precision compiled in ``compile_mode`` (not a copy)."""
+    for t in trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        record = TrialRecord.of(t)
+        if (t.params.get("precision.mode") == trial.params.get("precision.mode") and not record.unstable
+                and record.knob("compile", "mode", "off") == compile_mode and record.duplicate_of is None):
+            return t
+    return None
+
+
 def queue_eager_twin(trial: optuna.Trial, space: SearchSpace, rule: str) -> optuna.trial.FrozenTrial | None:
     """The trial of ``trial``'s eager twin, measured or queued; when there is none, queue one (role
     "steered", by ``rule``) and return None."""
-    twin_params = eager_twin(trial.params, space)
-    twin = next((t for t in trial.study.get_trials(deepcopy=False)
-                 if t.number != trial.number and complete_params(planned_params(t), space) == twin_params), None)
+    twin = _twin(trial, space)
     if twin is None:
-        trial.study.enqueue_trial(twin_params, user_attrs=queue_attrs(
+        trial.study.enqueue_trial(eager_twin(trial.params, space), user_attrs=queue_attrs(
             role="steered", steered_by={"trial": trial.number, "rule": rule}))
     return twin
 
@@ -93,6 +110,10 @@ def screen_eagerly(trial: optuna.Trial, space: SearchSpace, *, compile_mode: str
     """Prune, unstarted, a compiled configuration not screened eagerly yet (its twin is queued) or
     whose eager twin ran below SCREEN_SHARE of the fastest eager trial; return when it may compile."""
     if compile_mode == "off" or trial.params.get("precision.mode") in COMPILED_ONLY_PRECISIONS:
+        return
+    if _compiled_sibling(trial, compile_mode) is not None and _twin(trial, space) is None:
+        # a compile of its precision ran (the plain recipe, say): the planner ranks this one from it,
+        # compiled, and an eager twin would tell less than it costs (autotune.search.planner)
         return
     twin = queue_eager_twin(trial, space, RULE_SCREEN)
     if twin is None:
