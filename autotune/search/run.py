@@ -31,6 +31,7 @@ from autotune.search.options import (
     resolve_device,
 )
 from autotune.search.outputs import check_writable, write_outputs
+from autotune.search.plain_recipe import GrowToFit
 from autotune.search.planner import Planner
 from autotune.search.runlog import run_log
 from autotune.search.screening import CompileFinalist
@@ -108,9 +109,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         artifacts = Artifacts(out_dir)  # each trial's log and trace, for optuna-dashboard
         if tracking is not None:
             tracking.start(study, config.command)
-        # the fastest eager configuration is queued compiled (not under --replay: it measures an
-        # earlier search's configurations as they were)
-        callbacks = [SeedFeeder(), *([] if config.replay else [CompileFinalist(space, target.maximize)]), stop_rule]
+        callbacks = _proposers(config, space, target, objective) + [stop_rule]
         interrupted = _optimize(config, study, artifacts.wrap(objective), shared, gpu_pool,
                                 callbacks + ([tracking] if tracking is not None else []), started)
         if gate is not None and interrupted is None:
@@ -177,6 +176,15 @@ def _fit(config: SearchConfig, device: str, info: dict[str, Any], phases: dict[s
         info["memory_probe"] = {**fit.probed, "plain_recipe_batch": plain_recipe_batch(space, fit)}
         phases["memory probe"] = fit.probed.get("seconds") or 0.0
     return space
+
+
+def _proposers(config: SearchConfig, space: SearchSpace, target: Goal, objective: Objective) -> list[Callable]:
+    """Optuna's callbacks after each trial that queue candidates for the planner: the seed feeder; the
+    fastest eager configuration compiled and the plain recipe grown to the batch that fits (not under
+    --replay: it measures an earlier search's configurations as they were)."""
+    if config.replay:
+        return [SeedFeeder()]
+    return [SeedFeeder(), CompileFinalist(space, target.maximize), GrowToFit(space, objective.fit_limit_bytes)]
 
 
 def _planner(study: optuna.Study, space: SearchSpace, objective: Objective, stop_rule: StopRule, target: Goal,

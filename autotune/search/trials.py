@@ -75,5 +75,11 @@ def baseline_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
 
 
 def plain_recipe_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
-    """The plain recipe (autotune.search.plain_recipe): the bar every recommendation must clear."""
-    return role_trial(study, "plain-recipe")
+    """The plain recipe (autotune.search.plain_recipe): the bar every recommendation must clear. Where
+    it was measured at more than one batch (GrowToFit), the best of them: the largest batch that fits."""
+    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if TrialRecord.of(t).role == "plain-recipe" and t.value is not None]
+    if not done:
+        return None
+    pick = max if study.direction == optuna.study.StudyDirection.MAXIMIZE else min
+    return pick(done, key=lambda t: t.value)
