@@ -68,3 +68,30 @@ def test_the_memory_model_predicts_measured_peaks_within_ten_percent():
         predicted = model.predict(_knobs(batch))
         print(f"\nResNet-50 FP32 batch {batch}: predicted {predicted / GiB:.2f} GiB, measured {measured[batch] / GiB:.2f} GiB")
         assert predicted == pytest.approx(measured[batch], rel=0.10)
+
+
+def test_the_memory_probe_under_a_limit_stops_at_the_first_batch_that_does_not_fit():
+    """The memory probe (autotune.search.fit) on the GPU: bf16 eager ResNet-50 steps at batches 1 to
+    8 fit in 8 GiB; at 4 GiB the fixed part and a few samples fill it. Its line predicts the FP32
+    baseline's peak at 64 within 25% (FP32 activations taken as twice bf16's)."""
+    import strategies
+    from optuna.trial import FixedTrial
+
+    from autotune.search import plain_recipe
+
+    space = SearchSpace(device="cuda", precisions=["fp32", "bf16"], batch_sizes=BATCHES + [1, 2, 4, 8],
+                        base_batch_size=256, memory_formats=["contiguous", "channels_last"])
+    eager = {**plain_recipe.params(space, 1), "compile.mode": "off"}
+    knobs = strategies.knobs_to_dict(strategies.sample(FixedTrial(eager), space))
+    probe = {"mode": "memory", "space": space.to_dict(), "knobs": knobs, "workload": RESNET50,
+             "measure": QUICK.to_dict(), "seed": 0, "batches": [1, 2, 4, 8]}
+    result = run_worker({**probe, "memory_limit_bytes": 8 * GiB}, timeout_s=300)
+    assert result["status"] == "ok" and sorted(map(int, result["peaks"])) == [1, 2, 4, 8], result
+    peaks = [result["peaks"][str(b)] for b in (1, 2, 4, 8)]
+    assert peaks == sorted(peaks) and peaks[-1] < 8 * GiB
+    model = MemoryModel(8 * GiB)
+    model.add_probe({"family": family(knobs), "peaks": result["peaks"]})
+    fp32 = {**knobs, "precision": {"mode": "fp32"}, "memory_format": {"format": "contiguous"}}
+    predicted = model.predict(fp32, 64)
+    measured = _trial(64)["figures"]["peak_memory_bytes"]
+    assert abs(predicted - measured) / measured < 0.25, (predicted / GiB, measured / GiB)
