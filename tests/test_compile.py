@@ -305,3 +305,17 @@ def test_trials_csv_and_report_show_compile_time(tmp_path: Path) -> None:
     assert "Compile time" in md and "42.0 s once" in md
     html = files["report.html"].read_text()
     assert "compile s" in html and "compiling 42.0 s" in html
+
+
+def test_the_stop_rule_expects_the_cost_of_the_trial_the_planner_runs_next() -> None:
+    """With the planner, the next trial is the one it chooses, not the queue's first: a queued compile
+    behind a queued baseline is not what runs next."""
+    from autotune.search.planner import Planner
+
+    walls = [(10.0, False), (12.0, False), (200.0, True)]
+    study = optuna.create_study(direction="maximize")
+    study.enqueue_trial({"compile.mode": "default"}, user_attrs={"role": "known-good"})
+    study.enqueue_trial({"compile.mode": "off"}, user_attrs={"role": "baseline"})
+    assert estimate_next_wall(study, walls) == 200.0  # the queue's first
+    planner = Planner(CPU_SPACE, walls=walls)
+    assert estimate_next_wall(study, walls, planner=planner) == 11.0  # the baseline runs first
