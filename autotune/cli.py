@@ -256,7 +256,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         if view.task is not None:
             view.progress.stop()
     return 0 if print_summary(result.out_dir, result.elapsed_s, result.phases, study=result.study,
-                               min_batch_size=result.space.batch_sizes[0]) else 1
+                               min_batch_size=result.space.batch_sizes[0], files=result.files) else 1
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -445,7 +445,9 @@ def _show_warning(message: Warning | str, category: type[Warning], filename: str
     """Our warnings as one line a user reads ("warning: ..."), not Python's file:line form; others
     (a library's deprecation, say) keep theirs."""
     if issubclass(category, UserWarning) and f"{os.sep}autotune{os.sep}" in filename:
-        console.print(f"[yellow]warning:[/] {message}", highlight=False)
+        from rich.markup import escape
+
+        console.print(f"[yellow]warning:[/] {escape(str(message))}", highlight=False)
     else:
         _python_show_warning(message, category, filename, lineno, file, line)
 
@@ -475,7 +477,10 @@ def main(argv: list[str] | None = None) -> int:
         stop.check()  # a stop request swallowed at the very end still ends as one
         return code
     except AutotuneError as exc:
-        console.print(f"[red]error:[/] {exc}")
+        from rich.markup import escape
+
+        # escaped: "pip install 'autotune[hf]'" would lose its extra as rich markup
+        console.print(f"[red]error:[/] {escape(str(exc))}")
         return 2
     except KeyboardInterrupt:
         console.print(f"interrupted: {INTERRUPTED.get(args.command, 'nothing was written')}")

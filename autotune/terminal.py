@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     Progress,
@@ -18,6 +19,8 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 from rich.table import Table
+
+from autotune.report.format import describe, fmt_rate, plural_fix
 
 console = Console(stderr=True)
 
@@ -85,7 +88,6 @@ class SearchView:
         """A finished trial's line, then the live line: trials done, the best, the time left."""
         from autotune.search.trials import best_trial, counted_trials
         from autotune.trial.record import TrialRecord
-        from strategies import describe
 
         record = TrialRecord.of(trial)
         fig = record.figures
@@ -94,9 +96,9 @@ class SearchView:
         from autotune.workload.units import ATTR as UNITS_ATTR, Units
 
         tokens = Units.from_dict(self.study.user_attrs.get(UNITS_ATTR)).tokens_per_s(fig.get("samples_per_s"))
-        outcome = (f"{fig['samples_per_s']:,.0f} samples/s" + (f" ({tokens:,.0f} tokens/s)" if tokens else "")
+        outcome = (f"{fmt_rate(fig['samples_per_s'])} samples/s" + (f" ({fmt_rate(tokens)} tokens/s)" if tokens else "")
                    + f", {fig['step_time_ms']:.1f} ms/step, "
-                   f"{fig['peak_memory_bytes'] / 2**30:.2f} GiB") if fig else (record.reason or trial.state.name)
+                   f"{fig['peak_memory_bytes'] / 2**30:.2f} GiB") if fig else escape(record.reason or trial.state.name)
         compiled = record.timing.get("compile_s") or 0.0
         if fig and compiled >= 0.5:
             cached = {"hit": ", its graphs from the cache", "partial": ", some graphs from the cache"}
@@ -107,15 +109,17 @@ class SearchView:
             outcome += ", loss not finite (unstable: never recommended)"
         if fig.get("ddp_world_size"):
             unit, units = ("GPU", "GPUs") if self.study.user_attrs.get("device") == "cuda" else ("process", "processes")
-            outcome += (f" over {fig['ddp_world_size']} {units} ({fig['per_gpu_samples_per_s']:,.0f} per {unit}, "
+            outcome += (f" over {fig['ddp_world_size']} {units} ({fmt_rate(fig['per_gpu_samples_per_s'])} per {unit}, "
                         f"scaling efficiency {fig['scaling_efficiency']:.0%})")
         dup = f" (same as #{record.duplicate_of})" if record.duplicate_of is not None else ""
         if record.status in ("crashed", "error", "timeout") and record.duplicate_of is None:
             dup += f" (log: {self.out_dir / 'logs' / f'trial-{trial.number:04d}.log'})"
         role = f"[{record.role}] " if record.role else ""
-        knobs = describe(record.knobs)
+        knobs = escape(describe(record.knobs))
         self.progress.console.print(f"  #{trial.number:<3} {role}{knobs}: {outcome}{dup}")
-        done = len(counted_trials(self.study))
+        counted = counted_trials(self.study)
+        done = len(counted)  # what --trials counts
+        repeats = sum(TrialRecord.of(t).duplicate_of is not None for t in counted)
         best = best_trial(self.study)
         elapsed = time.time() - self.started
         if self.config.trials:
@@ -129,15 +133,54 @@ class SearchView:
             self.progress.update(self.task, completed=min(elapsed, self.config.budget_s))
         from autotune.search.goal import goal_of
 
-        best_text = f"best {goal_of(self.study).format(best.value)} (#{best.number})" if best else "no result yet"
-        self.summary = f"{done} trials, {best_text}"
+        best_text = f"best {goal_value(goal_of(self.study), best.value)} (#{best.number})" if best else "no result yet"
+        # a repeat reuses an earlier trial's result: not a trial of its own to the reader
+        self.summary = f"{trials_words(done - repeats)}" + (f" (+{repeats} {plural(repeats, 'repeat')})" if repeats else "") \
+            + f", {best_text}"
         self.progress.update(self.task, description=self.summary, status=f"~{left_s:,.0f}s left")
 
 
+def goal_value(target, v: float | None) -> str:
+    """An objective's value in words; a rate as the tables write it (3.94 samples/s, not 4)."""
+    if v is not None and target.unit == "samples/s":
+        return f"{fmt_rate(v)} {target.unit}"
+    return target.format(v)
+
+
+def plural(n: int, word: str) -> str:
+    """``word`` for one, ``word`` + s for any other count: "1 thread", "2 threads"."""
+    return word if n == 1 else f"{word}s"
+
+
+def trials_words(n: int) -> str:
+    return f"{n} {plural(n, 'trial')}"
+
+
+OUTPUT_NAMES = ("config.json", "trials.csv", "report.html", "report.md", "trace-baseline.json.gz", "trace-best.json.gz")
+"""What a search writes into its output folder, in the order the last line names them."""
+
+
+def files_line(out_dir: Path, files: dict[str, Path] | None) -> str:
+    """The last line: every file the search wrote (``files``, by name); without ``files`` (`autotune
+    show`), the files the folder holds."""
+    if files is None:
+        paths = [out_dir / name for name in OUTPUT_NAMES if (out_dir / name).exists()]
+        head = f"in {out_dir}: "
+        names = [p.name for p in paths]
+        return head + ", ".join(names) if names else f"{out_dir} holds none of {', '.join(OUTPUT_NAMES)}"
+    order = {name: i for i, name in enumerate(OUTPUT_NAMES)}
+    paths = sorted(files.values(), key=lambda p: (order.get(p.name, len(order)), p.name))
+    shown = [str(p) for p in paths]
+    if len(shown) > 1:
+        return f"wrote {', '.join(shown[:-1])} and {shown[-1]}"
+    return f"wrote {shown[0]}" if shown else "wrote nothing"
+
+
 def print_summary(out_dir: Path, elapsed_s: float | None = None, phases: dict[str, float] | None = None, *,
-                  study=None, min_batch_size: int | None = None) -> bool:
+                  study=None, min_batch_size: int | None = None, files: dict[str, Path] | None = None) -> bool:
     """Print the baseline, the best and the search's cost; False when nothing can be recommended,
-    and then why (``study``: the pattern across its trials, autotune.search.outcome)."""
+    and then why (``study``: the pattern across its trials, autotune.search.outcome). The last line
+    names every file the search wrote (``files``; without them, those the folder holds)."""
     path = out_dir / "config.json"
     if not path.exists():
         console.print("[red]no configuration to recommend[/]")
@@ -147,8 +190,55 @@ def print_summary(out_dir: Path, elapsed_s: float | None = None, phases: dict[st
             for line in explain(study, min_batch_size=min_batch_size):
                 console.print(f"  {line}")
         console.print(f"see {out_dir / 'trials.csv'} and the logs in {out_dir / 'logs'}")
+        if files:
+            console.print(files_line(out_dir, files))
         return False
     data = json.loads(path.read_text())
+    console.print(figures_table(data))
+    best = data.get("figures") or {}
+    if best.get("ddp_world_size"):
+        console.print(f"DDP over {best['ddp_world_size']} processes: {fmt_rate(best['samples_per_s'])} samples/s in "
+                      f"total, {fmt_rate(best['per_gpu_samples_per_s'])} per GPU; one GPU alone: "
+                      f"{fmt_rate(best['single_gpu_samples_per_s'])}; scaling efficiency {best['scaling_efficiency']:.0%}")
+    if (data.get("baseline") or {}).get("note"):
+        console.print(f"note: {escape(data['baseline']['note'])}")
+    if (data.get("memory") or {}).get("limit_bytes"):
+        console.print(f"every trial was capped at {data['memory']['limit_bytes'] / 2**30:.1f} GiB of GPU memory "
+                      "(--memory-limit)")
+    if "speedup_vs_baseline" in data:
+        console.print(f"speed-up over the FP32 baseline: {data['speedup_vs_baseline']:.2f}x, "
+                      f"memory {data['memory_vs_baseline']:.2f}x")
+    if line := plain_recipe_line(data):
+        console.print(escape(line))
+    console.print(objective_line(data))
+    for param, entry in (data.get("fixed_knobs") or {}).items():
+        console.print(escape(f"no longer explored: {param} = {entry['value']!r} ({entry['reason']})"))
+    s = data["search"]
+    from autotune.report.format import trials_text
+
+    # a repeat of an earlier trial reuses its result: named apart, not counted as a trial
+    console.print(f"search cost over {trials_text(s)}: worker start "
+                  f"{s['worker_start_s']:.0f}s, build {s['build_s']:.0f}s, warm-up {s['warmup_s']:.0f}s, "
+                  f"measuring {s['measure_s']:.0f}s, trials in all {s['trial_wall_s']:.0f}s"
+                  + (f"; this run {elapsed_s:.0f}s" if elapsed_s is not None else "")
+                  + (f" ({', '.join(f'{k} {v:.1f}s' for k, v in phases.items())})" if phases else ""))
+    acc = data.get("accuracy")
+    if acc:
+        console.print(escape(f"accuracy: {acc.get('verdict')}: {acc.get('reason')}"))
+        from autotune.accuracy.plan import describe as describe_plan
+
+        if plan := describe_plan(acc.get("plan")):
+            console.print(escape(f"accuracy check: {plan}"))
+    else:
+        console.print("accuracy: not checked (--no-accuracy-check, or a config exported before the check existed)")
+    for note in data.get("notes", []):
+        console.print(f"note: {escape(note)}")
+    console.print(files_line(out_dir, files))
+    return True
+
+
+def figures_table(data: dict[str, Any]) -> Table:
+    """The baseline, plain recipe and best side by side, from config.json."""
     table = Table(title=f"{data['workload']['model']} on {data['provenance'].get('gpu', 'CPU')}")
     # a language model (config.json's units name its tokens per sample): tokens/s next to samples/s
     tokens = bool((data.get("units") or {}).get("tokens_per_sample"))
@@ -158,59 +248,29 @@ def print_summary(out_dir: Path, elapsed_s: float | None = None, phases: dict[st
                          ("best", data)):
         if entry:
             f = entry["figures"]
-            table.add_row(label, entry["summary"], f"{f['samples_per_s']:,.0f}",
-                          *([f"{f.get('tokens_per_s') or 0:,.0f}"] if tokens else []), f"{f['step_time_ms']:.1f}",
+            table.add_row(label, escape(plural_fix(entry["summary"])), fmt_rate(f["samples_per_s"]),
+                          *([fmt_rate(f.get("tokens_per_s") or 0)] if tokens else []), f"{f['step_time_ms']:.1f}",
                           f"{f['peak_memory_bytes'] / 2**30:.2f}")
-    console.print(table)
-    best = data.get("figures") or {}
-    if best.get("ddp_world_size"):
-        console.print(f"DDP over {best['ddp_world_size']} processes: {best['samples_per_s']:,.0f} samples/s in total, "
-                      f"{best['per_gpu_samples_per_s']:,.0f} per GPU; one GPU alone: "
-                      f"{best['single_gpu_samples_per_s']:,.0f}; scaling efficiency {best['scaling_efficiency']:.0%}")
-    if (data.get("baseline") or {}).get("note"):
-        console.print(f"note: {data['baseline']['note']}")
-    if (data.get("memory") or {}).get("limit_bytes"):
-        console.print(f"every trial was capped at {data['memory']['limit_bytes'] / 2**30:.1f} GiB of GPU memory "
-                      "(--memory-limit)")
-    if "speedup_vs_baseline" in data:
-        console.print(f"speed-up over the FP32 baseline: {data['speedup_vs_baseline']:.2f}x, "
-                      f"memory {data['memory_vs_baseline']:.2f}x")
-    if line := plain_recipe_line(data):
-        console.print(line)
+    return table
+
+
+def objective_line(data: dict[str, Any]) -> str:
+    """What the best was ranked by, and its value beside the plain recipe's and FP32's."""
     from autotune.search.goal import goal_of_config
 
     target, ranked = goal_of_config(data), data.get("objective") or {}
+
+    def value(v: float) -> str:
+        return goal_value(target, v)
+
     line = f"objective: {target.text}"
     if ranked.get("value") is not None:
-        line += f"; best {target.format(ranked['value'])}"
+        line += f"; best {value(ranked['value'])}"
         if ranked.get("plain_recipe_value") is not None:
-            line += f", plain recipe {target.format(ranked['plain_recipe_value'])}"
+            line += f", plain recipe {value(ranked['plain_recipe_value'])}"
         if ranked.get("baseline_value") is not None:
-            line += f", FP32 baseline {target.format(ranked['baseline_value'])}"
-    console.print(line)
-    for param, entry in (data.get("fixed_knobs") or {}).items():
-        console.print(f"no longer explored: {param} = {entry['value']!r} ({entry['reason']})")
-    s = data["search"]
-    from autotune.report.format import trial_counts
-
-    console.print(f"search cost over {s['num_trials']} trials ({trial_counts(s)}): worker start "
-                  f"{s['worker_start_s']:.0f}s, build {s['build_s']:.0f}s, warm-up {s['warmup_s']:.0f}s, "
-                  f"measuring {s['measure_s']:.0f}s, trials in all {s['trial_wall_s']:.0f}s"
-                  + (f"; this run {elapsed_s:.0f}s" if elapsed_s is not None else "")
-                  + (f" ({', '.join(f'{k} {v:.1f}s' for k, v in phases.items())})" if phases else ""))
-    acc = data.get("accuracy")
-    if acc:
-        console.print(f"accuracy: {acc.get('verdict')}: {acc.get('reason')}")
-        from autotune.accuracy.plan import describe as describe_plan
-
-        if plan := describe_plan(acc.get("plan")):
-            console.print(f"accuracy check: {plan}")
-    else:
-        console.print("accuracy: not checked (--no-accuracy-check, or a config exported before the check existed)")
-    for note in data.get("notes", []):
-        console.print(f"note: {note}")
-    console.print(f"wrote {path} and {out_dir / 'trials.csv'}")
-    return True
+            line += f", FP32 baseline {value(ranked['baseline_value'])}"
+    return line
 
 
 def plain_recipe_line(data: dict[str, Any]) -> str | None:
@@ -223,13 +283,14 @@ def plain_recipe_line(data: dict[str, Any]) -> str | None:
         missing = data.get("plain_recipe_missing")
         return f"plain recipe: {missing}" if missing else None
     figures = plain["figures"]
-    rate = f"{figures['samples_per_s']:,.0f} samples/s"
+    rate = f"{fmt_rate(figures['samples_per_s'])} samples/s"
     if figures.get("tokens_per_s"):
-        rate += f", {figures['tokens_per_s']:,.0f} tokens/s"
+        rate += f", {fmt_rate(figures['tokens_per_s'])} tokens/s"
     fp32 = f", {data['speedup_vs_baseline']:.2f}x FP32" if data.get("speedup_vs_baseline") is not None else ""
     if data.get("best_is_plain_recipe"):
-        return f"nothing measured beat the plain recipe: it is the recommendation ({plain['summary']}: {rate}){fp32}"
-    return f"best: {data['speedup_vs_plain_recipe']:.2f}x the plain recipe ({plain['summary']}: {rate}){fp32}"
+        return (f"nothing measured beat the plain recipe: it is the recommendation ({plural_fix(plain['summary'])}: "
+                f"{rate}){fp32}")
+    return f"best: {data['speedup_vs_plain_recipe']:.2f}x the plain recipe ({plural_fix(plain['summary'])}: {rate}){fp32}"
 
 
 class AccuracyView:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from strategies.precision import MODES
@@ -26,10 +27,16 @@ def as_float(v: Any) -> float | None:
 
 
 def fmt_rate(v: Any) -> str:
+    """A rate (samples/s, tokens/s): whole numbers from 100 up, three significant digits below, so
+    that a speed-up beside two small rates adds up ("3.94 ... 13.4 ... 3.40x", not "4 ... 13 ...")."""
     f = as_float(v)
     if f is None:
         return ""
-    return f"{f:,.0f}" if f >= 100 else f"{f:,.1f}"
+    if abs(f) >= 100 or f == 0 or math.isinf(f):
+        return f"{f:,.0f}"
+    decimals = max(0, 2 - math.floor(math.log10(abs(f))))
+    text = f"{f:.{decimals}f}"
+    return f"{f:,.0f}" if abs(float(text)) >= 100 else text  # 99.96 rounds up to 100
 
 
 def fmt_ms(v: Any) -> str:
@@ -80,6 +87,19 @@ def fmt_times(x: float | None) -> str:
     return f"{x:.2f}x" if x >= 0.095 else f"{x:.2g}x"
 
 
+def plural_fix(text: str) -> str:
+    """A configuration's words with a count of one in the singular: "1 thread", "1 stream"; the
+    strategies write "N threads" whatever N (config.json files already written say "1 threads")."""
+    return re.sub(r"\b1 (thread|stream|process|GPU|worker)s\b", r"1 \1", text)
+
+
+def describe(knobs: Any) -> str:
+    """strategies.describe in the words the pages print (plural_fix)."""
+    import strategies
+
+    return plural_fix(strategies.describe(knobs))
+
+
 def value_label(v: Any) -> str:
     """A knob's value in words: on/off for a flag, 2 rather than 2.0."""
     if isinstance(v, bool):
@@ -96,6 +116,27 @@ def sort_key(v: Any) -> tuple:
     if isinstance(v, (int, float)):
         return (1, float(v), "")
     return (2, 0, str(v))
+
+
+def repeats_of(cost: dict[str, Any]) -> int:
+    """How many of a search's counted trials (config.json's ``search``) were repeats: a configuration
+    already measured, whose result was copied (``duplicate_of``), not run again. A config.json from
+    before the out-of-memory and failed counts existed cannot tell: 0."""
+    if "num_failed" not in cost:
+        return 0
+    ran = (cost.get("num_measured") or 0) + (cost.get("num_out_of_memory") or 0) + (cost.get("num_failed") or 0)
+    return max(0, (cost.get("num_trials") or 0) - ran)
+
+
+def trials_text(cost: dict[str, Any], early: str = "") -> str:
+    """'34 trials (30 measured; 4 run without a figure: 4 out of memory; 7 repeats of an earlier
+    trial, its result reused)': the trials run, repeats named apart and not counted as trials."""
+    repeats = repeats_of(cost)
+    n = (cost.get("num_trials") or 0) - repeats
+    text = f"{n} trial{'' if n == 1 else 's'} ({trial_counts(cost, early)}"
+    if repeats:
+        text += f"; {repeats} repeat{'' if repeats == 1 else 's'} of an earlier trial, its result reused"
+    return text + ")"
 
 
 def trial_counts(cost: dict[str, Any], early: str = "") -> str:
