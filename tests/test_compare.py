@@ -14,7 +14,8 @@ import pandas as pd
 import pytest
 from rich.console import Console
 
-from autotune.report.compare import compare, load_run
+from autotune.report.compare import compare, load_run, relative_words
+from autotune.report.format import fmt_rate
 from autotune.errors import ConfigError
 from conftest import ROOT, run_cli
 
@@ -70,8 +71,7 @@ def test_side_by_side_shows_each_runs_recorded_figures(cpu_runs, tmp_path):
         f = data["figures"]
         assert c.runs[i].best.samples_per_s == f["samples_per_s"]
         assert rows["best configuration"][i] == data["summary"]
-        assert rows["samples/s"][i] == (f"{f['samples_per_s']:,.0f}" if f["samples_per_s"] >= 100
-                                        else f"{f['samples_per_s']:.1f}")
+        assert rows["samples/s"][i] == fmt_rate(f["samples_per_s"])  # three significant digits under 100
         assert rows["step ms"][i] == f"{f['step_time_ms']:.1f}"
         assert rows["peak memory GiB"][i] == f"{f['peak_memory_bytes'] / 2**30:.2f}"
         assert rows["speed-up over own FP32 baseline"][i] == f"{data['speedup_vs_baseline']:.2f}x"
@@ -115,7 +115,8 @@ def test_ratios_are_relative_to_the_first_run(cpu_runs, tmp_path):
     assert c.ratios["samples_per_s"] == pytest.approx([1.0, second["samples_per_s"] / first["samples_per_s"]])
     assert c.ratios["peak_memory"] == pytest.approx([1.0, second["peak_memory_bytes"] / first["peak_memory_bytes"]])
     ratio = second["samples_per_s"] / first["samples_per_s"]
-    assert _rows(c, "Relative to default")["samples/s"] == ["1.00x", f"{ratio:.2f}x" if ratio >= 0.095 else f"{ratio:.2g}x"]
+    assert _rows(c, "Relative to default")["samples/s"] == ["the reference", relative_words(ratio, "faster", "slower")]
+    assert relative_words(0.00061, "faster", "slower") == "1,639x slower"  # not "0.00061x"
 
 
 def test_precision_speedups_of_the_gpu_report(tmp_path):

@@ -45,9 +45,77 @@ def browser(tmp_path_factory):
         driver.set_window_size(1280, 1000)
         driver.get(files["report.html"].resolve().as_uri())
         driver.study = study
+        driver.report_page = files["report.html"]
         yield driver
     finally:
         driver.quit()
+
+
+def _open(driver, page: Path) -> None:
+    driver.set_window_size(1280, 1000)
+    driver.get(page.resolve().as_uri())
+
+
+@pytest.fixture(scope="module")
+def wide_reports(tmp_path_factory):
+    """The committed reports whose tables spilled out of their boxes, written afresh: gpt2-h200 (reasons
+    of up to 345 characters, squeezed to a six-character column) and resnet50-h200-24gib (a mangled
+    kernel name of 1,676 characters on one line: a 12,680 px table)."""
+    import shutil
+
+    import optuna
+
+    pages = {}
+    for name in ("gpt2-h200", "resnet50-h200-24gib"):
+        out = tmp_path_factory.mktemp(name)
+        for f in ("study.db", "config.json"):
+            shutil.copy(ROOT / "reports" / name / f, out / f)
+        study, config = load(out)
+        pages[name] = write_report(study, out, config)["report.html"]
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return pages
+
+
+_BOXES = """
+const main = document.querySelector('main').getBoundingClientRect();
+return {
+  page: [document.documentElement.scrollWidth, window.innerWidth],
+  main: [main.left, main.right],
+  wraps: Array.from(document.querySelectorAll('.table-wrap')).map(w => {
+    const r = w.getBoundingClientRect();
+    return [w.querySelector('table').id || w.querySelector('table').className, r.left, r.right,
+            w.clientWidth, w.scrollWidth, getComputedStyle(w).overflowX];
+  }),
+  reasons: Array.from(document.querySelectorAll('#trials td.reason')).filter(td => td.textContent.length > 80)
+    .map(td => td.getBoundingClientRect().width),
+  kernels: Array.from(document.querySelectorAll('table.kernels')).map(t => [t.getBoundingClientRect().width,
+    t.closest('.table-wrap').clientWidth]),
+};
+"""
+
+
+@pytest.mark.parametrize("name", ["gpt2-h200", "resnet50-h200-24gib"])
+def test_wide_tables_stay_in_their_boxes(browser, wide_reports, name):
+    _open(browser, wide_reports[name])
+    try:
+        boxes = browser.execute_script(_BOXES)
+    finally:  # the other tests read the tiny search's page
+        _open(browser, browser.report_page)
+    width, viewport = boxes["page"]
+    assert width <= viewport, f"the page scrolls sideways: {width} px in a {viewport} px window"
+    left, right = boxes["main"]
+    for table, box_left, box_right, inner, content, overflow in boxes["wraps"]:
+        # every table inside its box, within the page's column; a wider one scrolls inside its box
+        assert left - 1 <= box_left and box_right <= right + 1, (table, box_left, box_right, left, right)
+        assert content <= inner or overflow in ("auto", "scroll"), (table, inner, content, overflow)
+    # a long reason reads as lines of words, not a column a few characters wide
+    assert all(w >= 200 for w in boxes["reasons"]), boxes["reasons"]
+    if name == "gpt2-h200":
+        assert boxes["reasons"], "gpt2-h200 has reasons of more than 80 characters"
+    else:
+        assert boxes["kernels"]
+        for table_width, box_width in boxes["kernels"]:  # a kernel's name breaks: no sideways scroll
+            assert table_width <= box_width + 1, (table_width, box_width)
 
 
 def column(driver, key: str) -> list[float | None]:

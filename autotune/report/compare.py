@@ -55,6 +55,10 @@ class Comparison:
     """Precision mode -> each run's best samples/s with it over its FP32 baseline; None: not measured."""
     plain_recipe_speedups: list[float | None]
     """Each run's best samples/s over its own plain recipe's; None: no plain recipe in its config.json."""
+    headline: str
+    """Which run is faster and by how much, in one sentence."""
+    flags: list[str]
+    """What differs between the runs besides the device that bears on the figures (torch, batch size)."""
     html: Path
     markdown: Path
     table: Table
@@ -87,13 +91,65 @@ def compare(folders: Sequence[Path], out_dir: Path, *, allow_different_models: b
     out_dir.mkdir(parents=True, exist_ok=True)
     title = f"autotune: comparing {len(runs)} runs"
     svg = chart_svg(runs, columns, speedups)
+    headline, flags = _headline(runs, columns), _flags(runs, columns)
     html_path, md_path = out_dir / "compare.html", out_dir / "compare.md"
-    html_path.write_text(render_html(title, runs, columns, sections, svg))
-    md_path.write_text(render_markdown(title, runs, columns, sections))
+    html_path.write_text(render_html(title, runs, columns, sections, svg, headline=headline, flags=flags))
+    md_path.write_text(render_markdown(title, runs, columns, sections, headline=headline, flags=flags))
     return Comparison(runs=runs, columns=columns, sections=sections, differing_knobs=differing, ratios=ratios,
                       precision_speedups=speedups, plain_recipe_speedups=[r.speedup_vs_plain_recipe for r in runs],
-                      html=html_path, markdown=md_path,
-                      table=render_table(title, columns, sections), chart=svg is not None)
+                      headline=headline, flags=flags, html=html_path, markdown=md_path,
+                      table=render_table(title, columns, sections, headline=headline, flags=flags),
+                      chart=svg is not None)
+
+
+def times_words(x: float) -> str:
+    """A factor of 1 or more in words a reader compares at a glance: "1.18x", "1,633x"."""
+    return f"{x:,.0f}x" if x >= 100 else f"{x:.2f}x"
+
+
+def relative_words(x: float | None, more: str, less: str) -> str:
+    """A run's figure over the first run's, as how many times more or less: "1.18x faster", "1,633x
+    slower", "the same" (not "0.00061x")."""
+    if x is None:
+        return MISSING
+    if abs(x - 1) < 0.005:
+        return "the same"
+    return f"{times_words(x)} {more}" if x > 1 else f"{times_words(1 / x)} {less}"
+
+
+def _headline(runs: list[Run], columns: list[str]) -> str:
+    """Which run's best configuration is the fastest, and by how much over each other run."""
+    order = sorted(range(len(runs)), key=lambda i: -runs[i].best.samples_per_s)
+    top = order[0]
+    fast = runs[top].best.samples_per_s
+    parts = []
+    for i in order[1:]:
+        rate = runs[i].best.samples_per_s
+        ratio = fast / rate if rate else None
+        if ratio is None:
+            continue
+        if ratio < 1.005:
+            parts.append(f"as fast as {columns[i]} ({fmt_rate(rate)} samples/s)")
+        else:
+            parts.append(f"{times_words(ratio)} as fast as {columns[i]} ({fmt_rate(rate)} samples/s)")
+    return (f"{columns[top]} is the fastest: its best configuration trains {fmt_rate(fast)} samples/s, "
+            + "; ".join(parts) + ".")
+
+
+def _flags(runs: list[Run], columns: list[str]) -> list[str]:
+    """What else differs between the runs and bears on the figures: torch versions, and the best
+    configurations' batch sizes (a throughput at another batch is not the same step)."""
+    flags = []
+    versions = [str(r.provenance.get("torch") or MISSING) for r in runs]
+    if len(set(versions)) > 1:
+        flags.append("torch versions differ (" + ", ".join(f"{c}: {v}" for c, v in zip(columns, versions))
+                     + "): part of the difference may be torch's, not the device's")
+    batches = [((r.best.knobs.get("batch_size") or {}).get("batch_size")) for r in runs]
+    if len({b for b in batches if b is not None}) > 1:
+        flags.append("batch sizes differ (" + ", ".join(f"{c}: {_value(b)}" for c, b in zip(columns, batches))
+                     + "): each run's samples/s is at its own best batch, so a step of one is not a step of "
+                     "the other")
+    return flags
 
 
 def _column_names(runs: list[Run]) -> list[str]:
@@ -235,9 +291,14 @@ def _knob_section(runs: list[Run], differing: dict[str, list[Any]]) -> Section:
 
 def _ratio_section(runs: list[Run], columns: list[str], ratios: dict[str, list[float | None]]) -> Section:
     labels = {"samples_per_s": "samples/s", "peak_memory": "peak memory", "joules_per_sample": "joules per sample"}
-    return Section(title=f"Relative to {columns[0]}",
-                   rows=[Row(label=labels[k], cells=[fmt_times(x) for x in v]) for k, v in ratios.items()],
-                   note="each run's best configuration over the first run's")
+    words = {"samples_per_s": ("faster", "slower"), "peak_memory": ("more", "less"),
+             "joules_per_sample": ("more", "less")}
+    rows = [Row(label=labels[k], cells=[relative_words(x, *words[k]) if i else
+                                        ("the reference" if x is not None else MISSING)
+                                        for i, x in enumerate(v)]) for k, v in ratios.items()]
+    return Section(title=f"Relative to {columns[0]}", rows=rows,
+                   note="each run's best configuration over the first run's: how many times faster or slower, "
+                        "more or less")
 
 
 def _precision_section(runs: list[Run], speedups: dict[str, list[float | None]]) -> Section:

@@ -29,8 +29,10 @@ class Section:
     note: str = ""
 
 
-def render_table(title: str, columns: list[str], sections: list[Section]) -> Table:
-    table = Table(title=title)
+def render_table(title: str, columns: list[str], sections: list[Section], *, headline: str = "",
+                 flags: list[str] = ()) -> Table:
+    table = Table(title=title + (f"\n{headline}" if headline else ""),
+                  caption="\n".join(f"note: {f}" for f in flags) or None)
     table.add_column("")
     for name in columns:
         table.add_column(name, overflow="fold")
@@ -50,8 +52,12 @@ def _md_cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def render_markdown(title: str, runs: list[Run], columns: list[str], sections: list[Section]) -> str:
+def render_markdown(title: str, runs: list[Run], columns: list[str], sections: list[Section], *,
+                    headline: str = "", flags: list[str] = ()) -> str:
     lines = [f"# {title}", ""]
+    if headline:
+        lines += [f"**{_md_cell(headline)}**", ""]
+    lines += [f"- **Note:** {_md_cell(f)}" for f in flags] + ([""] if flags else [])
     lines += [f"{i}. **{_md_cell(c)}**: {_md_cell(r.label)} (`{r.folder}`)"
               for i, (c, r) in enumerate(zip(columns, runs), 1)]
     for section in sections:
@@ -69,7 +75,8 @@ def render_markdown(title: str, runs: list[Run], columns: list[str], sections: l
     return "\n".join(lines) + "\n"
 
 
-def render_html(title: str, runs: list[Run], columns: list[str], sections: list[Section], svg: str | None) -> str:
+def render_html(title: str, runs: list[Run], columns: list[str], sections: list[Section], svg: str | None, *,
+                headline: str = "", flags: list[str] = ()) -> str:
     import jinja2
     from markupsafe import Markup
 
@@ -78,7 +85,8 @@ def render_html(title: str, runs: list[Run], columns: list[str], sections: list[
     env = jinja2.Environment(loader=jinja2.PackageLoader("autotune.report", "templates"), autoescape=True,
                              undefined=jinja2.StrictUndefined)
     return env.get_template("compare.html.j2").render(
-        title=title, runs=list(zip(columns, runs)), columns=columns, sections=sections,
+        title=title, headline=headline, flags=list(flags), runs=list(zip(columns, runs)), columns=columns,
+        sections=sections,
         svg=Markup(svg) if svg else None, version=autotune.__version__,
         created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
 

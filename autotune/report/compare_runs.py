@@ -11,8 +11,8 @@ from typing import Any
 
 import pandas as pd
 
-import strategies
 from autotune.errors import ConfigError
+from autotune.report.format import describe, plural_fix
 
 
 @dataclass(kw_only=True, slots=True)
@@ -189,7 +189,7 @@ def load_run(folder: Path) -> Run:
     trials_path = folder / "trials.csv"
     trials = pd.read_csv(trials_path) if trials_path.exists() else pd.DataFrame()
     base = info.get("baseline")
-    best = Measured(summary=info.get("summary") or strategies.describe(info["knobs"]), knobs=info["knobs"],
+    best = Measured(summary=plural_fix(info.get("summary") or "") or describe(info["knobs"]), knobs=info["knobs"],
                     figures=info["figures"], trial_number=(info.get("study") or {}).get("trial_number"))
     baseline, plain = _measured(base), _measured(info.get("plain_recipe"))
     device = info.get("device") or ("cuda" if info["provenance"].get("gpu") else "cpu")
@@ -204,7 +204,7 @@ def _measured(entry: Any) -> Measured | None:
     """config.json's baseline or plain recipe entry; None where it is absent or has no samples/s."""
     if not isinstance(entry, dict) or _number((entry.get("figures") or {}).get("samples_per_s")) is None:
         return None
-    return Measured(summary=entry.get("summary") or strategies.describe(entry.get("knobs", {})),
+    return Measured(summary=plural_fix(entry.get("summary") or "") or describe(entry.get("knobs", {})),
                     knobs=entry.get("knobs", {}), figures=entry["figures"], trial_number=entry.get("trial_number"))
 
 

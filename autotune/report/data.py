@@ -83,6 +83,11 @@ _FRAME_COLUMNS = ["number", "role", "state", "status", "reason", "duplicate_of",
                   "accuracy_drop", "loss_drift"]
 
 
+_ACCURACY_COLUMNS = ("accuracy_verdict", "accuracy_reason", "accuracy", "accuracy_drop", "loss_drift", "accuracy_allowed",
+                     "accuracy_key")
+"""The frame's columns that come from a trial's accuracy check (its numerics' check)."""
+
+
 def collect(study: optuna.Study, out_dir: Path, config: dict[str, Any] | None) -> ReportData:
     """The report's data for ``study``, written into ``out_dir``; ``config`` is its config.json, or None."""
     from autotune.accuracy.gate import accuracy_of
@@ -101,17 +106,28 @@ def collect(study: optuna.Study, out_dir: Path, config: dict[str, Any] | None) -
     extra = []
     for number in frame["number"]:
         record = records[number]
+        acc = record.accuracy or {}
         row = {
             "unstable": record.unstable,
             "note": _trial_note(record, by_number[number].system_attrs.get("fail_reason")),
+            # the drop or drift the check allowed, and which numerics (precision mode, GradScaler) it
+            # trained: every trial of the same numerics shares one check
+            "accuracy_allowed": acc.get("allowed"),
+            "accuracy_key": acc.get("numerics_key"),
         }
         knobs = record.knobs
         for knob in KNOBS:
             row[f"knob.{knob.key}"] = knob.get(knobs) if knobs and knob.only(knobs) else None
         extra.append(row)
-    extra_columns = ["unstable", "note", *(f"knob.{knob.key}" for knob in KNOBS)]
+    extra_columns = ["unstable", "note", "accuracy_allowed", "accuracy_key", *(f"knob.{knob.key}" for knob in KNOBS)]
     extra_frame = pd.DataFrame(extra, index=range(len(extra)), columns=extra_columns)
     frame = pd.concat([frame.reset_index(drop=True), extra_frame], axis=1)
+    # a trial that ran out of memory, was stopped early or failed trained nothing: the check of its
+    # numerics (shared with the trials that completed) is not its own, so it shows none
+    unmeasured = (frame["state"] != "COMPLETE") | frame["samples_per_s"].isna()
+    for column in _ACCURACY_COLUMNS:
+        if column in frame:
+            frame[column] = frame[column].astype(object).where(~unmeasured, None)
     measured = frame[(frame["state"] == "COMPLETE") & frame["samples_per_s"].notna() & frame["duplicate_of"].isna()]
 
     best_t, base_t, plain_t = best_trial(study), baseline_trial(study), plain_recipe_trial(study)

@@ -55,6 +55,20 @@ class Change:
     """Each pair's noise band (a relative difference below it is noise)."""
     signs: list[int] = field(default_factory=list)
     """Each pair: +1 faster beyond its noise, -1 slower beyond it, 0 within it."""
+    with_before: str = ""
+    with_after: str = ""
+    """Another knob the pairs switch on with ``before`` (``after``) alone: a parameter that exists only
+    with that value and is set off its default ("CUDA graphs", which exist only with the fused
+    optimizer). The ratio is then the two knobs' together, and the change says so."""
+
+    @property
+    def label(self) -> str:
+        """The change in words: "foreach → fused + CUDA graphs"."""
+        from autotune.report.format import value_label
+
+        before = value_label(self.before) + (f" + {self.with_before}" if self.with_before else "")
+        after = value_label(self.after) + (f" + {self.with_after}" if self.with_after else "")
+        return f"{before} → {after}"
 
     @property
     def ratio(self) -> float:
@@ -131,14 +145,39 @@ def _changes(param: str, pairs: list[tuple[FrozenTrial, FrozenTrial]], knob: Rep
         va, vb = a.params[param], b.params[param]
         if vb == default or (va != default and sort_key(vb) < sort_key(va)):
             a, b, va, vb = b, a, vb, va
-        change = changes.setdefault((repr(va), repr(vb)), Change(va, vb))
+        also_a, also_b = _switched_with(param, a, b), _switched_with(param, b, a)
+        change = changes.setdefault((repr(va), repr(vb), also_a, also_b),
+                                    Change(va, vb, with_before=also_a, with_after=also_b))
         rate_a, rate_b = TrialRecord.of(a).samples_per_s, TrialRecord.of(b).samples_per_s
         noise = pair_noise(a, b)
         change.pairs.append((a.number, b.number))
         change.ratios.append(rate_b / rate_a)
         change.noises.append(noise)
         change.signs.append(0 if relative_difference(rate_a, rate_b) <= noise else (1 if rate_b > rate_a else -1))
-    return sorted(changes.values(), key=lambda c: (sort_key(c.before), sort_key(c.after)))
+    return sorted(changes.values(), key=lambda c: (sort_key(c.before), sort_key(c.after), c.with_before, c.with_after))
+
+
+def _switched_with(param: str, a: FrozenTrial, b: FrozenTrial) -> str:
+    """What else trial ``a`` of a pair switches on against ``b``: the knobs of its parameters that ``b``
+    lacks (they exist only with ``a``'s value of ``param``), from another strategy than ``param``'s and
+    set off that strategy's default, in the strategy's own words ("CUDA graphs"); "" where none.
+    (The GradScaler settings that come with fp16 are at their defaults unless tuned: not a switch.)"""
+    strategy = param.partition(".")[0]
+    words = []
+    for other in sorted(a.params.keys() - b.params.keys()):
+        name, _, field_name = other.partition(".")
+        if name == strategy or name not in strategies.BY_NAME:
+            continue
+        default = getattr(strategies.BY_NAME[name].default(), field_name, _NO_DEFAULT)
+        if a.params[other] == default:
+            continue
+        said = strategies.BY_NAME[name].words(TrialRecord.of(a).knobs.get(name) or {}) or f"{other}={a.params[other]}"
+        if said not in words:
+            words.append(said)
+    return " + ".join(words)
+
+
+_NO_DEFAULT = object()
 
 
 LEFT_OUT = "repeats, and trials that diverged or failed the accuracy check, left out"

@@ -16,6 +16,7 @@ from autotune.accuracy.gate import SETTINGS_ATTR, UNAVAILABLE_ATTR, accuracy_of
 from autotune.accuracy.plan import PLAN_ATTR
 from autotune.deploy.config import TunedConfig
 from autotune.deploy.space import SearchSpace
+from autotune.report.format import describe
 from autotune.search.trials import baseline_trial, best_trial, plain_recipe_trial, search_cost
 from autotune.trial.record import TrialRecord
 from autotune.workload.units import ATTR as UNITS_ATTR, Units
@@ -35,7 +36,7 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
             "status": record.status if record.status is not None else t.system_attrs.get("fail_reason", ""),
             "reason": record.reason if record.reason is not None else "",
             "duplicate_of": record.duplicate_of,
-            "config": strategies.describe(record.knobs) if record.knobs else "",
+            "config": describe(record.knobs) if record.knobs else "",
             "samples_per_s": fig.get("samples_per_s"),
             # a language model's samples/s times its tokens per sample (sequence length); None otherwise
             "tokens_per_s": units.tokens_per_s(fig.get("samples_per_s")),
@@ -157,11 +158,11 @@ def _config_info(study: optuna.Study, out_dir: Path, best: optuna.trial.FrozenTr
         # with --data the timed steps were fed by a DataLoader over it (`autotune verify` does so again)
         "data": config.data,
         "measure": config.measure.to_dict(),
-        "summary": strategies.describe(best_record.knobs),
+        "summary": describe(best_record.knobs),
         "units": units.to_dict(),
         "figures": units.with_tokens(best_record.figures),
         "baseline": None if base is None else {
-            "summary": strategies.describe(base_record.knobs),
+            "summary": describe(base_record.knobs),
             "knobs": base_record.knobs,
             "figures": units.with_tokens(base_record.figures),
             "trial_number": base.number,
@@ -196,7 +197,7 @@ def _plain_recipe_info(study: optuna.Study, best: optuna.trial.FrozenTrial, plai
     record, best_record = TrialRecord.of(plain), TrialRecord.of(best)
     p, f = record.figures, best_record.figures
     return {
-        "plain_recipe": {"summary": strategies.describe(record.knobs), "knobs": record.knobs,
+        "plain_recipe": {"summary": describe(record.knobs), "knobs": record.knobs,
                          "figures": units.with_tokens(p), "trial_number": plain.number},
         "speedup_vs_plain_recipe": f["samples_per_s"] / p["samples_per_s"],
         "memory_vs_plain_recipe": (f["peak_memory_bytes"] / p["peak_memory_bytes"]

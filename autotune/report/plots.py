@@ -184,24 +184,122 @@ SPEED_ACCURACY_AXES = {
 accuracy: its checks give the loss drift)."""
 
 
-def plot_speed_accuracy(d: ReportData) -> Plot | None:
+FAILED = ("violated", "unstable", "error")
+"""Accuracy verdicts that fail a configuration (autotune.accuracy.gate)."""
+_ALLOWED_WORDS = {"accuracy_drop": "drop", "loss_drift": "drift"}
+
+
+def speed_accuracy_column(d: ReportData) -> str | None:
+    """The accuracy axis's column: the first in SPEED_ACCURACY_AXES some measured trial has."""
     m = d.measured
-    col = next((c for c in SPEED_ACCURACY_AXES if c in m and pd.to_numeric(m[c], errors="coerce").notna().any()), None)
+    return next((c for c in SPEED_ACCURACY_AXES if c in m and pd.to_numeric(m[c], errors="coerce").notna().any()),
+                None)
+
+
+def _checked(d: ReportData, col: str) -> pd.DataFrame:
+    m = d.measured
+    return m[pd.to_numeric(m[col], errors="coerce").notna()]
+
+
+def _per_mode_groups(m: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """The checked trials by the check they share (their numerics: precision mode and GradScaler
+    settings), where some check stands for more than one trial; {} where each trial had its own."""
+    keys = m["accuracy_key"].fillna("") if "accuracy_key" in m else pd.Series("", index=m.index)
+    groups = {key: group for key, group in m.groupby(keys, sort=False)}
+    if not any(len(g) > 1 for key, g in groups.items() if key):
+        return {}
+    return groups
+
+
+def _mode_name(group: pd.DataFrame) -> str:
+    modes = sorted({str(v) for v in group["knob.precision"].dropna()}, key=sort_key)
+    return "/".join(modes) or "?"
+
+
+def speed_accuracy_flat(d: ReportData) -> str | None:
+    """The sentence that stands for the speed-versus-accuracy plot when every configuration checked
+    gave the same accuracy figure (a plot would be one vertical line); None where they differ."""
+    col = speed_accuracy_column(d)
     if col is None:
         return None
-    m = m[pd.to_numeric(m[col], errors="coerce").notna()]
+    m = _checked(d, col)
+    values = m[col].astype(float).round(9)
+    if values.nunique() != 1 or len(m) < 2:
+        return None
+    from autotune.report.format import fmt_g
+
+    what = SPEED_ACCURACY_AXES[col].split(" (")[0]
+    allowed = pd.to_numeric(m.get("accuracy_allowed"), errors="coerce").dropna()
+    limit = f" (allowed {fmt_g(allowed.max(), 3)})" if col in _ALLOWED_WORDS and len(allowed) else ""
+    failed = int(m["accuracy_verdict"].isin(FAILED).sum()) if "accuracy_verdict" in m else 0
+    verdict = (f"all {len(m)} failed the check" if failed == len(m) else
+               f"{failed} of them failed the check" if failed else "every one passed the check")
+    return (f"All {len(m)} configurations checked have the same {what}, {fmt_g(values.iloc[0], 3)}{limit}: "
+            f"the check cannot tell them apart, so there is no plot of speed against it; {verdict}.")
+
+
+def plot_speed_accuracy(d: ReportData) -> Plot | None:
+    """samples/s against the accuracy figure: the allowed drop or drift drawn as a line, the
+    configurations that failed the check marked, the Pareto front among those that passed. Where one
+    check stands for every trial of a precision mode (the check trains the numerics, not each
+    configuration), the plot says so and labels each mode's column of points. None without an
+    accuracy figure, or when every point is equal (speed_accuracy_flat says so in words)."""
+    col = speed_accuracy_column(d)
+    if col is None or speed_accuracy_flat(d) is not None:
+        return None
+    m = _checked(d, col)
+    verdicts = m["accuracy_verdict"] if "accuracy_verdict" in m else pd.Series(None, index=m.index)
+    failed = verdicts.isin(FAILED)
+    allowed = sorted(set(pd.to_numeric(m.get("accuracy_allowed"), errors="coerce").dropna().round(6)))
+    allowed = allowed if col in _ALLOWED_WORDS else []
+    groups = _per_mode_groups(m)
     with matplotlib.rc_context(_RC):
         fig, ax = _figure(7.2, 4.2)
-        n = _front_line(ax, m, col, "samples_per_s", x_low=col != "accuracy")
+        n = _front_line(ax, m[~failed], col, "samples_per_s", x_low=col != "accuracy")
         _scatter(ax, m, col, "samples_per_s")
+        if failed.any():
+            ax.scatter(m.loc[failed, col].astype(float), m.loc[failed, "samples_per_s"].astype(float), marker="x",
+                       s=90, color="#b30000", linewidths=1.8, zorder=5, label="failed the check")
+        for i, limit in enumerate(allowed):
+            ax.axvline(limit, color="#b30000", linestyle=":", linewidth=1.4, zorder=3,
+                       label=f"allowed {_ALLOWED_WORDS[col]}" if i == 0 else None)
         _label_points(ax, d, m, col, "samples_per_s")
+        xs = m[col].astype(float).tolist() + list(allowed)
+        span = (max(xs) - min(xs)) or abs(max(xs)) or 1.0
+        if groups:  # each mode's column of points labelled above its highest, staggered where two are close
+            previous, level = None, 0
+            shared = [g for g in groups.values() if len(g) > 1]  # a check of one trial is that trial's own
+            for group in sorted(shared, key=lambda g: float(g[col].astype(float).median())):
+                x = float(group[col].astype(float).median())
+                level = 1 - level if previous is not None and abs(x - previous) < 0.3 * span else 0
+                previous = x
+                ax.annotate(f"{_mode_name(group)}: 1 check, {len(group)} trials",
+                            (x, float(group["samples_per_s"].max())),
+                            xytext=(0, 10 + 13 * level), textcoords="offset points",
+                            ha="center", va="bottom", fontsize=7, color="#444444",
+                            arrowprops={"arrowstyle": "-", "color": "#bbbbbb", "lw": 0.6})
+            ax.set_title("one accuracy check per precision mode: the points of a mode share its value",
+                         fontsize=8, color="#444444", loc="left")
         ax.set_xlabel(SPEED_ACCURACY_AXES[col])
         ax.set_ylabel("samples/s")
-        ax.margins(x=0.15, y=0.15)
+        ax.set_xlim(min(xs) - 0.15 * span, max(xs) + 0.15 * span)
+        ax.margins(y=0.25)
         _legend(ax)
         svg = inline_svg(fig, "speed-accuracy")
-    return Plot("speed-accuracy", "Speed versus accuracy", svg,
-                 f"{len(m)} configurations with an accuracy check; the dashed line is the Pareto front ({n}).")
+    from autotune.report.format import fmt_g
+
+    caption = f"{len(m)} configuration{'s' if len(m) != 1 else ''} with an accuracy check"
+    if allowed:
+        caption += (f"; red dotted line: the allowed {_ALLOWED_WORDS[col]} "
+                    f"({', '.join(fmt_g(a, 3) for a in allowed)}, FP32's own reshuffle noise included)")
+    caption += (f"; × marks the {int(failed.sum())} that failed the check" if failed.any()
+                else "; every one passed the check")
+    caption += f"; the dashed line is the Pareto front of those that passed ({n})."
+    if groups:
+        caption += (" The check trains each precision mode's numerics once, not each configuration: every "
+                    "trial of a mode shares its mode's value (each column of points is labelled with its mode "
+                    "and how many trials share that one check).")
+    return Plot("speed-accuracy", "Speed versus accuracy", svg, caption)
 
 
 def _bars(ax, labels: list[str], best: list[float], median: list[float], counts: list[int], colors: list[str],
@@ -280,7 +378,7 @@ def plot_paired(d: ReportData) -> Plot | None:
     """Each change of a knob's value that pairs of trials make alone: one dot per pair (its samples/s
     ratio, log scale), the median, and the noise band within which a ratio says nothing."""
     effects = d.effects
-    changes = [(f"{p.label}: {value_label(c.before)} → {value_label(c.after)}", c)
+    changes = [(f"{p.label}: {c.label}", c)
                for p in (effects.params if effects is not None else []) for c in p.changes]
     if not changes:
         return None

@@ -42,6 +42,7 @@ from autotune.report.plots import (
     plot_precision_format,
     plot_profile,
     plot_speed_accuracy,
+    speed_accuracy_flat,
     plot_throughput_memory,
 )
 from autotune.report.sections import (
@@ -87,6 +88,7 @@ def _context(d: ReportData) -> dict[str, Any]:
         "has": d.has,
         "not_measured": NOT_MEASURED,
         "plot_accuracy": plot_speed_accuracy(d),
+        "accuracy_flat": speed_accuracy_flat(d),
         "plot_memory": plot_throughput_memory(d),
         "plots_knobs": plots_knobs,
         "fixed_knobs": fixed,

@@ -9,11 +9,11 @@ from typing import Any
 
 import pandas as pd
 
-import strategies
 from autotune.report.data import KNOBS, ReportData
 from autotune.report.effects import LEFT_OUT
 from autotune.report.format import (
     as_float,
+    describe,
     fmt_g,
     fmt_gib,
     fmt_ms,
@@ -306,7 +306,7 @@ def paired_rows(d: ReportData, noun: str = "bars") -> list[dict[str, Any]]:
         rows = []
         for c in p.changes:
             shown = ", ".join(f"#{a}/#{b}" for a, b in c.pairs[:6]) + (" ..." if len(c.pairs) > 6 else "")
-            rows.append({"change": f"{value_label(c.before)} → {value_label(c.after)}", "n": len(c.pairs),
+            rows.append({"change": c.label, "n": len(c.pairs),
                          "pairs": shown, "ratio": fmt_ratio(c.ratio), "ratio_value": c.ratio,
                          "range": f"{min(c.ratios):.2f}–{max(c.ratios):.2f}×" if len(c.ratios) > 1 else "",
                          "noise": f"±{fmt_pct(c.noise)}", "verdict": c.verdict()})
@@ -341,14 +341,27 @@ def profile_rows(d: ReportData) -> list[dict[str, Any]]:
             parts.append({"label": "other", "share": max(0.0, 1 - known), "color": "#eeeeee"})
         out.append({
             "label": f"{label} (#{n})", "number": n,
-            "config": strategies.describe(d.records[n].knobs) if d.records[n].knobs else "",
+            "config": describe(d.records[n].knobs) if d.records[n].knobs else "",
             "parts": parts,
             "kernels_per_step": p.get("kernels_per_step"),
             "copy_overlap": p.get("copy_overlap"),
-            "top_kernels": [{"name": str(k.get("name", "")), "share": fmt_pct(k.get("share"))}
+            "top_kernels": [{**kernel_name(str(k.get("name", ""))), "share": fmt_pct(k.get("share"))}
                             for k in (p.get("top_kernels") or [])[:10]],
         })
     return out
+
+
+KERNEL_NAME_CHARS = 160
+"""A kernel's name longer than this (a mangled C++ template: one ran to 12,680 px on one line) is cut,
+its whole name in the cell's title."""
+
+
+def kernel_name(name: str) -> dict[str, str]:
+    """A kernel's name as its table cell shows it: cut after KERNEL_NAME_CHARS with "…", the whole
+    name then as the cell's title (shown on hover); the page breaks what is left anywhere."""
+    if len(name) <= KERNEL_NAME_CHARS:
+        return {"name": name, "title": ""}
+    return {"name": name[:KERNEL_NAME_CHARS - 1] + "…", "title": name}
 
 
 def _model_lines(model: str, workload: dict[str, Any]) -> tuple[str, str]:
@@ -390,22 +403,38 @@ def snippet(d: ReportData) -> str:
         group, done = "", "padding, memory format, backend flags, device"
         feed = ("loader = torch.utils.data.DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True,"
                 "  # your dataset\n")
+    if model.startswith("hf:"):
+        # a causal LM returns an output object: the loss is next-token cross-entropy on its logits, each
+        # position predicting the next token, as the search trained it (autotune.workload.hub)
+        optimizer = ("optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.scaled_lr(6e-4), betas=(0.9, 0.95), "
+                     "weight_decay=0.1)\n")
+        feed = feed.replace("# your dataset", "# your dataset: token ids, seq_len + 1 a sample")
+        loop = ("for tokens in cfg.loader(loader):            # to the device, on the tuned streams\n"
+                "    optimizer.zero_grad(set_to_none=True)\n"
+                "    with cfg.autocast():\n"
+                "        logits = model(input_ids=tokens[:, :-1]).logits  # the output object's logits\n"
+                "        # next-token cross-entropy, in FP32: position i predicts token i + 1\n"
+                "        loss = loss_fn(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())\n")
+    else:
+        optimizer = "optimizer = torch.optim.SGD(model.parameters(), lr=cfg.scaled_lr(0.1), momentum=0.9)\n"
+        loop = ("for x, y in cfg.loader(loader):               # to the device, in the tuned memory format and "
+                "streams\n"
+                "    optimizer.zero_grad(set_to_none=True)\n"
+                "    with cfg.autocast():\n"
+                "        loss = loss_fn(model(x), y)\n")
     return (
         f"{imports}\n"
         f"{group}"
         f"cfg = autotune.load({json.dumps(str(path))})\n"
         f"{build}\n"
-        "optimizer = torch.optim.SGD(model.parameters(), lr=cfg.scaled_lr(0.1), momentum=0.9)\n"
+        f"{optimizer}"
         f"model, optimizer = cfg.prepare(model, optimizer)  # {done}\n"
         "scaler = cfg.grad_scaler()                        # a GradScaler, disabled unless fp16 needs it\n"
         "loss_fn = torch.nn.CrossEntropyLoss()\n"
         f"{feed}"
         "                                     **cfg.dataloader_kwargs(num_workers=4))"
         "  # workers, pinning: tuned with --data\n"
-        "for x, y in cfg.loader(loader):               # to the device, in the tuned memory format and streams\n"
-        "    optimizer.zero_grad(set_to_none=True)\n"
-        "    with cfg.autocast():\n"
-        "        loss = loss_fn(model(x), y)\n"
+        f"{loop}"
         "    scaler.scale(loss).backward()\n"
         "    scaler.step(optimizer)\n"
         "    scaler.update()\n"

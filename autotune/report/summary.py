@@ -16,7 +16,8 @@ from autotune.report.format import (
     fmt_rate,
     fmt_ratio,
     fmt_s,
-    trial_counts,
+    repeats_of,
+    trials_text,
 )
 
 NOT_MEASURED = "not measured in this search"
@@ -107,6 +108,10 @@ def summary_items(d: ReportData) -> list[dict[str, str]]:
         items.append({"label": "Best configuration", "text": "none: no configuration completed"})
     else:
         items.append({"label": "Best configuration", "text": f"{best['config']} (trial #{int(best['number'])})"})
+        if (runner := runner_up_text(d)) is not None:
+            if runner.startswith("a tie"):
+                items[-1]["text"] += f"; a tie with the runner-up, #{int(runner_up(d)[0]['number'])}, within the noise"
+            items.append({"label": "Runner-up", "text": runner})
         rate = f"{fmt_rate(best['samples_per_s'])} samples/s"
         rate += f" (FP32 baseline: {fmt_rate(base['samples_per_s'])} samples/s)" if base is not None else \
             " (the FP32 baseline did not complete)"
@@ -156,12 +161,57 @@ def summary_items(d: ReportData) -> list[dict[str, str]]:
     c = d.cost
     early = " in their warm-up as clearly slower than the best"
     items.append({"label": "Search cost", "text": (
-        f"{c.get('num_trials', 0)} trials ({trial_counts(c, early)}), "
+        f"{trials_text(c, early)}, "
         f"{fmt_s(c.get('trial_wall_s'))} of trials: worker start {fmt_s(c.get('worker_start_s'))}, "
         f"build {fmt_s(c.get('build_s'))}, "
         + (f"compiling {fmt_s(c['compile_s'])}, " if c.get("compile_s") else "")
         + f"warm-up {fmt_s(c.get('warmup_s'))}, measuring {fmt_s(c.get('measure_s'))}")})
     return items
+
+
+def runner_up(d: ReportData) -> tuple[pd.Series, float, float] | None:
+    """The next best configuration after the best under the search's objective (measured, loss finite,
+    not failed its accuracy check, another configuration than the best's), the best's relative lead
+    over it, and the pair's noise band (autotune.search.knob_effects: 3%, or half the larger step-time
+    spread of the two); None where there is none."""
+    from autotune.search.goal import goal_of_config
+    from autotune.search.knob_effects import NOISE_FLOOR
+
+    best = d.best
+    if best is None:
+        return None
+    goal = goal_of_config(d.config)
+    column = goal.column if goal.column in d.measured else "samples_per_s"
+    m = d.measured[(d.measured["number"] != best["number"]) & (d.measured["config"] != best["config"])
+                   & ~d.measured["unstable"].astype(bool)]
+    if "accuracy_verdict" in m:
+        m = m[~m["accuracy_verdict"].isin(("violated", "unstable", "error"))]
+    values = pd.to_numeric(m[column], errors="coerce")
+    b = as_float(best.get(column))
+    if b is None or values.notna().sum() == 0:
+        return None
+    other = m.loc[values.idxmax() if goal.maximize else values.idxmin()]
+    o = as_float(other[column])
+    if not o or not b:
+        return None
+    lead = (b - o) / o if goal.maximize else (o - b) / b
+    spreads = [as_float(r.get("spread")) or 0.0 for r in (best, other)]
+    return other, lead, max(NOISE_FLOOR, 0.5 * max(spreads))
+
+
+def runner_up_text(d: ReportData) -> str | None:
+    """The runner-up in words, and whether the best's lead over it is beyond the noise: within it,
+    the two are a tie, and either serves."""
+    found = runner_up(d)
+    if found is None:
+        return None
+    other, lead, noise = found
+    who = f"{other['config']} (trial #{int(other['number'])}): {fmt_rate(other['samples_per_s'])} samples/s"
+    behind = fmt_pct(lead, 1 if abs(lead) >= 0.01 else 2)
+    if lead <= noise:
+        return (f"a tie: {who}, {behind} behind the best, within the ±{fmt_pct(noise)} noise of two "
+                "measurements; the measurements cannot tell the two apart, so either serves")
+    return f"{who}, {behind} behind the best, beyond the ±{fmt_pct(noise)} noise"
 
 
 def plain_recipe_speedup(d: ReportData) -> float | None:
@@ -260,7 +310,8 @@ def kpis(d: ReportData) -> list[dict[str, str]]:
         out.append({"key": "accuracy-drop", "value": repr(float(drop)), "text": fmt_g(drop, 3),
                     "label": "accuracy drop, best"})
     c = d.cost
-    out.append({"key": "trials", "value": str(c.get("num_trials", 0)), "text": str(c.get("num_trials", 0)),
+    run = c.get("num_trials", 0) - repeats_of(c)  # a repeat reused an earlier trial's result
+    out.append({"key": "trials", "value": str(run), "text": str(run),
                 "label": f"trials, {fmt_s(c.get('trial_wall_s'))}"})
     return out
 
