@@ -47,7 +47,8 @@ class Threads(Strategy):
         return {"threads.num_threads": max(space.thread_counts) if space.thread_counts else 0}
 
     def words(self, values: Mapping[str, Any]) -> str:
-        return f"{values['num_threads']} threads" if values.get("num_threads") else ""
+        n = values.get("num_threads")
+        return f"{n} thread{'' if n == 1 else 's'}" if n else ""
 
     def report_knobs(self) -> list[ReportKnob]:
         return [ReportKnob("threads", "CPU threads", self.name, "num_threads", 0)]

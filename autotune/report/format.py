@@ -88,8 +88,8 @@ def fmt_times(x: float | None) -> str:
 
 
 def plural_fix(text: str) -> str:
-    """A configuration's words with a count of one in the singular: "1 thread", "1 stream"; the
-    strategies write "N threads" whatever N (config.json files already written say "1 threads")."""
+    """A configuration's words with a count of one in the singular: "1 thread", "1 stream", also in
+    the config.json files written before the strategies said so themselves ("1 threads")."""
     return re.sub(r"\b1 (thread|stream|process|GPU|worker)s\b", r"1 \1", text)
 
 
