@@ -109,7 +109,6 @@ class Planner:
         """Every queued candidate with its prediction, in the order the planner would run them
         (before the look-ahead on the budget left, which ``choose`` adds)."""
         from autotune.search.memory import MemoryModel
-        from autotune.search.steering import complete_params
 
         trials = study.get_trials(deepcopy=False)
         waiting = [t for t in trials if t.state == TrialState.WAITING]
@@ -119,47 +118,50 @@ class Planner:
         best = self._best(done)
         memory = MemoryModel.from_study(study, self.limit_bytes)
         seen = self._seen_values(done)
-        measured_params = [p for _, p, _ in done]
         gains = {mode: self.compile_gain(study, mode) for mode in self.space.precisions}
         gains["batch half"] = _batch_half(study)
-        plans = []
-        for t in waiting:
-            record = TrialRecord.of(t)
-            params = complete_params(planned_params(t), self.space)
-            compiled = params.get("compile.mode", "off") != "off"
-            cost = self._cost(compiled)
-            peak, verdict = self._memory(memory, params)
-            predicted, source = self._predict(params, done, gains)
-            novel = [f"{k}={v}" for k, v in params.items() if k in seen and v not in seen[k]
-                     and k != "batch_size.batch_size"]
-            gain = 0.0
-            if best is not None and predicted is not None:
-                # a knob value never measured may give NOVELTY more than predicted, not more than that:
-                # an eager trial predicted far below a compiled best gains nothing by being new
-                hope = predicted * (1 + NOVELTY) if novel and self.maximize else predicted
-                hope = predicted / (1 + NOVELTY) if novel and not self.maximize else hope
-                gain = max(0.0, (hope - best.value) if self.maximize else (best.value - hope))
-            elif best is not None and novel:
-                gain = NOVELTY * abs(best.value)
-            role = record.role or "search"
-            if record.urgent:
-                rank, why = 0, "the FP32 baseline at a batch that fits: every figure is compared with it"
-            elif verdict is not None:
-                rank, cost, why = 1, 0.0, f"sized before it runs: {verdict}"
-            elif params in measured_params:
-                rank, cost, why = 2, 0.0, "a repeat of a measured configuration: its result is copied"
-            elif role == "baseline":
-                rank, why = 3, "the FP32 baseline: every figure is compared with it"
-            elif role == "plain-recipe":
-                rank, why = 4, "the plain recipe: the bar every recommendation must clear"
-            else:
-                rank = 5
-                why = self._words(predicted, source, best, cost, gain, novel)
-            plans.append(Plan(number=t.number, trial_id=t._trial_id, role=role, predicted=predicted, cost_s=cost,
-                              peak_bytes=peak, gain=gain, rank=rank, why=why))
+        context = (done, best, memory, seen, [p for _, p, _ in done], gains)
+        plans = [self._plan(t, *context) for t in waiting]
         # fixed roles in their order (queue order within one); the rest by gain per second, the
         # queue's order breaking ties (the seeds' order says which the guides rank first)
         return sorted(plans, key=lambda p: (p.rank, -p.gain_per_s if p.rank == 5 else 0.0, p.number))
+
+    def _plan(self, t: optuna.trial.FrozenTrial, done, best, memory, seen: dict[str, set],
+              measured_params: list[dict], gains: dict[str, float]) -> Plan:
+        """One queued trial's plan: its predictions, its rank among the fixed roles, its words."""
+        from autotune.search.steering import complete_params
+
+        record = TrialRecord.of(t)
+        params = complete_params(planned_params(t), self.space)
+        cost = self._cost(params.get("compile.mode", "off") != "off")
+        peak, verdict = self._memory(memory, params)
+        predicted, source = self._predict(params, done, gains)
+        novel = [f"{k}={v}" for k, v in params.items() if k in seen and v not in seen[k]
+                 and k != "batch_size.batch_size"]
+        gain = 0.0
+        if best is not None and predicted is not None:
+            # a knob value never measured may give NOVELTY more than predicted, not more than that:
+            # an eager trial predicted far below a compiled best gains nothing by being new
+            spread = (1 + NOVELTY) if novel else 1.0
+            hope = predicted * spread if self.maximize else predicted / spread
+            gain = max(0.0, (hope - best.value) if self.maximize else (best.value - hope))
+        elif best is not None and novel:
+            gain = NOVELTY * abs(best.value)
+        role = record.role or "search"
+        if record.urgent:
+            rank, why = 0, "the FP32 baseline at a batch that fits: every figure is compared with it"
+        elif verdict is not None:
+            rank, cost, why = 1, 0.0, f"sized before it runs: {verdict}"
+        elif params in measured_params:
+            rank, cost, why = 2, 0.0, "a repeat of a measured configuration: its result is copied"
+        elif role == "baseline":
+            rank, why = 3, "the FP32 baseline: every figure is compared with it"
+        elif role == "plain-recipe":
+            rank, why = 4, "the plain recipe: the bar every recommendation must clear"
+        else:
+            rank, why = 5, self._words(predicted, source, best, cost, gain, novel)
+        return Plan(number=t.number, trial_id=t._trial_id, role=role, predicted=predicted, cost_s=cost,
+                    peak_bytes=peak, gain=gain, rank=rank, why=why)
 
     def choose(self, study: optuna.Study, left_s: float | None = None) -> Plan | None:
         """The queued candidate to run next; None when nothing is queued. ``left_s``: the budget's
