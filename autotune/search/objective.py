@@ -233,13 +233,13 @@ class Objective:
 
     def _early_stop_bar(self, trial: optuna.Trial) -> float | None:
         """The samples/s below which this trial's warm-up stops it: ``early_stop_below`` of the best
-        recommendable throughput so far. None for the FP32 baseline (every figure is compared with
-        it), under --ddp and --data (their rate is only known after the timed window), and before
-        anything was measured."""
+        recommendable throughput so far. None for the FP32 baseline and the plain recipe (every
+        figure is compared with them), under --ddp and --data (their rate is only known after the
+        timed window), and before anything was measured."""
         from autotune.search.trials import best_trial
 
-        if (not self.early_stop_below or TrialRecord.of(trial).role == "baseline" or self.data is not None
-                or self.space.ddp_world_size > 1):
+        bars = TrialRecord.of(trial).role in ("baseline", "plain-recipe")
+        if not self.early_stop_below or bars or self.data is not None or self.space.ddp_world_size > 1:
             return None
         best = best_trial(trial.study)
         return None if best is None or not best.value else self.early_stop_below * best.value
