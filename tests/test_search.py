@@ -71,6 +71,12 @@ def test_cpu_search_exports_a_config_that_trains(cpu_search, tmp_path, cli_main)
     assert len(trials) == 6
     assert trials.loc[0, "role"] == "baseline" and trials.loc[0, "config"].startswith("fp32, contiguous")
     assert (trials["state"] == "COMPLETE").all()
+    # each trial says why the planner ran it when it did: the bars by their roles, the rest by prediction
+    assert trials.loc[0, "planned_why"] == "the FP32 baseline: every figure is compared with it"
+    assert trials.loc[1, "role"] == "plain-recipe" and trials.loc[1, "planned_why"].startswith("the plain recipe")
+    queued = trials["role"] != "search"
+    assert trials.loc[queued, "planned_cost_s"].notna().all() and trials["planned_why"].notna().all()
+    assert (trials.loc[~queued, "planned_why"] == "sampled by TPE: nothing was queued").all()
     best = trials.loc[trials["samples_per_s"].idxmax()]
     assert data["figures"]["samples_per_s"] == pytest.approx(best["samples_per_s"])
     assert data["study"]["trial_number"] == best["number"]

@@ -22,6 +22,15 @@ from autotune.trial.record import TrialRecord
 from autotune.workload.units import ATTR as UNITS_ATTR, Units
 
 
+def _why_it_ran(record: TrialRecord) -> dict[str, Any]:
+    """trials.csv's columns on why a trial ran: the finding that queued it, and why the planner ran it
+    when it did (autotune.search.planner: its words, predicted value and cost)."""
+    planned = record.planned or {}
+    return {"steered_by": f"#{record.steered_by['trial']} {record.steered_by['rule']}" if record.steered_by else "",
+            "planned_why": planned.get("why") or ("" if record.role else "sampled by TPE: nothing was queued"),
+            "planned_value": planned.get("predicted"), "planned_cost_s": planned.get("cost_s")}
+
+
 def trials_frame(study: optuna.Study) -> pd.DataFrame:
     """One row per trial: identity, outcome, figures, the search's own cost, and the parameters."""
     rows = []
@@ -96,7 +105,7 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
                                                  "layout_share", "memcpy_share", "idle_share", "kernels_per_step",
                                                  "copy_overlap")},
             "findings": " | ".join(record.findings),
-            "steered_by": (f"#{record.steered_by['trial']} {record.steered_by['rule']}" if record.steered_by else ""),
+            **_why_it_ran(record),
         })
         row.update({f"param.{k}": v for k, v in sorted(t.params.items())})
         rows.append(row)
