@@ -11,6 +11,7 @@ does not fit, the batch range goes down to 1. GPU only: a CPU's memory is the ho
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -75,8 +76,7 @@ def probe_fit(config: SearchConfig, device: str, space: SearchSpace, info: dict[
     probed = {"family": family(knobs), "peaks": result.get("peaks") or {},
               "does_not_fit_at": result.get("does_not_fit_at"), "seconds": result.get("seconds")}
     fit = Fit(probed=probed, limit_bytes=float(cap), base_fits=True)
-    base_fits = fit.fits(knobs, space.base_batch_size)
-    return Fit(probed=probed, limit_bytes=float(cap), base_fits=base_fits)
+    return dataclasses.replace(fit, base_fits=fit.fits(knobs, space.base_batch_size))
 
 
 def widen_to_fit(config: SearchConfig, space: SearchSpace, fit: Fit | None) -> bool:

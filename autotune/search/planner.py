@@ -118,7 +118,7 @@ class Planner:
         best = self._best(done)
         memory = MemoryModel.from_study(study, self.limit_bytes)
         seen = self._seen_values(done)
-        gains = {mode: self.compile_gain(study, mode) for mode in self.space.precisions}
+        gains = self.compile_gains(study)
         gains["batch half"] = _batch_half(study)
         context = (done, best, memory, seen, [p for _, p, _ in done], gains)
         plans = [self._plan(t, *context) for t in waiting]
@@ -296,17 +296,18 @@ class Planner:
             return (now / (now + half)) / (was / (was + half))
         return None
 
-    def compile_gain(self, study: optuna.Study, precision: str | None) -> float:
-        """torch.compile's gain for ``precision`` as this search measured it (its compiled trials over
-        their eager twins), else any precision's, else COMPILE_GAIN_PRIOR."""
+    def compile_gains(self, study: optuna.Study) -> dict[str, float]:
+        """torch.compile's gain for each offered precision as this search measured it (its compiled
+        trials over their eager twins), else any precision's, else COMPILE_GAIN_PRIOR; each
+        precision's compiled trials are read once."""
         from autotune.search.screening import compile_gains
 
         if "default" not in self.space.compile_modes:
-            return 1.0
-        gains = compile_gains(study, self.space, precision, "default") if precision else []
-        if not gains:
-            gains = [g for mode in self.space.precisions for g in compile_gains(study, self.space, mode, "default")]
-        return max(g for g, _, _ in gains) if gains else COMPILE_GAIN_PRIOR
+            return {mode: 1.0 for mode in self.space.precisions}
+        measured = {mode: [g for g, _, _ in compile_gains(study, self.space, mode, "default")]
+                    for mode in self.space.precisions}
+        anywhere = [g for gains in measured.values() for g in gains]
+        return {mode: max(gains or anywhere or [COMPILE_GAIN_PRIOR]) for mode, gains in measured.items()}
 
     def _words(self, predicted, source, best, cost, gain, novel) -> str:
         if predicted is None:

@@ -77,9 +77,13 @@ def queue_eager_twin(trial: optuna.Trial, space: SearchSpace, rule: str) -> optu
     "steered", by ``rule``) and return None."""
     twin = _twin(trial, space)
     if twin is None:
-        trial.study.enqueue_trial(eager_twin(trial.params, space), user_attrs=queue_attrs(
-            role="steered", steered_by={"trial": trial.number, "rule": rule}))
+        _enqueue_twin(trial, space, rule)
     return twin
+
+
+def _enqueue_twin(trial: optuna.Trial, space: SearchSpace, rule: str) -> None:
+    trial.study.enqueue_trial(eager_twin(trial.params, space), user_attrs=queue_attrs(
+        role="steered", steered_by={"trial": trial.number, "rule": rule}))
 
 
 def eager_rate(trial: optuna.trial.FrozenTrial) -> float | None:
@@ -111,12 +115,13 @@ def screen_eagerly(trial: optuna.Trial, space: SearchSpace, *, compile_mode: str
     whose eager twin ran below SCREEN_SHARE of the fastest eager trial; return when it may compile."""
     if compile_mode == "off" or trial.params.get("precision.mode") in COMPILED_ONLY_PRECISIONS:
         return
-    if _compiled_sibling(trial, compile_mode) is not None and _twin(trial, space) is None:
-        # a compile of its precision ran (the plain recipe, say): the planner ranks this one from it,
-        # compiled, and an eager twin would tell less than it costs (autotune.search.planner)
-        return
-    twin = queue_eager_twin(trial, space, RULE_SCREEN)
+    twin = _twin(trial, space)
     if twin is None:
+        if _compiled_sibling(trial, compile_mode) is not None:
+            # a compile of its precision ran (the plain recipe, say): the planner ranks this one from
+            # it, compiled, and an eager twin would tell less than it costs (autotune.search.planner)
+            return
+        _enqueue_twin(trial, space, RULE_SCREEN)
         _prune(trial, "screened eagerly first: its eager twin (compile off) is measured instead, and the "
                       "configuration is compiled only if that one ranks among the fastest")
     if twin.state in (TrialState.WAITING, TrialState.RUNNING):

@@ -62,7 +62,7 @@ def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
 
 
 def role_trial(study: optuna.Study, role: str) -> optuna.trial.FrozenTrial | None:
-    """The first completed trial of ``role`` that ran (not a copy of another's result)."""
+    """The first completed trial of ``role``."""
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         if TrialRecord.of(t).role == role:
             return t
