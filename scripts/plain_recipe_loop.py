@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import re
 import statistics
 import sys
 import time
@@ -46,13 +45,15 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from autotune.errors import ConfigError  # noqa: E402
+from autotune.search.memory import parse_size  # noqa: E402  (--memory-limit read as the search reads it)
+from autotune.trial.memory_fit import is_out_of_memory  # noqa: E402  (out of memory as the search knows it)
 from autotune.workload import hub  # noqa: E402  (the search's own builders, read-only)
 
 IMAGE_BASE_BATCH = 256
 LM_BASE_TOKENS = 16_384
 CPU_BASE_BATCH = 16
 MAX_BATCH_FACTOR = 4
-OOM_WORDS = ("out of memory", "can't allocate memory", "CUDNN_STATUS_ALLOC_FAILED", "CUBLAS_STATUS_ALLOC_FAILED")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -182,18 +183,6 @@ def candidates(base: int, factor: int = MAX_BATCH_FACTOR) -> list[int]:
     return sorted(grid | {top}, reverse=True)
 
 
-def is_out_of_memory(exc: BaseException | None) -> bool:
-    """torch's OutOfMemoryError, or an allocation failure worded as one (the CPU, cuDNN, cuBLAS),
-    or either wrapped in another error (torch.compile's, say)."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, torch.OutOfMemoryError) or any(w in str(exc) for w in OOM_WORDS):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
 def free_memory(device: str) -> None:
     gc.collect()
     if device == "cuda":
@@ -257,14 +246,6 @@ def cap_memory(args: argparse.Namespace) -> int | None:
     outside = max(0, total - free - torch.cuda.memory_reserved())
     torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, (limit - outside) / total)))
     return limit
-
-
-def parse_size(text: str, option: str = "--memory-limit") -> int:
-    """'24GiB', '24GB', '24G', '500MiB' or bytes -> bytes (GB and G taken as GiB, as the search takes them)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*", text.lower())
-    if not match or float(match.group(1)) <= 0:
-        raise SystemExit(f"{option} {text!r}: write a size like 24GiB, 24GB or 500MiB")
-    return int(float(match.group(1)) * {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[match.group(2)])
 
 
 def set_backend_flags(device: str) -> None:
@@ -415,7 +396,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    result = run(args)
+    try:
+        result = run(args)
+    except ConfigError as exc:  # a size like --memory-limit 24GiB mistyped
+        raise SystemExit(str(exc)) from None
     line = json.dumps(result)
     print(line, flush=True)
     if args.out:
