@@ -107,8 +107,9 @@ class Objective:
             return self._reuse(trial, previous)
         self._prune_what_cannot_run(trial)
         self._prune_if_it_cannot_fit(trial)
-        # the plain recipe is measured as a user runs it, compiled, with no eager twin first
-        if self.screen_compiles and TrialRecord.of(trial).role not in ("replayed", "plain-recipe"):
+        # the plain recipe is measured as a user runs it, compiled, with no eager twin first, and so
+        # are its neighbours: one knob from it, ranked from it (autotune.search.neighbours)
+        if self.screen_compiles and not _ranked_from_the_bar(TrialRecord.of(trial)):
             screen_eagerly(trial, self.space, compile_mode=knobs["compile"].mode, maximize=self.goal.maximize,
                            unit=self.goal.unit)
         self._skip_a_compile_past_the_budget(trial, knobs)
@@ -391,3 +392,11 @@ class Objective:
 
 def dumps(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, default=str)
+
+
+def _ranked_from_the_bar(record: TrialRecord) -> bool:
+    """A trial compiled with no eager twin first: a replayed one (as it ran), the plain recipe, and a
+    neighbour of the plain recipe (one knob from its measured, compiled figure)."""
+    from autotune.search.neighbours import RULE
+
+    return record.role in ("replayed", "plain-recipe") or (record.steered_by or {}).get("rule") == RULE

@@ -36,6 +36,7 @@ import optuna
 from optuna.trial import TrialState
 
 from autotune.deploy.space import SearchSpace
+from autotune.search.neighbours import prior_factor
 from autotune.search.trials import planned_params
 from autotune.search.walls import expected_wall
 from autotune.trial.record import TrialRecord
@@ -294,7 +295,8 @@ class Planner:
             half = gains["batch half"]
             was, now = int(before[key]), int(after[key])
             return (now / (now + half)) / (was / (was + half))
-        return None
+        # a knob the plain recipe's neighbours change: what it gave elsewhere (autotune.search.neighbours)
+        return prior_factor(key, before, after)
 
     def compile_gains(self, study: optuna.Study) -> dict[str, float]:
         """torch.compile's gain for each offered precision as this search measured it (its compiled

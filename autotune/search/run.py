@@ -31,6 +31,7 @@ from autotune.search.options import (
     resolve_device,
 )
 from autotune.search.outputs import check_writable, write_outputs
+from autotune.search.neighbours import Neighbours
 from autotune.search.plain_recipe import GrowToFit
 from autotune.search.planner import Planner
 from autotune.search.runlog import run_log
@@ -109,7 +110,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         artifacts = Artifacts(out_dir)  # each trial's log and trace, for optuna-dashboard
         if tracking is not None:
             tracking.start(study, config.command)
-        callbacks = _proposers(config, space, target, objective) + [stop_rule]
+        callbacks = _proposers(config, space, target, objective, info) + [stop_rule]
         interrupted = _optimize(config, study, artifacts.wrap(objective), shared, gpu_pool,
                                 callbacks + ([tracking] if tracking is not None else []), started)
         if gate is not None and interrupted is None:
@@ -178,13 +179,16 @@ def _fit(config: SearchConfig, device: str, info: dict[str, Any], phases: dict[s
     return space
 
 
-def _proposers(config: SearchConfig, space: SearchSpace, target: Goal, objective: Objective) -> list[Callable]:
+def _proposers(config: SearchConfig, space: SearchSpace, target: Goal, objective: Objective,
+               info: dict[str, Any]) -> list[Callable]:
     """Optuna's callbacks after each trial that queue candidates for the planner: the seed feeder; the
-    fastest eager configuration compiled and the plain recipe grown to the batch that fits (not under
-    --replay: it measures an earlier search's configurations as they were)."""
+    fastest eager configuration compiled; the plain recipe grown to the batch that fits, then its
+    neighbours (one knob changed; the memory knobs under a cap) (not under --replay: it measures an
+    earlier search's configurations as they were)."""
     if config.replay:
         return [SeedFeeder()]
-    return [SeedFeeder(), CompileFinalist(space, target.maximize), GrowToFit(space, objective.fit_limit_bytes)]
+    return [SeedFeeder(), CompileFinalist(space, target.maximize), GrowToFit(space, objective.fit_limit_bytes),
+            Neighbours(space, info, objective.fit_limit_bytes)]
 
 
 def _planner(study: optuna.Study, space: SearchSpace, objective: Objective, stop_rule: StopRule, target: Goal,

@@ -1,0 +1,225 @@
+"""Neighbours of the bar: the plain recipe with one knob changed, compiled as it is, and under a
+memory cap the plain recipe at a larger batch with the memory knobs that make it fit.
+
+The plain recipe (autotune.search.plain_recipe) is the bar every recommendation must clear, and it
+is compiled, so an eager candidate says little about beating it: on the H200 a 3-minute hf:gpt2
+search spent its time after the plain recipe on six eager candidates, each predicted at 0.77x of it,
+and the recommendation was the plain recipe itself. What can beat it is the plain recipe and one
+change a user would try next: the vocabulary padded to a multiple of 64 (nanoGPT's), fp16 in place of
+bf16, another compile mode, the whole step in a CUDA graph, a larger batch; and where memory caps the
+batch (a 1B Llama under 24 GiB fits the plain recipe at batch 1 or 2), the knobs that buy memory:
+8-bit optimizer states, a fused linear cross-entropy, recomputed activations, traded for a batch
+that fits and runs faster.
+
+``Neighbours`` is a proposer (Optuna's callback after each trial): once the plain recipe is measured,
+and no larger batch of it is still queued (GrowToFit), it queues those candidates once each, as
+steered trials of RULE. The planner (autotune.search.planner) orders them by expected gain per
+second, from each move's prior (MOVES, LEVERS: what the knob gave elsewhere) until this search
+measures it. They are compiled like the bar and skip eager screening: a compiled configuration
+one knob away from a measured compiled one is ranked from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import optuna
+from optuna.trial import TrialState
+
+import strategies
+from autotune.deploy.space import SearchSpace
+from autotune.search import plain_recipe
+from autotune.search.steering import complete_params
+from autotune.search.trials import planned_params
+from autotune.trial.record import TrialRecord, queue_attrs
+
+RULE = "one knob from the plain recipe"
+
+
+@dataclass(frozen=True)
+class Move:
+    """One change of the plain recipe and what it is expected to give before it is measured."""
+
+    param: str
+    value: Any
+    gain: float
+    """Expected speed over the plain recipe (1.0: none known; the planner adds its novelty)."""
+    why: str
+
+
+MOVES: tuple[Move, ...] = (
+    Move("vocab_padding.multiple", 64, 1.04,
+         "a vocabulary padded to a multiple of 64 (nanoGPT's 50,304 for GPT-2's 50,257)"),
+    Move("compile.mode", "max-autotune-no-cudagraphs", 1.02, "Inductor's autotuned GEMM and Triton configurations"),
+    Move("precision.mode", "fp16", 1.01, "fp16 beat bf16 for ResNet-50 on the H200 (7,346 img/s at batch 1,024)"),
+    Move("cuda_graphs.enabled", True, 1.02, "the whole step in one CUDA graph: no launch gaps"),
+    Move("compile.mode", "reduce-overhead", 1.02, "compiled with CUDA graphs (cudagraph trees)"),
+    Move("optimizer.set_to_none", False, 1.0, "gradients zeroed in place"),
+)
+"""The one-knob moves, in the order the guides rank them (the queue's order breaks the planner's ties)."""
+
+
+@dataclass(frozen=True)
+class Lever:
+    """A knob that buys memory: what it saves, and what it is expected to cost in speed."""
+
+    param: str
+    value: Any
+    speed: float
+    """Expected speed at the same batch, over the plain recipe."""
+    fixed_saving: Callable[[dict[str, Any]], float]
+    """Bytes it saves whatever the batch, from the probe's findings (num_parameters ...)."""
+    per_sample_share: float
+    """Share of the compiled step's bytes per sample it keeps (1.0: it saves none of them)."""
+    per_sample_saving: Callable[[dict[str, Any]], float]
+    """Bytes per sample it saves on top (a language model's logits)."""
+
+
+def _adam_states(probe: dict[str, Any]) -> float:
+    # AdamW's two FP32 states are 8 bytes a parameter; 8-bit ones 2.03 (1,235,814,400 parameters of
+    # the 1B Llama shape on the H200: 9.21 GiB against 2.34, scripts/memory_parts_bench.py)
+    return 5.97 * float(probe.get("num_parameters") or 0)
+
+
+def _logits(probe: dict[str, Any]) -> float:
+    # a compiled loss still holds the bf16 logits (0.98 GiB for 4 x 1,024 tokens of a 128,256
+    # vocabulary); liger's fused linear cross-entropy held 0.49 GiB there: about one byte a logit saved
+    return float(probe.get("tokens_per_sample") or 0) * float(probe.get("vocab_size") or 0)
+
+
+LEVERS: tuple[Lever, ...] = (
+    # torchao's 8-bit AdamW stepped the 1B Llama's parameters in 122 ms against fused AdamW's 11 on the
+    # H200: for a step of about 75 ms that is 0.45x at the same batch; bitsandbytes' is fused
+    Lever("optimizer_state.state", "8bit", 0.9, _adam_states, 1.0, lambda probe: 0.0),
+    # liger's loss took 25 ms against the compiled loss's 11 ms for 4 x 1,024 tokens of the 1B Llama
+    Lever("loss_kernel.kernel", "fused_linear", 0.85, lambda probe: 0.0, 1.0, _logits),
+    # recomputing every other block's forward in backward: about a sixth more compute
+    Lever("activation_checkpointing.every", 2, 0.87, lambda probe: 0.0, 0.55, lambda probe: 0.0),
+    Lever("activation_checkpointing.every", 1, 0.75, lambda probe: 0.0, 0.15, lambda probe: 0.0),
+)
+"""The memory knobs, from the cheapest in speed."""
+
+LEVER_SETS: tuple[tuple[int, ...], ...] = ((0,), (1,), (0, 1), (2,), (0, 2), (0, 1, 2), (3,), (0, 1, 3))
+"""Combinations of LEVERS tried, as indices: one knob, then more (a 1B Llama's optimizer states and
+its logits together), recompute last (it costs the most)."""
+
+PRIORS: dict[tuple[str, Any], float] = {(m.param, m.value): m.gain for m in MOVES}
+PRIORS.update({(lever.param, lever.value): lever.speed for lever in LEVERS})
+"""Expected speed of each move and lever over the plain recipe's value of that knob: the planner's
+factor for a knob it has no measured pair for (autotune.search.planner)."""
+
+
+def offered(space: SearchSpace, params: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any] | None:
+    """``params`` with ``changes``, completed through the strategies; None where the space does not
+    offer one of them with the rest (a CUDA graph with a fused loss, say: the knob drops it)."""
+    changed = complete_params({**params, **changes}, space)
+    return changed if all(changed.get(k) == v for k, v in changes.items()) else None
+
+
+def fit_with(levers: tuple[Lever, ...], probe: dict[str, Any], allocated: float, batch: int, per_sample: float,
+             target: int) -> float:
+    """Predicted bytes of the plain recipe at ``target`` with ``levers``, from what it allocated at ``batch``
+    and the compiled step's bytes per sample."""
+    share = 1.0
+    for lever in levers:
+        share *= lever.per_sample_share
+    fixed = allocated - batch * per_sample - sum(lever.fixed_saving(probe) for lever in levers)
+    saving = sum(lever.per_sample_saving(probe) for lever in levers)
+    # a sample never holds less than a tenth of what it held: the logits are not all it holds
+    return fixed + target * max(per_sample * share - saving, 0.1 * per_sample)
+
+
+class Neighbours:
+    """Optuna's callback after each trial: queue the plain recipe's neighbours once it is measured."""
+
+    def __init__(self, space: SearchSpace, probe: dict[str, Any], limit_bytes: float | None) -> None:
+        self.space = space
+        self.probe = probe
+        self.limit_bytes = limit_bytes
+
+    def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        if TrialRecord.of(trial).role != plain_recipe.ROLE or trial.state != TrialState.COMPLETE:
+            return
+        trials = study.get_trials(deepcopy=False)
+        if any(TrialRecord.of(t).role == plain_recipe.ROLE and t.state in (TrialState.WAITING, TrialState.RUNNING)
+               for t in trials):
+            return  # a larger batch of it is queued (GrowToFit): its neighbours start from the faster one
+        bar = max((t for t in trials if TrialRecord.of(t).role == plain_recipe.ROLE
+                   and t.state == TrialState.COMPLETE and t.value is not None), key=lambda t: t.value)
+        known = [complete_params(planned_params(t), self.space) for t in trials]
+        for params, why in self.candidates(study, bar):
+            if params in known:
+                continue
+            known.append(params)
+            study.enqueue_trial(params, user_attrs=queue_attrs(
+                role="steered", steered_by={"trial": bar.number, "rule": RULE, "why": why}))
+
+    def candidates(self, study: optuna.Study, bar: optuna.trial.FrozenTrial) -> list[tuple[dict[str, Any], str]]:
+        """The moves and the memory levers offered here, as complete parameters with their words."""
+        out = []
+        for move in MOVES:
+            if move.param == "precision.mode" and bar.params.get(move.param) == move.value:
+                continue
+            params = offered(self.space, bar.params, {move.param: move.value})
+            if params is not None and params != bar.params:
+                out.append((params, move.why))
+        batch = int(bar.params.get("batch_size.batch_size", 0))
+        larger = [b for b in self.space.batch_sizes if b > batch]
+        if larger:  # the planner sizes it down first where the memory model says it does not fit
+            out.append((offered(self.space, bar.params, {"batch_size.batch_size": min(larger)}) or bar.params,
+                        "a larger batch than the plain recipe's"))
+        out += self.levers(study, bar)
+        return [(p, why) for p, why in out if p != bar.params]
+
+    def levers(self, study: optuna.Study, bar: optuna.trial.FrozenTrial) -> list[tuple[dict[str, Any], str]]:
+        """Under a memory cap that holds the plain recipe below MAX_BATCH_FACTOR x the base batch: for
+        each LEVER_SETS combination offered, the plain recipe with it at the largest batch predicted to
+        fit, where that is larger than the bar's; at most one per batch, the cheapest in speed first."""
+        from autotune.search.memory import BACKOFF_FILL, MemoryModel
+
+        if not self.limit_bytes:
+            return []
+        record = TrialRecord.of(bar)
+        allocated = record.figures.get("peak_allocated_bytes")
+        batch = int(bar.params.get("batch_size.batch_size", 0))
+        ceiling = plain_recipe.MAX_BATCH_FACTOR * self.space.base_batch_size
+        larger = [b for b in self.space.batch_sizes if batch < b <= ceiling]
+        model = MemoryModel.from_study(study, self.limit_bytes)
+        if not allocated or not larger or model.prior is None:
+            return []
+        per_sample = model.prior[2] * plain_recipe.COMPILED_ACTIVATIONS
+        out, batches = [], set()
+        for combo in LEVER_SETS:
+            levers = tuple(LEVERS[i] for i in combo)
+            params = offered(self.space, bar.params, {lever.param: lever.value for lever in levers})
+            if params is None:
+                continue
+            fits = [b for b in larger if fit_with(levers, self.probe, allocated, batch, per_sample, b)
+                    <= self.limit_bytes * BACKOFF_FILL]
+            if not fits or max(fits) in batches:
+                continue
+            target = max(fits)
+            batches.add(target)
+            words = " + ".join(f"{lever.param.split('.')[0]} {lever.value}" for lever in levers)
+            out.append((offered(self.space, params, {"batch_size.batch_size": target}) or params,
+                        f"{words}: batch {target} predicted to fit where the plain recipe's {batch} is the largest"))
+        return out
+
+
+def prior_factor(key: str, before: dict[str, Any], after: dict[str, Any]) -> float | None:
+    """The planner's factor for one knob from PRIORS: ``after``'s value against ``before``'s, where
+    one of them is a move's or lever's value and the other the knob's untuned one; None otherwise."""
+    was, now = before.get(key), after.get(key)
+    default = _untuned(key)
+    if (key, now) in PRIORS and was in (None, default):
+        return PRIORS[(key, now)]
+    if (key, was) in PRIORS and now in (None, default):
+        return 1.0 / PRIORS[(key, was)]
+    return None
+
+
+def _untuned(key: str) -> Any:
+    name, _, field = key.partition(".")
+    strategy = strategies.BY_NAME.get(name)
+    return getattr(strategy.Config(), field, None) if strategy is not None else None

@@ -1,0 +1,117 @@
+"""The plain recipe's neighbours: one knob changed from the measured bar, and under a memory cap the
+memory knobs traded for a larger batch. On a CPU with scripted trials (no worker runs)."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+
+import strategies
+from autotune.deploy.space import SearchSpace
+from autotune.search import neighbours, plain_recipe
+from autotune.search.memory import PROBE_ATTR
+from autotune.search.neighbours import LEVERS, RULE, Neighbours, fit_with, prior_factor
+from autotune.search.planner import Planner
+from autotune.search.steering import complete_params
+
+GIB = 2**30
+
+LM_SPACE = SearchSpace(device="cuda", precisions=["fp32", "fp16", "bf16"], batch_sizes=[1, 2, 4, 8, 16, 32],
+                       base_batch_size=16, memory_formats=["contiguous"],
+                       compile_modes=["off", "default", "max-autotune-no-cudagraphs"],
+                       optimizer_implementations=["foreach", "fused"], cuda_graphs=[False, True], stream_counts=[1],
+                       choices={"vocab_padding": [1, 64]})
+
+
+def _study():
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.create_study(direction="maximize")
+
+
+def _measured(study, space, params, value, **attrs):
+    study.enqueue_trial(params, user_attrs=attrs)
+    trial = study.ask()
+    strategies.sample(trial, space)
+    study.tell(trial, value)
+    return study.trials[-1]
+
+
+def _queued(study):
+    return [t for t in study.trials if t.state == optuna.trial.TrialState.WAITING]
+
+
+def test_the_measured_plain_recipe_gets_its_one_knob_neighbours_each_once():
+    study = _study()
+    bar = _measured(study, LM_SPACE, plain_recipe.params(LM_SPACE, 16), 450.0, role=plain_recipe.ROLE)
+    proposer = Neighbours(LM_SPACE, {"num_parameters": 124e6}, limit_bytes=None)
+    proposer(study, study.trials[-1])
+    queued = _queued(study)
+    changes = [{k: v for k, v in t.system_attrs["fixed_params"].items() if bar.params.get(k) != v} for t in queued]
+    assert {"vocab_padding.multiple": 64} in changes
+    assert {"compile.mode": "max-autotune-no-cudagraphs"} in changes
+    assert {"cuda_graphs.enabled": True} in changes
+    assert {"batch_size.batch_size": 32} in changes
+    assert all(t.user_attrs["steered_by"]["rule"] == RULE for t in queued)
+    proposer(study, study.trials[0])  # told again: nothing queued twice
+    assert len(_queued(study)) == len(queued)
+
+
+def test_no_neighbours_while_a_larger_batch_of_the_plain_recipe_is_queued():
+    study = _study()
+    _measured(study, LM_SPACE, plain_recipe.params(LM_SPACE, 8), 400.0, role=plain_recipe.ROLE)
+    study.enqueue_trial(plain_recipe.params(LM_SPACE, 16), user_attrs={"role": plain_recipe.ROLE})
+    Neighbours(LM_SPACE, {}, limit_bytes=None)(study, study.trials[0])
+    assert len(_queued(study)) == 1
+
+
+def test_the_planner_ranks_a_padded_vocabulary_above_an_eager_candidate_below_the_bar():
+    study = _study()
+    bar = _measured(study, LM_SPACE, plain_recipe.params(LM_SPACE, 16), 450.0, role=plain_recipe.ROLE)
+    eager = complete_params({**bar.params, "compile.mode": "off"}, LM_SPACE)
+    study.enqueue_trial(eager, user_attrs={"role": "known-good"})
+    padded = complete_params({**bar.params, "vocab_padding.multiple": 64}, LM_SPACE)
+    study.enqueue_trial(padded, user_attrs={"role": "steered", "steered_by": {"rule": RULE}})
+    plans = Planner(LM_SPACE, walls=[(10.0, False), (60.0, True)]).plans(study)
+    assert plans[0].number == study.trials[-1].number
+    assert plans[0].predicted == pytest.approx(450.0 * neighbours.PRIORS[("vocab_padding.multiple", 64)])
+    assert plans[-1].gain == 0.0  # the eager one cannot beat the compiled bar
+
+
+def test_prior_factor_reads_both_ways_and_ignores_other_values():
+    assert prior_factor("vocab_padding.multiple", {"vocab_padding.multiple": 1}, {"vocab_padding.multiple": 64}) == 1.04
+    assert prior_factor("vocab_padding.multiple", {"vocab_padding.multiple": 64}, {}) == pytest.approx(1 / 1.04)
+    assert prior_factor("streams.num_streams", {"streams.num_streams": 1}, {"streams.num_streams": 2}) is None
+
+
+def test_fit_with_levers_subtracts_optimizer_states_and_logits():
+    probe = {"num_parameters": 1.236e9, "tokens_per_sample": 1024, "vocab_size": 128256}
+    state, loss = LEVERS[0], LEVERS[1]
+    allocated, per_sample = 20.2 * GIB, 1.2 * GIB  # the 1B Llama's plain recipe at batch 1
+    assert fit_with((), probe, allocated, 1, per_sample, 4) == pytest.approx(allocated + 3 * per_sample)
+    with_states = fit_with((state,), probe, allocated, 1, per_sample, 4)
+    assert with_states == pytest.approx(allocated + 3 * per_sample - 5.97 * 1.236e9)
+    both = fit_with((state, loss), probe, allocated, 1, per_sample, 4)
+    assert both == pytest.approx(with_states - 4 * 1024 * 128256)
+
+
+def _capped_space():
+    return SearchSpace(device="cuda", precisions=["fp32", "bf16"], batch_sizes=[1, 2, 4, 8, 16], base_batch_size=16,
+                       memory_formats=["contiguous"], compile_modes=["off", "default"],
+                       optimizer_implementations=["foreach", "fused"], cuda_graphs=[False], stream_counts=[1],
+                       choices={"optimizer_state": ["full", "8bit"]})
+
+
+def test_under_a_cap_the_levers_queue_a_larger_batch_predicted_to_fit():
+    if "optimizer_state" not in strategies.BY_NAME:
+        pytest.skip("the optimizer_state knob is not in this checkout")
+    space = _capped_space()
+    study = _study()
+    probed = {"family": "x", "peaks": {"1": 19.5 * GIB}, "does_not_fit_at": 2}
+    study.set_user_attr(PROBE_ATTR, probed)
+    _measured(study, space, plain_recipe.params(space, 1), 33.0, role=plain_recipe.ROLE,
+              figures={"peak_allocated_bytes": 20.2 * GIB})
+    probe = {"num_parameters": 1.236e9, "tokens_per_sample": 1024, "vocab_size": 128256}
+    Neighbours(space, probe, limit_bytes=24 * GIB)(study, study.trials[0])
+    levered = [t.system_attrs["fixed_params"] for t in _queued(study)
+               if t.system_attrs["fixed_params"].get("optimizer_state.state") == "8bit"]
+    assert levered and levered[0]["batch_size.batch_size"] > 1
