@@ -129,6 +129,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "to back after the model's searches, and compare those (throughput only; default 0: off)")
     p.add_argument("--no-plain-recipe", dest="plain_recipe", action="store_false",
                    help="do not run the plain recipe's hand-written loop (scripts/plain_recipe_loop.py) per model")
+    p.add_argument("--plain-recipe-batch", type=int, metavar="N",
+                   help="run the plain recipe's loop at batch N only (its --batch-size), where an earlier run of it "
+                        "found N the largest that fits: its search of the batch compiles once per batch tried")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "search-yield")
     args = p.parse_args(argv)
     args.extra = extra
@@ -639,16 +642,17 @@ def plain_recipe_args(extra: list[str]) -> list[str]:
     return out
 
 
-def plain_recipe_command(target: str, device: str | None, extra: list[str]) -> list[str]:
+def plain_recipe_command(target: str, device: str | None, extra: list[str], batch: int | None = None) -> list[str]:
     return [sys.executable, str(HERE / "plain_recipe_loop.py"), "--model", target,
-            *(["--device", device] if device else []), *plain_recipe_args(extra)]
+            *(["--device", device] if device else []), *plain_recipe_args(extra),
+            *(["--batch-size", str(batch)] if batch else [])]
 
 
 def plain_recipe(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """The plain recipe's figures for one model (plain_recipe_loop.py, a subprocess after the model's
     searches); kept in OUT/plain-recipe/ and reused while its command is the same. On failure a
     dict with "error"."""
-    command = plain_recipe_command(model_target(name), args.device, args.extra)
+    command = plain_recipe_command(model_target(name), args.device, args.extra, args.plain_recipe_batch)
     store = args.out / "plain-recipe" / f"{folder_label(name)}.json"
     if store.exists():
         kept = json.loads(store.read_text())

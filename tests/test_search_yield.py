@@ -261,6 +261,10 @@ def test_the_plain_recipe_gets_the_searches_workload_and_memory_options():
     assert command[2:6] == ["--model", "hf:llama", "--device", "cuda"]
     assert search_yield.parse_args([]).plain_recipe is True
     assert search_yield.parse_args(["--no-plain-recipe"]).plain_recipe is False
+    assert "--batch-size" not in command
+    pinned = search_yield.plain_recipe_command("hf:llama", "cuda", extra, search_yield.parse_args(
+        ["--plain-recipe-batch", "2"]).plain_recipe_batch)
+    assert pinned[-2:] == ["--batch-size", "2"]
 
 
 PLAIN = {"model": "resnet50", "batch": 512, "samples_per_s": 2000.0, "tokens_per_s": None, "base_batch": 256,
