@@ -24,6 +24,7 @@ from strategies.fp32_layers import FP32Layers
 from strategies.grad_scaler import GradScalerStrategy
 from strategies.memory_format import MemoryFormat
 from strategies.optimizer import Optimizer
+from strategies.optimizer_state import OptimizerState
 from strategies.precision import Precision
 from strategies.streams import Streams
 from strategies.threads import Threads
@@ -45,6 +46,8 @@ REGISTRY: list[Strategy] = [
     Threads(),
     # the step's execution, last: compile sees the model after every transform above, and
     # cuda_graphs decides after precision, optimizer and compile, which say whether capture is legal
+    # before the optimizer knob, which samples no implementation for torchao's 8-bit Adam
+    OptimizerState(),
     Optimizer(),
     # the SDPA kernel of each step's forward and backward: a context the step enters, compiled or not
     Attention(),
@@ -60,7 +63,8 @@ BY_NAME: dict[str, Strategy] = {s.name: s for s in REGISTRY}
 # How a configuration is shown: the order of its words in a one-line description, and of the knobs
 # in the report. A knob left out of a list comes after the listed ones, in registry order.
 DESCRIBED = ["precision", "memory_format", "batch_size", "cudnn", "channel_alignment", "vocab_padding", "attention",
-             "streams", "dataloader", "threads", "fp32_layers", "optimizer", "compile", "cuda_graphs", "ddp"]
+             "streams", "dataloader", "threads", "fp32_layers", "optimizer", "optimizer_state", "compile", "cuda_graphs",
+             "ddp"]
 REPORTED = ["precision", "memory_format", "batch_size", "channel_alignment", "vocab_padding", "attention", "cudnn",
             "streams", "threads", "grad_scaler", "ddp"]
 

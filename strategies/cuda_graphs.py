@@ -18,7 +18,8 @@ Offered only where capturing the step is legal and means something:
   and skipped steps are skipped on the device at replay;
 * with an optimizer whose step keeps no host-side state: SGD as it is, Adam/AdamW and the others
   rebuilt with ``capturable=True`` (``TunedConfig.prepare`` does it; LBFGS and optimizers without
-  that option are refused with a message).
+  that option are refused with a message); not with 8-bit optimizer states, whose step count
+  torchao keeps on the host (``strategies.optimizer_state``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def legal(space: SearchSpace, chosen: Mapping[str, Any]) -> bool:
     compile_config = chosen.get("compile")
     if compile_config is not None and compile_config.mode in CUDAGRAPH_MODES:
         return False
+    state = chosen.get("optimizer_state")
+    if state is not None and state.state != "full":
+        return False  # torchao's 8-bit Adam counts its steps on the host (strategies.optimizer_state)
     precision = chosen.get("precision")
     optimizer = chosen.get("optimizer")
     if precision is not None and precision.mode == "fp16":

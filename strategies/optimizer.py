@@ -13,7 +13,8 @@ PyTorch's built-in optimizers have up to three implementations of the same updat
 They compute the same update; they differ in kernel launches, hence in speed. ``TunedConfig.prepare``
 rebuilds the user's optimizer (same class, param_groups, hyperparameters and state) with the chosen
 implementation, and refuses clearly when that class has no such implementation. "default" (the
-untuned value) keeps the user's optimizer as it was built.
+untuned value) keeps the user's optimizer as it was built. With 8-bit optimizer states
+(``strategies.optimizer_state``) it is "default", unsampled: torchao's 8-bit Adam has one implementation.
 
 ``set_to_none`` is ``optimizer.zero_grad(set_to_none=...)``: True (PyTorch's default) frees the
 gradients and lets backward write them fresh; False zeroes them in place (a memset per gradient),
@@ -83,7 +84,11 @@ class Optimizer(Strategy):
         return []  # named in each configuration's description
 
     def suggest(self, trial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
-        return self.Config(implementation=self.choose(trial, "implementation", space.optimizer_implementations),
+        state = chosen.get("optimizer_state")
+        # torchao's 8-bit Adam (strategies.optimizer_state) has one implementation: nothing to choose
+        implementation = ("default" if state is not None and state.state != "full"
+                          else self.choose(trial, "implementation", space.optimizer_implementations))
+        return self.Config(implementation=implementation,
                            set_to_none=self.choose(trial, "set_to_none", space.zero_grad_set_to_none))
 
     def apply(self, config: Config, recipe: Recipe) -> None:

@@ -195,6 +195,7 @@ def train_run(spec, knobs: Mapping[str, Any], space, settings: AccuracySettings,
     with backend_flags(recipe.backend_flags):
         model = runtime.prepare_model(workload.model, recipe, set_flags=False)
         optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
+        optimizer = runtime.prepare_optimizer(optimizer, recipe)  # torchao's 8-bit AdamW where optimizer_state says so
         warmup = max(1, settings.steps // 10)
         total = settings.steps
 

@@ -144,7 +144,9 @@ class TunedConfig:
 
         Use the returned optimizer: with ``optimizer.implementation`` other than "default" (or CUDA
         graphs with an Adam-like optimizer, which need ``capturable=True``) it is a new instance of
-        your optimizer's class, with the same param_groups, hyperparameters and state.
+        your optimizer's class, with the same param_groups, hyperparameters and state; with
+        ``optimizer_state`` "8bit" it is torchao's ``AdamW8bit`` (``Adam8bit`` for an Adam) in place of
+        your ``torch.optim.AdamW``, its moments in 8 bits (``strategies.optimizer_state``).
 
         A configuration tuned with ``--ddp N`` returns the model wrapped in
         ``DistributedDataParallel`` with the tuned bucket_cap_mb, gradient_as_bucket_view and

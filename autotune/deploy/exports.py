@@ -124,6 +124,10 @@ def _common_unsupported(values: dict[str, dict[str, Any]], target: str) -> list[
          f"(compile mode reduce-overhead is the nearest {target} has)"),
         ("optimizer.set_to_none", values["optimizer"]["set_to_none"], not values["optimizer"]["set_to_none"],
          f"{target} clears gradients with zero_grad() (set_to_none=True); zeroing in place needs your own step"),
+        ("optimizer_state.state", values["optimizer_state"]["state"], values["optimizer_state"]["state"] == "8bit",
+         f"{target} takes the optimizer your code builds: keep its Adam states in 8 bits with "
+         "optimizer = strategies.optimizer_state.rebuild(optimizer, '8bit') (torchao's AdamW8bit, same param groups "
+         "and hyperparameters) where you build it (Lightning: in configure_optimizers)"),
     ]
     return [item(setting, value, why) for setting, value, tuned, why in checks if tuned]
 
@@ -171,9 +175,11 @@ def hf_training_args(cfg: Any) -> HFExport:
     args["torch_compile"] = compile_mode != "off"
     if compile_mode != "off":
         args.update(torch_compile_backend="inductor", torch_compile_mode=compile_mode)
-    out = unsupported(cfg, "TrainingArguments", expressed=set())
+    out = unsupported(cfg, "TrainingArguments", expressed={"optimizer_state.state"})
     implementation = values["optimizer"]["implementation"]
     optim = hf_optimizer(implementation, cfg.device)
+    if values["optimizer_state"]["state"] == "8bit":  # its implementation is then "default": nothing else to say
+        optim = "adamw_torch_8bit"  # the Trainer's torchao.optim.AdamW8bit, block size 256 as measured
     if optim is not None:
         args["optim"] = optim
     else:

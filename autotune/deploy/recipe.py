@@ -119,6 +119,9 @@ class Recipe:
     implementation (same hyperparameters and state)."""
     zero_grad_set_to_none: bool = True
     """optimizer.zero_grad(set_to_none=...) in the step."""
+    optimizer_state: str = "full"
+    """"full" keeps the user's optimizer; "8bit" replaces its torch.optim.Adam/AdamW with torchao's
+    8-bit Adam8bit/AdamW8bit (same param_groups, hyperparameters and state: strategies.optimizer_state)."""
     compile_mode: str | None = None
     """torch.compile mode the model is compiled with ("default", "reduce-overhead", ...); None: eager."""
     cuda_graphs: bool = False

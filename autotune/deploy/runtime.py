@@ -18,6 +18,7 @@ from autotune.deploy.recipe import Recipe, apply_backend_flags
 from autotune.errors import ConfigError
 from autotune.workload.models import logits
 from strategies import optimizer as optimizer_strategy
+from strategies import optimizer_state as optimizer_state_strategy
 from strategies.compile import CUDAGRAPH_MODES
 from strategies.vocab_padding import pad_optimizer_state
 
@@ -134,9 +135,14 @@ def wrap_ddp(model: nn.Module, recipe: Recipe) -> nn.Module:
 def prepare_optimizer(optimizer: torch.optim.Optimizer, recipe: Recipe) -> torch.optim.Optimizer:
     """Move the optimizer's state to the device, then rebuild it with the tuned implementation
     (and ``capturable=True`` when the step is captured in a CUDA graph); call it after the model
-    is on the device, since a fused implementation checks where the parameters are."""
+    is on the device, since a fused implementation checks where the parameters are. With 8-bit
+    states (``recipe.optimizer_state``) it is torchao's 8-bit Adam instead, which has no other
+    implementation (its moments quantised from the state moved and padded here)."""
     move_optimizer_state(optimizer, recipe.device)
     pad_optimizer_state(optimizer)  # a resumed optimizer's state follows its padded vocabulary
+    if recipe.optimizer_state != "full":
+        return optimizer_state_strategy.rebuild(optimizer, recipe.optimizer_state, cuda_graphs=recipe.cuda_graphs,
+                                                implementation=recipe.optimizer_implementation)
     optimizer = optimizer_strategy.rebuild(optimizer, recipe.optimizer_implementation, capturable=recipe.cuda_graphs)
     optimizer_strategy.prime_fused_sgd(optimizer)  # a GradScaler-skipped first step must not leave garbage
     return optimizer
@@ -205,6 +211,8 @@ class TrainStep:
             n = 3 if self.recipe.compile_mode in CUDAGRAPH_MODES else 1
         if self.recipe.cuda_graphs:
             n = max(n, GRAPH_WARMUP_STEPS + 1)
+        if self.recipe.optimizer_state != "full":
+            n = max(n, 1)  # torchao's 8-bit Adam compiles its update (once a parameter shape) in the first step
         return n
 
     def __call__(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:

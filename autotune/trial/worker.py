@@ -129,6 +129,7 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     from strategies.attention import sdpa_calls
     from strategies.channel_alignment import misaligned_layers
     from strategies.fp32_layers import kinds_present
+    from strategies.optimizer_state import class_name
     from strategies.precision import fp8_eligible_share, supported_modes
     from strategies.vocab_padding import vocab_size
 
@@ -166,6 +167,7 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     if request.get("forward", True):  # off when a first probe's forward killed its process
         result.update(sdpa_calls(workload.model, x))  # the attention knob's question
     result["vocab_size"] = vocab_size(workload.model)  # language models' knobs
+    result["optimizer_class"] = class_name(workload.optimizer(workload.model))  # 8-bit states for Adam/AdamW only
     if request.get("check_compile"):
         from strategies.compile import check_compile
 
