@@ -35,6 +35,15 @@ What it changes, and how it composes:
 * torchao keeps each group's lr as a CPU tensor: LR schedulers set it (``fill_``); code that assigns
   ``group["lr"] = value`` gets torchao's error asking for ``fill_``.
 
+* "8bit-bnb": bitsandbytes' ``AdamW8bit`` (``Adam8bit`` for an Adam), the same block-wise 8-bit
+  states stepped by one fused CUDA kernel a parameter. On the H200 torchao's AdamW8bit stepped the
+  1.24B parameters of a Llama-3.2-1B shape in 122 ms, fused AdamW in 11 ms
+  (scripts/memory_parts_bench.py): for a step of about 75 ms torchao's update alone is slower than the
+  memory it frees can buy back, so both are offered and measured. bitsandbytes is offered on a GPU
+  where it is installed (``pip install bitsandbytes``); a resumed run's FP32 moments are refused
+  there (start from a fresh optimizer, or use "8bit"), and so are CUDA graphs and a torch
+  implementation, as for torchao's.
+
 Offered where it can work: the workload's optimizer is exactly ``torch.optim.Adam`` or ``AdamW``
 (a subclass may change the update; torchao has 8-bit states for these two), torchao (0.11 or
 later: ``pip install 'autotune[memory]'``) is installed, and torch.compile works (see above).
@@ -55,7 +64,7 @@ from autotune.deploy.space import SearchSpace
 from autotune.errors import ConfigError
 from strategies.base import Strategy
 
-STATES = ("full", "8bit")
+STATES = ("full", "8bit", "8bit-bnb")
 MEMORY_EXTRA = "pip install 'autotune[memory]' (torchao)"
 TORCHAO_MIN = (0, 11)
 """torchao.optim (AdamW8bit out of torchao.prototype.low_bit_optim) from this release on."""
@@ -78,7 +87,8 @@ class OptimizerState(Strategy):
     @dataclass(kw_only=True, frozen=True)
     class Config:
         state: str = "full"
-        """full (the user's optimizer as it is) | 8bit (torchao's 8-bit Adam/AdamW states)."""
+        """full (the user's optimizer as it is) | 8bit (torchao's 8-bit Adam/AdamW states) | 8bit-bnb
+        (bitsandbytes')."""
 
         def __post_init__(self) -> None:
             if self.state not in STATES:
@@ -89,8 +99,9 @@ class OptimizerState(Strategy):
 
     def offer(self, options, device: str, probe: Mapping[str, Any], offered: Mapping[str, Any]) -> dict[str, Any]:
         reason = unavailable(device, probe)
-        if reason is None:
-            return {"choices": {self.name: list(STATES)}}
+        bnb = device == "cuda" and probe.get("optimizer_class") in EIGHT_BIT and bnb_version() is not None
+        if reason is None or bnb:
+            return {"choices": {self.name: ["full"] + (["8bit"] if reason is None else []) + (["8bit-bnb"] if bnb else [])}}
         # one line where the user can change it: an Adam workload on a GPU, or a CPU search that compiles
         # (an SGD workload has nothing to quantise, and a CPU search without compile never runs it)
         if probe.get("optimizer_class") in EIGHT_BIT and (device == "cuda" or "compile" in probe):
@@ -103,14 +114,18 @@ class OptimizerState(Strategy):
 
     def words(self, values: Mapping[str, Any]) -> str:
         # "optimizer", not "AdamW": the recorded values do not say which of Adam and AdamW it was
-        return "8-bit optimizer states" if values.get("state", "full") == "8bit" else ""
+        state = values.get("state", "full")
+        return {"8bit": "8-bit optimizer states", "8bit-bnb": "8-bit optimizer states (bitsandbytes)"}.get(state, "")
 
     def suggest(self, trial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
         return self.Config(state=self.choose(trial, "state", space.choices[self.name]))
 
     def apply(self, config: Config, recipe: Recipe) -> None:
         recipe.optimizer_state = config.state
-        if config.state == "8bit":
+        if config.state == "8bit-bnb":
+            recipe.notes.append("cfg.prepare returns your Adam/AdamW as bitsandbytes' 8-bit Adam (same param groups "
+                                "and hyperparameters): save and load that optimizer's state_dict")
+        elif config.state == "8bit":
             recipe.notes.append("cfg.prepare returns your Adam/AdamW as torchao's 8-bit Adam (same param groups and "
                                 "hyperparameters): save and load that optimizer's state_dict, and change its "
                                 "learning rate with an LR scheduler (torchao keeps it as a tensor)")
@@ -142,6 +157,14 @@ def torchao_missing() -> str | None:
     return None
 
 
+def bnb_version() -> str | None:
+    """The installed bitsandbytes' version (without importing it), or None."""
+    try:
+        return importlib.metadata.version("bitsandbytes")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def unavailable(device: str, probe: Mapping[str, Any]) -> str | None:
     """Why 8-bit optimizer states cannot be searched for this workload on ``device`` (None: they can),
     from the probe: the workload's optimizer class, and whether torch.compile works."""
@@ -162,28 +185,35 @@ def unavailable(device: str, probe: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _eight_bit_class(optimizer: torch.optim.Optimizer) -> type:
-    """torchao's 8-bit class for this torch Adam/AdamW; ConfigError for an optimizer it cannot replace."""
+def _eight_bit_class_name(optimizer: torch.optim.Optimizer) -> str:
+    """"AdamW8bit" or "Adam8bit", the 8-bit class for this torch Adam/AdamW (both libraries name them so);
+    ConfigError for an optimizer that cannot be replaced."""
     name = EIGHT_BIT.get(class_name(optimizer))
     if name is None:
-        raise ConfigError(f"this configuration keeps Adam's states in 8 bits (torchao), but the optimizer is "
+        raise ConfigError(f"this configuration keeps Adam's states in 8 bits, but the optimizer is "
                           f"{class_name(optimizer)}, not torch.optim.Adam or AdamW; pass one of those, or choose a "
                           "configuration with optimizer_state 'full'")
     for key in ("maximize", "differentiable"):
         if any(group.get(key) for group in optimizer.param_groups):
-            raise ConfigError(f"torchao's 8-bit Adam has no {key}=True; build your optimizer without it, or choose a "
+            raise ConfigError(f"8-bit Adam has no {key}=True; build your optimizer without it, or choose a "
                               "configuration with optimizer_state 'full'")
     decoupled = {bool(group.get("decoupled_weight_decay", name == "AdamW8bit")) for group in optimizer.param_groups}
     if len(decoupled) > 1:
-        raise ConfigError("your optimizer's param groups mix decoupled (AdamW) and L2 (Adam) weight decay; torchao's "
-                          "8-bit Adam does one for all groups: choose a configuration with optimizer_state 'full'")
+        raise ConfigError("your optimizer's param groups mix decoupled (AdamW) and L2 (Adam) weight decay; 8-bit "
+                          "Adam does one for all groups: choose a configuration with optimizer_state 'full'")
+    return "AdamW8bit" if decoupled.pop() else "Adam8bit"
+
+
+def _eight_bit_class(optimizer: torch.optim.Optimizer) -> type:
+    """torchao's 8-bit class for this torch Adam/AdamW; ConfigError for an optimizer it cannot replace."""
+    name = _eight_bit_class_name(optimizer)
     missing = torchao_missing()
     try:
         import torchao.optim
     except ImportError as exc:
         raise ConfigError(f"this configuration keeps Adam's states in 8 bits through torchao ({missing or exc}); "
                           f"{MEMORY_EXTRA}") from None
-    return getattr(torchao.optim, "AdamW8bit" if decoupled.pop() else "Adam8bit")
+    return getattr(torchao.optim, name)
 
 
 def _hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
@@ -215,8 +245,27 @@ def _converted_state(new: torch.optim.Optimizer, param: torch.Tensor, old: Mappi
 
 
 def is_8bit(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the optimizer already keeps 8-bit states (one of torchao's 8-bit Adam classes)."""
-    return type(optimizer).__module__.startswith("torchao.") and type(optimizer).__name__ in EIGHT_BIT.values()
+    """Whether the optimizer already keeps 8-bit states (one of torchao's or bitsandbytes' 8-bit Adam classes)."""
+    return (type(optimizer).__module__.startswith(("torchao.", "bitsandbytes."))
+            and type(optimizer).__name__ in EIGHT_BIT.values())
+
+
+def _bnb(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """bitsandbytes' 8-bit Adam/AdamW over the same parameters and groups; a fresh optimizer only."""
+    cls_name = _eight_bit_class_name(optimizer)
+    if any(optimizer.state.values()):
+        raise ConfigError("this configuration keeps Adam's states in 8 bits with bitsandbytes, which cannot take over "
+                          "the FP32 moments your optimizer already holds (a resumed run); prepare a fresh optimizer, "
+                          "or choose a configuration with optimizer_state '8bit' (torchao's, which converts them)")
+    try:
+        import bitsandbytes as bnb
+    except ImportError as exc:
+        raise ConfigError(f"this configuration keeps Adam's states in 8 bits through bitsandbytes ({exc}); "
+                          "pip install bitsandbytes") from None
+    groups = [{**_hyperparameters(group), "params": group["params"]} for group in optimizer.param_groups]
+    accepted = ("lr", "betas", "eps", "weight_decay", "amsgrad")
+    defaults = {k: v for k, v in _hyperparameters(optimizer.defaults).items() if k in accepted}
+    return getattr(bnb.optim, cls_name)(groups, **defaults)
 
 
 def rebuild(optimizer: torch.optim.Optimizer, state: str, *, implementation: str = "default",
@@ -242,6 +291,8 @@ def rebuild(optimizer: torch.optim.Optimizer, state: str, *, implementation: str
         raise ConfigError(f"this configuration names the optimizer's {implementation} implementation and 8-bit "
                           "states; torchao's 8-bit Adam has one implementation of its own, so the search never pairs "
                           "them: choose optimizer.implementation 'default' with optimizer_state '8bit'")
+    if state == "8bit-bnb":
+        return _bnb(optimizer)
     cls = _eight_bit_class(optimizer)
     groups = [{**_hyperparameters(group), "params": group["params"]} for group in optimizer.param_groups]
     accepted = ("lr", "betas", "eps", "weight_decay", "amsgrad")

@@ -85,7 +85,7 @@ def test_prior_factor_reads_both_ways_and_ignores_other_values():
 
 def test_fit_with_levers_subtracts_optimizer_states_and_logits():
     probe = {"num_parameters": 1.236e9, "tokens_per_sample": 1024, "vocab_size": 128256}
-    state, loss = LEVERS[0], LEVERS[1]
+    state, loss = LEVERS[0], LEVERS[2]
     allocated, per_sample = 20.2 * GIB, 1.2 * GIB  # the 1B Llama's plain recipe at batch 1
     assert fit_with((), probe, allocated, 1, per_sample, 4) == pytest.approx(allocated + 3 * per_sample)
     with_states = fit_with((state,), probe, allocated, 1, per_sample, 4)

@@ -45,8 +45,10 @@ SCALER = {"grad_scaler.init_scale": 1024.0, "grad_scaler.growth_factor": 2.0, "g
 
 
 @pytest.fixture(autouse=True)
-def _seeded(restore_backend_flags):
+def _seeded(restore_backend_flags, monkeypatch):
     torch.manual_seed(0)
+    # bitsandbytes installed or not, the offers below are torchao's (its own tests say otherwise)
+    monkeypatch.setattr(optimizer_state, "bnb_version", lambda: None)
 
 
 def net() -> nn.Module:
@@ -438,3 +440,39 @@ def test_on_cuda_8bit_composes_with_compile_and_fp16_grad_scaler_and_refuses_cud
     layer = nn.Linear(64, 64)
     with pytest.raises(ConfigError, match="counts its steps on the host"):
         graphs.prepare(layer, torch.optim.AdamW(layer.parameters()))
+
+
+# bitsandbytes' 8-bit Adam ---------------------------------------------------------------------------
+
+
+def test_bitsandbytes_is_offered_on_a_gpu_beside_torchao_and_alone_without_it(monkeypatch):
+    monkeypatch.setattr(optimizer_state, "bnb_version", lambda: "0.50.2")
+    assert offer("cuda") == {"choices": {"optimizer_state": ["full", "8bit", "8bit-bnb"]}}
+    assert offer("cpu") == {"choices": {"optimizer_state": ["full", "8bit"]}}  # its point is the fused CUDA kernel
+    monkeypatch.setattr(optimizer_state, "torchao_missing", lambda: "no torchao")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert offer("cuda") == {"choices": {"optimizer_state": ["full", "8bit-bnb"]}}
+    assert offer("cuda", optimizer_class="torch.optim.sgd.SGD") == {}
+
+
+def test_bitsandbytes_rebuild_keeps_groups_and_refuses_a_resumed_state():
+    bnb = pytest.importorskip("bitsandbytes")
+    model = net()
+    new = optimizer_state.rebuild(adamw(model), "8bit-bnb")
+    assert isinstance(new, bnb.optim.AdamW8bit) and optimizer_state.is_8bit(new)
+    first, second = new.param_groups
+    assert (first["lr"], first["weight_decay"], first["initial_lr"]) == (0.02, 0.1, 0.02)
+    assert (second["lr"], tuple(second["betas"]), second["eps"]) == (0.01, (0.8, 0.95), 1e-7)
+    before = [p.detach().clone() for p in model.parameters()]
+    step(model, new)  # its CPU backend steps too
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    resumed = adamw(model)
+    step(model, resumed)
+    with pytest.raises(ConfigError, match="fresh optimizer"):
+        optimizer_state.rebuild(resumed, "8bit-bnb")
+
+
+def test_bitsandbytes_words_name_the_library():
+    assert OptimizerState().words({"state": "8bit-bnb"}) == "8-bit optimizer states (bitsandbytes)"
+    assert OptimizerState().words({"state": "8bit"}) == "8-bit optimizer states"
