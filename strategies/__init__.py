@@ -12,6 +12,7 @@ from typing import Any, Mapping
 from autotune.deploy.recipe import Recipe
 from autotune.deploy.space import SearchSpace
 from strategies.base import ReportKnob, Strategy
+from strategies.activation_checkpointing import ActivationCheckpointing
 from strategies.attention import Attention
 from strategies.batch_size import BatchSize
 from strategies.channel_alignment import ChannelAlignment
@@ -56,6 +57,8 @@ REGISTRY: list[Strategy] = [
     # the runtime is fixed apart from this: device move, then DDP, then torch.compile
     DDP(),
     CudaGraphs(),
+    # a model transform, last: it sees whether the whole step is captured, which its RNG handling rules out
+    ActivationCheckpointing(),
 ]
 
 BY_NAME: dict[str, Strategy] = {s.name: s for s in REGISTRY}

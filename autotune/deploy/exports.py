@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import strategies
 from autotune.errors import ConfigError
+from strategies import activation_checkpointing as checkpointing
 
 TARGETS = ("hf", "lightning", "accelerate")
 
@@ -124,6 +125,11 @@ def _common_unsupported(values: dict[str, dict[str, Any]], target: str) -> list[
          f"(compile mode reduce-overhead is the nearest {target} has)"),
         ("optimizer.set_to_none", values["optimizer"]["set_to_none"], not values["optimizer"]["set_to_none"],
          f"{target} clears gradients with zero_grad() (set_to_none=True); zeroing in place needs your own step"),
+        ("activation_checkpointing.every", values["activation_checkpointing"]["every"],
+         values["activation_checkpointing"]["every"] > 0,
+         f"{target} has no activation-checkpointing option: call "
+         f"{checkpointing.CODE.format(every=values['activation_checkpointing']['every'])} before training "
+         "(transformers models: through their own activation_checkpointing_enable)"),
         ("optimizer_state.state", values["optimizer_state"]["state"], values["optimizer_state"]["state"] == "8bit",
          f"{target} takes the optimizer your code builds: keep its Adam states in 8 bits with "
          "optimizer = strategies.optimizer_state.rebuild(optimizer, '8bit') (torchao's AdamW8bit, same param groups "
@@ -175,7 +181,7 @@ def hf_training_args(cfg: Any) -> HFExport:
     args["torch_compile"] = compile_mode != "off"
     if compile_mode != "off":
         args.update(torch_compile_backend="inductor", torch_compile_mode=compile_mode)
-    out = unsupported(cfg, "TrainingArguments", expressed={"optimizer_state.state"})
+    out = unsupported(cfg, "TrainingArguments", expressed={"optimizer_state.state", "activation_checkpointing.every"})
     implementation = values["optimizer"]["implementation"]
     optim = hf_optimizer(implementation, cfg.device)
     if values["optimizer_state"]["state"] == "8bit":  # its implementation is then "default": nothing else to say
@@ -186,6 +192,10 @@ def hf_training_args(cfg: Any) -> HFExport:
         out.append(item("optimizer.implementation", implementation,
                         f"TrainingArguments(optim=...) offers AdamW fused or as PyTorch defaults it, not "
                         f"{implementation}: pass your own optimizer with Trainer(optimizers=(optimizer, None))"))
+    checkpointing_args, why = checkpointing.hf_training_args(values["activation_checkpointing"]["every"])
+    args.update(checkpointing_args)  # what the Trainer passes to the model's activation_checkpointing_enable
+    if why:
+        out.append(item("activation_checkpointing.every", values["activation_checkpointing"]["every"], why))
     scaler = tuned_scaler(values)
     if scaler:
         out.append(item("grad_scaler", scaler, "the Trainer's fp16 loss scaling uses torch's GradScaler defaults: "
@@ -262,7 +272,8 @@ LIGHTNING_PRECISION = {"fp32": "32-true", "tf32": "32-true", "fp16": "16-mixed",
 # what the callback (autotune.deploy.lightning_callback.AutotuneCallback) applies itself, and so
 # is no gap of the Lightning export; cudnn.benchmark is also the Trainer's own benchmark flag
 LIGHTNING_CALLBACK_SETTINGS = {"memory_format.format", "channel_alignment.multiple", "fp32_layers.layers",
-                               "cudnn.benchmark", "threads.num_threads", "precision.mode"}
+                               "cudnn.benchmark", "threads.num_threads", "precision.mode",
+                               "activation_checkpointing.every"}
 
 
 def lightning_settings(cfg: Any) -> dict[str, Any]:
@@ -284,6 +295,7 @@ def lightning_settings(cfg: Any) -> dict[str, Any]:
                "fp32_layers.layers": values["fp32_layers"]["layers"],
                "compile.mode": values["compile"]["mode"],
                "optimizer.implementation": values["optimizer"]["implementation"],
+               "activation_checkpointing.every": values["activation_checkpointing"]["every"],
                "grad_scaler": dict(recipe.grad_scaler) if recipe.grad_scaler is not None else None}
     return {"precision": trainer["precision"], "trainer": trainer,
             "strategy": {"class": "lightning.pytorch.strategies.DDPStrategy", "kwargs": ddp} if ddp else None,

@@ -126,6 +126,7 @@ def provenance() -> dict[str, Any]:
 
 def probe(request: dict[str, Any]) -> dict[str, Any]:
     """Describe the device and check the workload builds (before a study starts)."""
+    from strategies.activation_checkpointing import num_blocks
     from strategies.attention import sdpa_calls
     from strategies.channel_alignment import misaligned_layers
     from strategies.fp32_layers import kinds_present
@@ -167,6 +168,7 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     if request.get("forward", True):  # off when a first probe's forward killed its process
         result.update(sdpa_calls(workload.model, x))  # the attention knob's question
     result["vocab_size"] = vocab_size(workload.model)  # language models' knobs
+    result["checkpoint_blocks"] = num_blocks(workload.model)  # activation checkpointing's repeated blocks
     result["optimizer_class"] = class_name(workload.optimizer(workload.model))  # 8-bit states for Adam/AdamW only
     if request.get("check_compile"):
         from strategies.compile import check_compile
