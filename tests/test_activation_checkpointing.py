@@ -541,21 +541,22 @@ def test_on_a_gpu_every_block_checkpointed_keeps_well_under_the_activation_memor
         plain.config.use_cache = False  # as the checkpointed model trains
         model = checkpoint_blocks(copy.deepcopy(plain), 1)
         for m in (plain, model):
-            _gpu_step(m, batch)  # the gradients exist from here on: the peaks below are activations
+            _gpu_step(m, batch)  # a first step each: cuBLAS workspaces and first allocations are not its own
         (want, plain_peak), (got, peak) = _gpu_step(plain, batch), _gpu_step(model, batch)
     print(f"activation peak: {plain_peak / 2**20:.0f} MiB plain, {peak / 2**20:.0f} MiB checkpointed")
     assert peak < 0.7 * plain_peak
     assert torch.equal(got, want)
     for (name, p), q in zip(plain.named_parameters(), model.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-5, msg=name)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_on_a_gpu_compiled_checkpointing_trains_and_keeps_less(mode: str):
     """torch.compile, and its CUDA-graph mode (cudagraph trees capture the compiled recompute):
-    three steps train, the loss is the eager checkpointed model's, and the compiled step keeps less
-    than the compiled step without checkpointing."""
+    three steps run (compile, record, replay), the loss is the eager checkpointed model's, and the
+    compiled step keeps less than the compiled step without checkpointing (the peak of the three:
+    a replay allocates nothing, its memory was the recording's)."""
     transformers = pytest.importorskip("transformers")
     config = transformers.AutoConfig.for_model("gpt2", n_layer=4, n_embd=256, n_head=4, n_positions=512,
                                                vocab_size=1024, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -572,7 +573,8 @@ def test_on_a_gpu_compiled_checkpointing_trains_and_keeps_less(mode: str):
     for name, m in (("plain", plain), ("checkpointed", model)):
         for _ in range(3):
             torch.compiler.cudagraph_mark_step_begin()
-            loss, peaks[name] = _gpu_step(m, batch)
+            loss, peak = _gpu_step(m, batch)
+            peaks[name] = max(peak, peaks.get(name, 0))
         assert torch.isfinite(loss)
     want, _ = _gpu_step(eager, batch)
     torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-4)
