@@ -23,6 +23,7 @@ from strategies.dataloader import DataLoaderStrategy
 from strategies.ddp import DDP
 from strategies.fp32_layers import FP32Layers
 from strategies.grad_scaler import GradScalerStrategy
+from strategies.loss_kernel import LossKernel
 from strategies.memory_format import MemoryFormat
 from strategies.optimizer import Optimizer
 from strategies.optimizer_state import OptimizerState
@@ -39,6 +40,9 @@ REGISTRY: list[Strategy] = [
     VocabPadding(),
     ChannelAlignment(),
     FP32Layers(),  # after padding: it wraps the forward of the (possibly padded) layers
+    # the loss: after precision and vocab_padding, which rule a fused one out (fp16, a padded head),
+    # before cuda_graphs, whose capture its host synchronisation rules out
+    LossKernel(),
     MemoryFormat(),
     Cudnn(),
     # the input pipeline: the DataLoader (only with --data) produces batches, streams copies them

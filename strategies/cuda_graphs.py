@@ -37,6 +37,9 @@ def legal(space: SearchSpace, chosen: Mapping[str, Any]) -> bool:
     """Whether capturing the whole step is allowed with the knobs chosen before this one."""
     if space.device != "cuda":
         return False
+    loss = chosen.get("loss_kernel")
+    if loss is not None and loss.kernel != "framework":
+        return False  # liger's fused loss reads a count with .item() every step (strategies.loss_kernel)
     compile_config = chosen.get("compile")
     if compile_config is not None and compile_config.mode in CUDAGRAPH_MODES:
         return False

@@ -154,7 +154,7 @@ def _available_host_bytes() -> int | None:
     return None
 
 
-def _one_optimizer_step(model, optimizer, scaler, workload, recipe, x, y):
+def _one_optimizer_step(model, optimizer, scaler, loss_fn, recipe, x, y):
     """Forward, backward and the scaler's step on one batch: (the loss, whether the optimizer step
     was taken: the scaler did not lower its scale to skip it)."""
     from autotune.deploy import runtime
@@ -162,7 +162,7 @@ def _one_optimizer_step(model, optimizer, scaler, workload, recipe, x, y):
 
     optimizer.zero_grad(set_to_none=True)
     with runtime.autocast(recipe):
-        loss = workload.loss_fn(logits(model(x)), y)
+        loss = loss_fn(logits(model(x)), y)
     scaler.scale(loss).backward()
     scale_before = scaler.get_scale() if scaler.is_enabled() else None
     scaler.step(optimizer)
@@ -188,12 +188,14 @@ def train_run(spec, knobs: Mapping[str, Any], space, settings: AccuracySettings,
     from autotune.deploy import runtime
     from autotune.deploy.recipe import backend_flags
     from autotune.workload.data import batch_order, collate
+    from strategies.loss_kernel import step_loss
 
     started = time.perf_counter()
     workload, recipe = _build(spec, knobs, space, settings)
     device = space.device
     with backend_flags(recipe.backend_flags):
         model = runtime.prepare_model(workload.model, recipe, set_flags=False)
+        loss_fn = step_loss(model, workload.loss_fn, recipe)  # a fused linear cross-entropy where loss_kernel says so
         optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
         optimizer = runtime.prepare_optimizer(optimizer, recipe)  # torchao's 8-bit AdamW where optimizer_state says so
         warmup = max(1, settings.steps // 10)
@@ -220,7 +222,7 @@ def train_run(spec, knobs: Mapping[str, Any], space, settings: AccuracySettings,
             # lowered scale, so the run makes FP32's optimizer steps on its batches and schedule: in a
             # short check the scaler's first skips (from 65,536 down) would otherwise be a share of it
             while True:
-                loss, applied = _one_optimizer_step(model, optimizer, scaler, workload, recipe, x, y)
+                loss, applied = _one_optimizer_step(model, optimizer, scaler, loss_fn, recipe, x, y)
                 taken, skipped = taken + applied, skipped + (not applied)
                 if applied or retries_left == 0:
                     break
@@ -323,6 +325,7 @@ def _one_step(spec, knobs, space, settings, batch, dtype) -> tuple[float, Any]:
     from autotune.deploy import runtime
     from autotune.deploy.recipe import backend_flags
     from autotune.workload.models import logits
+    from strategies.loss_kernel import step_loss
 
     workload, recipe = _build(spec, knobs, space, settings)
     device = space.device
@@ -331,6 +334,7 @@ def _one_step(spec, knobs, space, settings, batch, dtype) -> tuple[float, Any]:
         if dtype is torch.float64:
             model = model.double()
         _without_dropout(model)
+        loss_fn = step_loss(model, workload.loss_fn, recipe)  # a fused linear cross-entropy where loss_kernel says so
         x, y = _to(batch, device, recipe)
         if x.is_floating_point():
             x = x.to(dtype)
@@ -344,7 +348,7 @@ def _one_step(spec, knobs, space, settings, batch, dtype) -> tuple[float, Any]:
                 p.grad = None
             torch.manual_seed(settings.seed)
             with runtime.autocast(recipe):
-                loss = workload.loss_fn(logits(model(x)), y)
+                loss = loss_fn(logits(model(x)), y)
             (loss * scale if scale != 1.0 else loss).backward()
             # one concatenation in the gradients' own dtype, then one conversion (not one per tensor)
             grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten()

@@ -125,6 +125,10 @@ def _common_unsupported(values: dict[str, dict[str, Any]], target: str) -> list[
          f"(compile mode reduce-overhead is the nearest {target} has)"),
         ("optimizer.set_to_none", values["optimizer"]["set_to_none"], not values["optimizer"]["set_to_none"],
          f"{target} clears gradients with zero_grad() (set_to_none=True); zeroing in place needs your own step"),
+        ("loss_kernel.kernel", values["loss_kernel"]["kernel"], values["loss_kernel"]["kernel"] != "framework",
+         f"{target} computes the loss your code computes: make it liger-kernel's fused linear cross-entropy with "
+         "loss_fn = strategies.loss_kernel.fused_loss(model, loss_fn) once the model is prepared (Lightning: in "
+         "setup); the model then returns its LM head's input in training mode, which that loss_fn takes"),
         ("activation_checkpointing.every", values["activation_checkpointing"]["every"],
          values["activation_checkpointing"]["every"] > 0,
          f"{target} has no activation-checkpointing option: call "
@@ -181,7 +185,8 @@ def hf_training_args(cfg: Any) -> HFExport:
     args["torch_compile"] = compile_mode != "off"
     if compile_mode != "off":
         args.update(torch_compile_backend="inductor", torch_compile_mode=compile_mode)
-    out = unsupported(cfg, "TrainingArguments", expressed={"optimizer_state.state", "activation_checkpointing.every"})
+    out = unsupported(cfg, "TrainingArguments", expressed={"optimizer_state.state", "loss_kernel.kernel",
+                                                           "activation_checkpointing.every"})
     implementation = values["optimizer"]["implementation"]
     optim = hf_optimizer(implementation, cfg.device)
     if values["optimizer_state"]["state"] == "8bit":  # its implementation is then "default": nothing else to say
@@ -196,6 +201,7 @@ def hf_training_args(cfg: Any) -> HFExport:
     args.update(checkpointing_args)  # what the Trainer passes to the model's activation_checkpointing_enable
     if why:
         out.append(item("activation_checkpointing.every", values["activation_checkpointing"]["every"], why))
+    out += hf_loss_kernel(cfg, values["loss_kernel"]["kernel"], args)
     scaler = tuned_scaler(values)
     if scaler:
         out.append(item("grad_scaler", scaler, "the Trainer's fp16 loss scaling uses torch's GradScaler defaults: "
@@ -207,6 +213,24 @@ def hf_training_args(cfg: Any) -> HFExport:
             out.append(item("ddp.gradient_as_bucket_view", True, "TrainingArguments has no gradient_as_bucket_view "
                                                                  "option (launch with torchrun for the DDP itself)"))
     return HFExport(args, out)
+
+
+def hf_loss_kernel(cfg: Any, kernel: str, args: dict[str, Any]) -> list[dict[str, Any]]:
+    """A fused loss kernel as liger-kernel's transformers patch, which the Trainer applies with
+    ``use_liger_kernel`` (into ``args``); what it cannot express: a model type liger does not patch."""
+    from strategies.loss_kernel import hf_liger_config, liger_patches
+
+    if kernel == "framework":
+        return []
+    args.update(use_liger_kernel=True, liger_kernel_config=hf_liger_config(kernel, args.get("liger_kernel_config")))
+    model = str((cfg.info.get("workload") or {}).get("model") or "")
+    model_type = model.split(":", 1)[1] if model.startswith("hf:") else None
+    if model_type is None or liger_patches(model_type) is not False:
+        return []
+    return [item("loss_kernel.kernel", kernel,
+                 f"liger-kernel has no transformers patch for {model_type} models, so TrainingArguments("
+                 "use_liger_kernel=True) leaves their loss as it is: train with cfg.train_step, or a loop of your own "
+                 "with loss_fn = strategies.loss_kernel.fused_loss(model, loss_fn)")]
 
 
 # accelerate --------------------------------------------------------------------------------------

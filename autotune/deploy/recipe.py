@@ -107,6 +107,9 @@ class Recipe:
     """Memory format of the model's parameters and of 4-D inputs."""
     model_transforms: list[Callable[[torch.nn.Module], torch.nn.Module]] = field(default_factory=list)
     """Applied to the model in order, before it is moved to the device."""
+    loss_kernel: str = "framework"
+    """What computes the step's loss: "framework" (the user's loss on the model's logits) or
+    "fused_linear" (a fused linear cross-entropy from the LM head's input: strategies.loss_kernel)."""
     backend_flags: dict[str, Any] = field(default_factory=dict)
     """Process-global switches (see BACKEND_FLAGS)."""
     step_contexts: list[Callable[[], contextlib.AbstractContextManager[Any]]] = field(default_factory=list)

@@ -20,6 +20,7 @@ from autotune.workload.models import logits
 from strategies import optimizer as optimizer_strategy
 from strategies import optimizer_state as optimizer_state_strategy
 from strategies.compile import CUDAGRAPH_MODES
+from strategies.loss_kernel import step_loss
 from strategies.vocab_padding import pad_optimizer_state
 
 GRAPH_WARMUP_STEPS = 3
@@ -188,7 +189,10 @@ class TrainStep:
                  scaler: torch.amp.GradScaler | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
-        self.loss_fn = compiled_loss(loss_fn, recipe)
+        # a fused linear cross-entropy (loss_kernel) reads the LM head's input and stays eager beside a
+        # compiled model: its kernels are liger's own Triton, and its host synchronisation would split the graph
+        self.loss_fn = (compiled_loss(loss_fn, recipe) if recipe.loss_kernel == "framework"
+                        else step_loss(model, loss_fn, recipe))
         self.recipe = recipe
         self.scaler = scaler if scaler is not None else grad_scaler(recipe)
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -211,6 +215,8 @@ class TrainStep:
             n = 3 if self.recipe.compile_mode in CUDAGRAPH_MODES else 1
         if self.recipe.cuda_graphs:
             n = max(n, GRAPH_WARMUP_STEPS + 1)
+        if self.recipe.loss_kernel != "framework":
+            n = max(n, 1)  # liger's Triton kernels compile in the first step that calls them
         if self.recipe.optimizer_state != "full":
             n = max(n, 1)  # torchao's 8-bit Adam compiles its update (once a parameter shape) in the first step
         return n

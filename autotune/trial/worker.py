@@ -130,6 +130,7 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     from strategies.attention import sdpa_calls
     from strategies.channel_alignment import misaligned_layers
     from strategies.fp32_layers import kinds_present
+    from strategies.loss_kernel import probe as lm_head
     from strategies.optimizer_state import class_name
     from strategies.precision import fp8_eligible_share, supported_modes
     from strategies.vocab_padding import vocab_size
@@ -167,6 +168,8 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     result["fp8_eligible_share"] = fp8_eligible_share(workload.model)
     if request.get("forward", True):  # off when a first probe's forward killed its process
         result.update(sdpa_calls(workload.model, x))  # the attention knob's question
+    # the fused loss's: an LM head whose logits the model returns as they are, the loss its cross-entropy
+    result["lm_head"] = lm_head(workload, x, device=device, forward=request.get("forward", True))
     result["vocab_size"] = vocab_size(workload.model)  # language models' knobs
     result["checkpoint_blocks"] = num_blocks(workload.model)  # activation checkpointing's repeated blocks
     result["optimizer_class"] = class_name(workload.optimizer(workload.model))  # 8-bit states for Adam/AdamW only
