@@ -7,6 +7,7 @@ tests that step them compile that update first (seconds to tens of seconds cold)
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.metadata
 import sys
 import warnings
@@ -476,3 +477,14 @@ def test_bitsandbytes_rebuild_keeps_groups_and_refuses_a_resumed_state():
 def test_bitsandbytes_words_name_the_library():
     assert OptimizerState().words({"state": "8bit-bnb"}) == "8-bit optimizer states (bitsandbytes)"
     assert OptimizerState().words({"state": "8bit"}) == "8-bit optimizer states"
+
+
+def test_the_bitsandbytes_states_export_as_hf_adamw_bnb_8bit() -> None:
+    from transformers.training_args import OptimizerNames
+
+    space = dataclasses.replace(GPU_SPACE, choices={**GPU_SPACE.choices, "optimizer_state": ["full", "8bit", "8bit-bnb"]})
+    cfg = TunedConfig.from_params({**GPU_PARAMS, "optimizer_state.state": "8bit-bnb"}, space)
+    args, _ = exports.hf_training_args(cfg)
+    assert args["optim"] == "adamw_bnb_8bit" and "adamw_bnb_8bit" in {o.value for o in OptimizerNames}
+    (entry,) = [u for u in exports.accelerate_config(cfg).unsupported if u["setting"] == "optimizer_state.state"]
+    assert "rebuild(optimizer, '8bit-bnb')" in entry["why"]

@@ -134,9 +134,10 @@ def _common_unsupported(values: dict[str, dict[str, Any]], target: str) -> list[
          f"{target} has no activation-checkpointing option: call "
          f"{checkpointing.CODE.format(every=values['activation_checkpointing']['every'])} before training "
          "(transformers models: through their own activation_checkpointing_enable)"),
-        ("optimizer_state.state", values["optimizer_state"]["state"], values["optimizer_state"]["state"] == "8bit",
+        ("optimizer_state.state", values["optimizer_state"]["state"], values["optimizer_state"]["state"] != "full",
          f"{target} takes the optimizer your code builds: keep its Adam states in 8 bits with "
-         "optimizer = strategies.optimizer_state.rebuild(optimizer, '8bit') (torchao's AdamW8bit, same param groups "
+         f"optimizer = strategies.optimizer_state.rebuild(optimizer, {values['optimizer_state']['state']!r}) "
+         "(torchao's or bitsandbytes' AdamW8bit, same param groups "
          "and hyperparameters) where you build it (Lightning: in configure_optimizers)"),
     ]
     return [item(setting, value, why) for setting, value, tuned, why in checks if tuned]
@@ -189,8 +190,10 @@ def hf_training_args(cfg: Any) -> HFExport:
                                                            "activation_checkpointing.every"})
     implementation = values["optimizer"]["implementation"]
     optim = hf_optimizer(implementation, cfg.device)
-    if values["optimizer_state"]["state"] == "8bit":  # its implementation is then "default": nothing else to say
-        optim = "adamw_torch_8bit"  # the Trainer's torchao.optim.AdamW8bit, block size 256 as measured
+    state = values["optimizer_state"]["state"]
+    if state != "full":  # its implementation is then "default": nothing else to say
+        # the Trainer's torchao.optim.AdamW8bit (block size 256, as measured), or bitsandbytes' AdamW8bit
+        optim = "adamw_bnb_8bit" if state == "8bit-bnb" else "adamw_torch_8bit"
     if optim is not None:
         args["optim"] = optim
     else:
