@@ -56,12 +56,26 @@ def test_the_measured_plain_recipe_gets_its_one_knob_neighbours_each_once():
     assert len(_queued(study)) == len(queued)
 
 
-def test_no_neighbours_while_a_larger_batch_of_the_plain_recipe_is_queued():
+def test_no_one_knob_moves_while_a_larger_batch_of_the_plain_recipe_is_queued():
     study = _study()
     _measured(study, LM_SPACE, plain_recipe.params(LM_SPACE, 8), 400.0, role=plain_recipe.ROLE)
     study.enqueue_trial(plain_recipe.params(LM_SPACE, 16), user_attrs={"role": plain_recipe.ROLE})
     Neighbours(LM_SPACE, {}, limit_bytes=None)(study, study.trials[0])
     assert len(_queued(study)) == 1
+
+
+def test_a_grown_plain_recipe_is_weighed_against_a_memory_lever_by_gain_per_second():
+    space = _capped_space()
+    study = _study()
+    bar = _measured(study, space, plain_recipe.params(space, 1), 33.0, role=plain_recipe.ROLE)
+    grown = complete_params({**bar.params, "batch_size.batch_size": 2}, space)
+    study.enqueue_trial(grown, user_attrs={"role": plain_recipe.ROLE, "grown_from": bar.number})
+    levered = complete_params({**bar.params, "batch_size.batch_size": 8, "optimizer_state.state": "8bit-bnb"}, space)
+    study.enqueue_trial(levered, user_attrs={"role": "steered", "steered_by": {"rule": RULE}})
+    planner = Planner(space, walls=[(20.0, False), (70.0, True)])
+    plans = planner.plans(study)
+    assert [p.number for p in plans] == [2, 1]  # batch 8 with 8-bit states predicted far faster than batch 2
+    assert plans[0].predicted > plans[1].predicted > 33.0
 
 
 def test_the_planner_ranks_a_padded_vocabulary_above_an_eager_candidate_below_the_bar():
@@ -98,7 +112,7 @@ def _capped_space():
     return SearchSpace(device="cuda", precisions=["fp32", "bf16"], batch_sizes=[1, 2, 4, 8, 16], base_batch_size=16,
                        memory_formats=["contiguous"], compile_modes=["off", "default"],
                        optimizer_implementations=["foreach", "fused"], cuda_graphs=[False], stream_counts=[1],
-                       choices={"optimizer_state": ["full", "8bit"]})
+                       choices={"optimizer_state": ["full", "8bit", "8bit-bnb"]})
 
 
 def test_under_a_cap_the_levers_queue_a_larger_batch_predicted_to_fit():
@@ -112,6 +126,7 @@ def test_under_a_cap_the_levers_queue_a_larger_batch_predicted_to_fit():
               figures={"peak_allocated_bytes": 20.2 * GIB})
     probe = {"num_parameters": 1.236e9, "tokens_per_sample": 1024, "vocab_size": 128256}
     Neighbours(space, probe, limit_bytes=24 * GIB)(study, study.trials[0])
-    levered = [t.system_attrs["fixed_params"] for t in _queued(study)
-               if t.system_attrs["fixed_params"].get("optimizer_state.state") == "8bit"]
-    assert levered and levered[0]["batch_size.batch_size"] > 1
+    states = {t.system_attrs["fixed_params"].get("optimizer_state.state"): t.system_attrs["fixed_params"]
+              for t in _queued(study)}
+    assert states["8bit-bnb"]["batch_size.batch_size"] == 4  # 20.2 - 2.25 - 6.9 GiB + 4 x 2.25 within 92% of 24
+    assert "8bit" not in states  # torchao's, slower, would take the same batch: not queued

@@ -12,8 +12,8 @@ batch (a 1B Llama under 24 GiB fits the plain recipe at batch 1 or 2), the knobs
 that fits and runs faster.
 
 ``Neighbours`` is a proposer (Optuna's callback after each trial): once the plain recipe is measured,
-and no larger batch of it is still queued (GrowToFit), it queues those candidates once each, as
-steered trials of RULE. The planner (autotune.search.planner) orders them by expected gain per
+it queues those candidates once each, as steered trials of RULE (the one-knob moves only when no
+larger batch of the plain recipe is still queued by GrowToFit: they start from the faster one). The planner (autotune.search.planner) orders them by expected gain per
 second, from each move's prior (MOVES, LEVERS: what the knob gave elsewhere) until this search
 measures it. They are compiled like the bar and skip eager screening: a compiled configuration
 one knob away from a measured compiled one is ranked from it.
@@ -145,13 +145,15 @@ class Neighbours:
         if TrialRecord.of(trial).role != plain_recipe.ROLE or trial.state != TrialState.COMPLETE:
             return
         trials = study.get_trials(deepcopy=False)
-        if any(TrialRecord.of(t).role == plain_recipe.ROLE and t.state in (TrialState.WAITING, TrialState.RUNNING)
-               for t in trials):
-            return  # a larger batch of it is queued (GrowToFit): its neighbours start from the faster one
+        # a larger batch of it queued (GrowToFit): its one-knob moves start from the faster one, but the
+        # memory knobs go in now, to be weighed against it (a 1B Llama's compiled trial is 60-90 s of a
+        # 5-minute budget: the grown plain recipe and a lever are all that fit after the bar)
+        growing = any(TrialRecord.of(t).role == plain_recipe.ROLE and t.state in (TrialState.WAITING, TrialState.RUNNING)
+                      for t in trials)
         bar = max((t for t in trials if TrialRecord.of(t).role == plain_recipe.ROLE
                    and t.state == TrialState.COMPLETE and t.value is not None), key=lambda t: t.value)
         known = [complete_params(planned_params(t), self.space) for t in trials]
-        for params, why in self.candidates(study, bar):
+        for params, why in (self.levers(study, bar) if growing else self.candidates(study, bar)):
             if params in known:
                 continue
             known.append(params)

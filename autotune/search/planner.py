@@ -157,7 +157,7 @@ class Planner:
             rank, cost, why = 2, 0.0, "a repeat of a measured configuration: its result is copied"
         elif role == "baseline":
             rank, why = 3, "the FP32 baseline: every figure is compared with it"
-        elif role == "plain-recipe":
+        elif role == "plain-recipe" and record.grown_from is None:
             rank, why = 4, "the plain recipe: the bar every recommendation must clear"
         else:
             rank, why = 5, self._words(predicted, source, best, cost, gain, novel)

@@ -188,7 +188,7 @@ class _Steps:
                  seed: int) -> None:
         t0 = time.perf_counter()
         torch.manual_seed(seed)
-        self.workload = build(spec)
+        self.workload = build(spec, init_device=cfg.device)
         model = self.workload.model
         optimizer = self.workload.optimizer(model)
         t1 = time.perf_counter()
