@@ -10,7 +10,9 @@ import strategies
 from autotune.deploy.space import SearchSpace
 from autotune.search import neighbours, plain_recipe
 from autotune.search.memory import PROBE_ATTR
-from autotune.search.neighbours import LEVERS, RULE, Neighbours, fit_with, prior_factor
+from autotune.search.memory import MemoryModel, family
+from autotune.search.levers import LEVERS, lever_bytes
+from autotune.search.neighbours import RULE, Neighbours, prior_factor
 from autotune.search.planner import Planner
 from autotune.search.steering import complete_params
 
@@ -43,7 +45,7 @@ def _queued(study):
 def test_the_measured_plain_recipe_gets_its_one_knob_neighbours_each_once():
     study = _study()
     bar = _measured(study, LM_SPACE, plain_recipe.params(LM_SPACE, 16), 450.0, role=plain_recipe.ROLE)
-    proposer = Neighbours(LM_SPACE, {"num_parameters": 124e6}, limit_bytes=None)
+    proposer = Neighbours(LM_SPACE, limit_bytes=None)
     proposer(study, study.trials[-1])
     queued = _queued(study)
     changes = [{k: v for k, v in t.system_attrs["fixed_params"].items() if bar.params.get(k) != v} for t in queued]
@@ -60,7 +62,7 @@ def test_no_one_knob_moves_while_a_larger_batch_of_the_plain_recipe_is_queued():
     study = _study()
     _measured(study, LM_SPACE, plain_recipe.params(LM_SPACE, 8), 400.0, role=plain_recipe.ROLE)
     study.enqueue_trial(plain_recipe.params(LM_SPACE, 16), user_attrs={"role": plain_recipe.ROLE})
-    Neighbours(LM_SPACE, {}, limit_bytes=None)(study, study.trials[0])
+    Neighbours(LM_SPACE, limit_bytes=None)(study, study.trials[0])
     assert len(_queued(study)) == 1
 
 
@@ -97,14 +99,14 @@ def test_prior_factor_reads_both_ways_and_ignores_other_values():
     assert prior_factor("streams.num_streams", {"streams.num_streams": 1}, {"streams.num_streams": 2}) is None
 
 
-def test_fit_with_levers_subtracts_optimizer_states_and_logits():
-    probe = {"num_parameters": 1.236e9, "tokens_per_sample": 1024, "vocab_size": 128256}
+def test_lever_bytes_subtract_optimizer_states_and_logits():
+    sizes = {"num_parameters": 1.236e9, "tokens_per_sample": 1024, "vocab_size": 128256}
     state, loss = LEVERS[0], LEVERS[2]
-    allocated, per_sample = 20.2 * GIB, 1.2 * GIB  # the 1B Llama's plain recipe at batch 1
-    assert fit_with((), probe, allocated, 1, per_sample, 4) == pytest.approx(allocated + 3 * per_sample)
-    with_states = fit_with((state,), probe, allocated, 1, per_sample, 4)
-    assert with_states == pytest.approx(allocated + 3 * per_sample - 5.97 * 1.236e9)
-    both = fit_with((state, loss), probe, allocated, 1, per_sample, 4)
+    fixed, per_sample = 19.0 * GIB, 1.2 * GIB
+    assert lever_bytes((), sizes, fixed, per_sample, 4) == pytest.approx(fixed + 4 * per_sample)
+    with_states = lever_bytes((state,), sizes, fixed, per_sample, 4)
+    assert with_states == pytest.approx(fixed + 4 * per_sample - 5.97 * 1.236e9)
+    both = lever_bytes((state, loss), sizes, fixed, per_sample, 4)
     assert both == pytest.approx(with_states - 4 * 1024 * 128256)
 
 
@@ -115,18 +117,44 @@ def _capped_space():
                        choices={"optimizer_state": ["full", "8bit", "8bit-bnb"]})
 
 
-def test_under_a_cap_the_levers_queue_a_larger_batch_predicted_to_fit():
-    if "optimizer_state" not in strategies.BY_NAME:
-        pytest.skip("the optimizer_state knob is not in this checkout")
-    space = _capped_space()
+def _capped_study(space):
+    """The 1B Llama under 24 GiB as the H200 measured it: the eager probe fits batch 1 (22.6 GiB), not 2;
+    the compiled plain recipe peaks at 22.7 GiB at batch 1 and 23.5 at batch 2."""
     study = _study()
-    probed = {"family": "x", "peaks": {"1": 19.5 * GIB}, "does_not_fit_at": 2}
-    study.set_user_attr(PROBE_ATTR, probed)
-    _measured(study, space, plain_recipe.params(space, 1), 33.0, role=plain_recipe.ROLE,
-              figures={"peak_allocated_bytes": 20.2 * GIB})
-    probe = {"num_parameters": 1.236e9, "tokens_per_sample": 1024, "vocab_size": 128256}
-    Neighbours(space, probe, limit_bytes=24 * GIB)(study, study.trials[0])
+    sizes = {"num_parameters": 1.236e9, "tokens_per_sample": 1024, "vocab_size": 128256}
+    study.set_user_attr(PROBE_ATTR, {"family": "eager", "peaks": {"1": 22.6 * GIB}, "does_not_fit_at": 2,
+                                     "sizes": sizes})
+    for batch, value, peak in ((1, 33.0, 22.7), (2, 46.5, 23.5)):
+        params = plain_recipe.params(space, batch)
+        _measured(study, space, params, value, role=plain_recipe.ROLE, status="ok", knobs=_knobs(space, params),
+                  figures={"peak_memory_bytes": peak * GIB})
+    return study
+
+
+def _knobs(space, params):
+    return strategies.knobs_to_dict(strategies.sample(optuna.trial.FixedTrial(params), space))
+
+
+def test_the_memory_model_predicts_a_memory_knob_from_the_configuration_measured_without_it():
+    space = _capped_space()
+    study = _capped_study(space)
+    model = MemoryModel.from_study(study, 24 * GIB)
+    plain = _knobs(space, plain_recipe.params(space, 8))
+    levered = _knobs(space, {**plain_recipe.params(space, 8), "optimizer_state.state": "8bit-bnb"})
+    assert model.line(family(plain)) == pytest.approx((21.9 * GIB, 0.8 * GIB))
+    assert model.predict(plain) == pytest.approx(28.3 * GIB)  # over the cap
+    assert model.predict(levered) == pytest.approx(28.3 * GIB - 5.97 * 1.236e9)  # within it
+    assert model.verdict(levered) is None and model.verdict(plain) is not None
+
+
+def test_under_a_cap_the_levers_queue_the_largest_batch_the_memory_model_says_fits():
+    space = _capped_space()
+    study = _capped_study(space)
+    Neighbours(space, limit_bytes=24 * GIB)(study, study.trials[-1])
     states = {t.system_attrs["fixed_params"].get("optimizer_state.state"): t.system_attrs["fixed_params"]
               for t in _queued(study)}
-    assert states["8bit-bnb"]["batch_size.batch_size"] == 4  # 20.2 - 2.25 - 6.9 GiB + 4 x 2.25 within 92% of 24
+    # 21.9 - 6.9 GiB + 8 x 0.8 = 21.4 GiB, within 92% of 24; 16 would not be
+    assert states["8bit-bnb"]["batch_size.batch_size"] == 8
     assert "8bit" not in states  # torchao's, slower, would take the same batch: not queued
+
+

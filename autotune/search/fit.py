@@ -73,7 +73,9 @@ def probe_fit(config: SearchConfig, device: str, space: SearchSpace, info: dict[
         warnings.warn(f"the memory probe did not run ({result.get('status')}: {result.get('reason')}); trials are "
                       "sized by what they measure", stacklevel=3)
         return None
-    probed = {"family": family(knobs), "peaks": result.get("peaks") or {},
+    # the sizes the memory knobs' savings follow from (autotune.search.neighbours.LEVERS)
+    sizes = {key: info.get(key) for key in ("num_parameters", "tokens_per_sample", "vocab_size") if info.get(key)}
+    probed = {"family": family(knobs), "peaks": result.get("peaks") or {}, "sizes": sizes,
               "does_not_fit_at": result.get("does_not_fit_at"), "seconds": result.get("seconds")}
     fit = Fit(probed=probed, limit_bytes=float(cap), base_fits=True)
     return dataclasses.replace(fit, base_fits=fit.fits(knobs, space.base_batch_size))

@@ -27,6 +27,7 @@ from typing import Any, Mapping
 import optuna
 
 from autotune.errors import ConfigError
+from autotune.search.levers import lever_bytes, levers_of, without_levers
 from autotune.trial.record import TrialRecord
 
 PREDICT_MARGIN = 1.10
@@ -44,6 +45,11 @@ ACTIVATION_FACTOR = {"fp32": 2.0, "tf32": 2.0}
 """How much more a sample holds in a precision mode than in the probed 16-bit autocast: FP32
 activations are twice bf16's; the fixed part (FP32 master weights, gradients, optimizer state) is
 the same in every mode, which keeps FP32 weights under autocast."""
+
+COMPILED_SHARE = 0.5
+"""A compiled step's bytes per sample as a share of the eager step's the memory probe measured (the
+hand-written plain recipe of a 1B Llama on the H200 held 0.3 GiB more at batch 2 than at 1,
+compiled, where its eager step ran out of memory at 2 under 24 GiB)."""
 
 # knobs that do not change device memory: the batch is the model's variable, the rest act on the
 # host (threads, the data loader) or only on the loss scale's arithmetic (GradScaler settings)
@@ -93,6 +99,9 @@ class MemoryModel:
     prior: tuple[str, float, float] | None = None
     """(probed family, fixed bytes, bytes per sample) from the memory probe: what a family that has
     no line of its own is predicted by (:meth:`prior_predict`)."""
+    sizes: dict[str, float] = field(default_factory=dict)
+    """The workload's sizes the memory knobs' savings follow from (num_parameters, tokens_per_sample,
+    vocab_size: the probe's), kept with the memory probe's findings."""
 
     @classmethod
     def from_study(cls, study: optuna.Study, limit_bytes: float | None) -> "MemoryModel":
@@ -117,6 +126,7 @@ class MemoryModel:
         """Take the memory probe's peaks as its family's, and its line as every family's prior."""
         if not probed or not probed.get("family"):
             return
+        self.sizes = dict(probed.get("sizes") or {})
         fam = probed["family"]
         for batch, peak in (probed.get("peaks") or {}).items():
             self.add(fam, int(batch), float(peak))
@@ -164,11 +174,40 @@ class MemoryModel:
         slope = max(0.0, sum((b - mean_b) * (p - mean_p) for b, p in points) / var)
         return mean_p - slope * mean_b, slope
 
+    def lever_predict(self, knobs: Mapping[str, Mapping[str, Any]], batch: int) -> float | None:
+        """Predicted peak bytes of a configuration with memory knobs on (8-bit optimizer states, a fused
+        loss, recomputed activations: autotune.search.neighbours.LEVERS) and no line of its own: the same
+        configuration without them, as measured (its line, else its largest measured batch with the
+        probe's bytes per sample, halved where it compiles), less what each knob saves. None where that
+        configuration was not measured, or no memory knob is on."""
+        levers = levers_of(knobs)
+        if not levers:
+            return None
+        # the same configuration measured without them; its optimizer's implementation aside (8-bit
+        # states have none to choose: recorded "default" where the plain recipe's is "fused")
+        wanted = _but_implementation(family(without_levers(knobs)))
+        same = [f for f in self.peaks if _but_implementation(f) == wanted]
+        if not same:
+            return None
+        fam = max(same, key=lambda f: len(self.peaks[f]))
+        fitted = self.line(fam)
+        if fitted is None:
+            measured = sorted(self.peaks.get(fam, {}).items())
+            if not measured or self.prior is None:
+                return None
+            mode = (knobs.get("precision") or {}).get("mode", "fp32")
+            compiled = (knobs.get("compile") or {}).get("mode", "off") != "off"
+            per_sample = self.prior[2] * ACTIVATION_FACTOR.get(mode, 1.0) * (COMPILED_SHARE if compiled else 1.0)
+            b, peak = measured[-1]
+            fitted = (peak - per_sample * b, per_sample)
+        return lever_bytes(levers, self.sizes, *fitted, batch)
+
     def predict(self, knobs: Mapping[str, Mapping[str, Any]], batch: int | None = None) -> float | None:
         """Predicted peak bytes of ``knobs`` (at ``batch`` instead of its own, if given)."""
         fitted = self.line(family(knobs))
         if fitted is None:
-            return self.prior_predict(knobs, batch)
+            levered = self.lever_predict(knobs, batch if batch is not None else batch_of(knobs))
+            return levered if levered is not None else self.prior_predict(knobs, batch)
         fixed, per_sample = fitted
         return fixed + per_sample * (batch if batch is not None else batch_of(knobs))
 
@@ -240,3 +279,7 @@ def _kind(fam: str) -> tuple[str, str]:
     GPT-2 at 64 sequences held 42 GiB; eager, 94)."""
     values = dict(part.split("=", 1) for part in fam.split(",") if "=" in part)
     return values.get("precision.mode", "fp32"), values.get("compile.mode", "off")
+
+
+def _but_implementation(fam: str) -> str:
+    return ",".join(part for part in fam.split(",") if not part.startswith("optimizer.implementation="))

@@ -22,7 +22,7 @@ one knob away from a measured compiled one is ranked from it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import optuna
 from optuna.trial import TrialState
@@ -30,6 +30,7 @@ from optuna.trial import TrialState
 import strategies
 from autotune.deploy.space import SearchSpace
 from autotune.search import plain_recipe
+from autotune.search.levers import LEVER_SETS, LEVERS
 from autotune.search.steering import complete_params
 from autotune.search.trials import planned_params
 from autotune.trial.record import TrialRecord, queue_attrs
@@ -60,53 +61,6 @@ MOVES: tuple[Move, ...] = (
 """The one-knob moves, in the order the guides rank them (the queue's order breaks the planner's ties)."""
 
 
-@dataclass(frozen=True)
-class Lever:
-    """A knob that buys memory: what it saves, and what it is expected to cost in speed."""
-
-    param: str
-    value: Any
-    speed: float
-    """Expected speed at the same batch, over the plain recipe."""
-    fixed_saving: Callable[[dict[str, Any]], float]
-    """Bytes it saves whatever the batch, from the probe's findings (num_parameters ...)."""
-    per_sample_share: float
-    """Share of the compiled step's bytes per sample it keeps (1.0: it saves none of them)."""
-    per_sample_saving: Callable[[dict[str, Any]], float]
-    """Bytes per sample it saves on top (a language model's logits)."""
-
-
-def _adam_states(probe: dict[str, Any]) -> float:
-    # AdamW's two FP32 states are 8 bytes a parameter; 8-bit ones 2.03 (1,235,814,400 parameters of
-    # the 1B Llama shape on the H200: 9.21 GiB against 2.34, scripts/memory_parts_bench.py)
-    return 5.97 * float(probe.get("num_parameters") or 0)
-
-
-def _logits(probe: dict[str, Any]) -> float:
-    # a compiled loss still holds the bf16 logits (0.98 GiB for 4 x 1,024 tokens of a 128,256
-    # vocabulary); liger's fused linear cross-entropy held 0.49 GiB there: about one byte a logit saved
-    return float(probe.get("tokens_per_sample") or 0) * float(probe.get("vocab_size") or 0)
-
-
-LEVERS: tuple[Lever, ...] = (
-    # bitsandbytes' 8-bit AdamW: one fused kernel a parameter, as fused AdamW's
-    Lever("optimizer_state.state", "8bit-bnb", 0.97, _adam_states, 1.0, lambda probe: 0.0),
-    # torchao's 8-bit AdamW stepped the 1B Llama's parameters in 122 ms against fused AdamW's 11 on the
-    # H200: for a step of about 75 ms, about half the speed at the same batch
-    Lever("optimizer_state.state", "8bit", 0.5, _adam_states, 1.0, lambda probe: 0.0),
-    # liger's loss took 25 ms against the compiled loss's 11 ms for 4 x 1,024 tokens of the 1B Llama
-    Lever("loss_kernel.kernel", "fused_linear", 0.85, lambda probe: 0.0, 1.0, _logits),
-    # recomputing every other block's forward in backward: about a sixth more compute
-    Lever("activation_checkpointing.every", 2, 0.87, lambda probe: 0.0, 0.55, lambda probe: 0.0),
-    Lever("activation_checkpointing.every", 1, 0.75, lambda probe: 0.0, 0.15, lambda probe: 0.0),
-)
-"""The memory knobs, from the cheapest in speed."""
-
-LEVER_SETS: tuple[tuple[int, ...], ...] = ((0,), (1,), (2,), (0, 2), (1, 2), (3,), (0, 3), (0, 2, 3), (4,), (0, 2, 4))
-"""Combinations of LEVERS tried, as indices: one knob, then more (a 1B Llama's optimizer states and
-its logits together), recompute last (it costs the most). A combination the space does not offer (no
-bitsandbytes, say) is skipped, and one whose batch an earlier one already takes is not queued."""
-
 PRIORS: dict[tuple[str, Any], float] = {(m.param, m.value): m.gain for m in MOVES}
 PRIORS.update({(lever.param, lever.value): lever.speed for lever in LEVERS})
 """Expected speed of each move and lever over the plain recipe's value of that knob: the planner's
@@ -120,25 +74,11 @@ def offered(space: SearchSpace, params: dict[str, Any], changes: dict[str, Any])
     return changed if all(changed.get(k) == v for k, v in changes.items()) else None
 
 
-def fit_with(levers: tuple[Lever, ...], probe: dict[str, Any], allocated: float, batch: int, per_sample: float,
-             target: int) -> float:
-    """Predicted bytes of the plain recipe at ``target`` with ``levers``, from what it allocated at ``batch``
-    and the compiled step's bytes per sample."""
-    share = 1.0
-    for lever in levers:
-        share *= lever.per_sample_share
-    fixed = allocated - batch * per_sample - sum(lever.fixed_saving(probe) for lever in levers)
-    saving = sum(lever.per_sample_saving(probe) for lever in levers)
-    # a sample never holds less than a tenth of what it held: the logits are not all it holds
-    return fixed + target * max(per_sample * share - saving, 0.1 * per_sample)
-
-
 class Neighbours:
     """Optuna's callback after each trial: queue the plain recipe's neighbours once it is measured."""
 
-    def __init__(self, space: SearchSpace, probe: dict[str, Any], limit_bytes: float | None) -> None:
+    def __init__(self, space: SearchSpace, limit_bytes: float | None) -> None:
         self.space = space
-        self.probe = probe
         self.limit_bytes = limit_bytes
 
     def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
@@ -179,29 +119,30 @@ class Neighbours:
 
     def levers(self, study: optuna.Study, bar: optuna.trial.FrozenTrial) -> list[tuple[dict[str, Any], str]]:
         """Under a memory cap that holds the plain recipe below MAX_BATCH_FACTOR x the base batch: for
-        each LEVER_SETS combination offered, the plain recipe with it at the largest batch predicted to
-        fit, where that is larger than the bar's; at most one per batch, the cheapest in speed first."""
+        each LEVER_SETS combination offered, the plain recipe with it at the largest batch the memory
+        model predicts to fit (MemoryModel.lever_predict: the plain recipe's measured peaks less what
+        the knobs save), where that is larger than the bar's; at most one per batch, the cheapest in
+        speed first."""
         from autotune.search.memory import BACKOFF_FILL, MemoryModel
 
         if not self.limit_bytes:
             return []
-        record = TrialRecord.of(bar)
-        allocated = record.figures.get("peak_allocated_bytes")
         batch = int(bar.params.get("batch_size.batch_size", 0))
         ceiling = plain_recipe.MAX_BATCH_FACTOR * self.space.base_batch_size
         larger = [b for b in self.space.batch_sizes if batch < b <= ceiling]
-        model = MemoryModel.from_study(study, self.limit_bytes)
-        if not allocated or not larger or model.prior is None:
+        if not larger:
             return []
-        per_sample = model.prior[2] * plain_recipe.COMPILED_ACTIVATIONS
+        model = MemoryModel.from_study(study, self.limit_bytes)
         out, batches = [], set()
         for combo in LEVER_SETS:
             levers = tuple(LEVERS[i] for i in combo)
             params = offered(self.space, bar.params, {lever.param: lever.value for lever in levers})
             if params is None:
                 continue
-            fits = [b for b in larger if fit_with(levers, self.probe, allocated, batch, per_sample, b)
-                    <= self.limit_bytes * BACKOFF_FILL]
+            knobs = _knobs(self.space, params)
+            # the memory model's prediction, which also sizes the trial before it runs
+            fits = [b for b in larger if (need := model.predict(knobs, b)) is not None
+                    and need <= self.limit_bytes * BACKOFF_FILL]
             if not fits or max(fits) in batches:
                 continue
             target = max(fits)
@@ -210,6 +151,10 @@ class Neighbours:
             out.append((offered(self.space, params, {"batch_size.batch_size": target}) or params,
                         f"{words}: batch {target} predicted to fit where the plain recipe's {batch} is the largest"))
         return out
+
+
+def _knobs(space: SearchSpace, params: dict[str, Any]) -> dict[str, Any]:
+    return strategies.knobs_to_dict(strategies.sample(optuna.trial.FixedTrial(params), space))
 
 
 def prior_factor(key: str, before: dict[str, Any], after: dict[str, Any]) -> float | None:

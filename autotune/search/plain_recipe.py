@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import strategies
 from autotune.deploy.space import SearchSpace
+from autotune.search.memory import COMPILED_SHARE
 
 ROLE = "plain-recipe"
 MAX_BATCH_FACTOR = 4
@@ -91,10 +92,9 @@ def describe(space: SearchSpace) -> str:
     return ", ".join(parts)
 
 
-COMPILED_ACTIVATIONS = 0.5
-"""A compiled step's bytes per sample as a share of the eager step's the memory probe measured: at
-most this (the hand-written plain recipe of a 1B Llama on the H200 held 0.3 GiB more at batch 2 than
-at 1, compiled, where its eager step ran out of memory at 2 under 24 GiB)."""
+COMPILED_ACTIVATIONS = COMPILED_SHARE
+"""A compiled step's bytes per sample as a share of the eager step's the memory probe measured
+(autotune.search.memory.COMPILED_SHARE)."""
 
 
 class GrowToFit:

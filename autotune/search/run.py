@@ -188,7 +188,7 @@ def _proposers(config: SearchConfig, space: SearchSpace, target: Goal, objective
     if config.replay:
         return [SeedFeeder()]
     return [SeedFeeder(), CompileFinalist(space, target.maximize), GrowToFit(space, objective.fit_limit_bytes),
-            Neighbours(space, info, objective.fit_limit_bytes)]
+            Neighbours(space, objective.fit_limit_bytes)]
 
 
 def _planner(study: optuna.Study, space: SearchSpace, objective: Objective, stop_rule: StopRule, target: Goal,

@@ -1,0 +1,94 @@
+"""The memory knobs as the search trades them for batch: what each saves and what it costs in speed.
+
+8-bit optimizer states (strategies.optimizer_state), a fused linear cross-entropy
+(strategies.loss_kernel) and recomputed activations (strategies.activation_checkpointing) each buy
+memory: a fixed part (the optimizer's states) or a share of what a sample holds. The memory model
+(autotune.search.memory) predicts a configuration with them from the same configuration measured
+without them, less these savings, until it measures one; the plain recipe's neighbours
+(autotune.search.neighbours) queue them at the batch that prediction says fits, and the planner
+ranks them by their expected speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import strategies
+
+
+@dataclass(frozen=True)
+class Lever:
+    """A knob that buys memory: what it saves, and what it is expected to cost in speed."""
+
+    param: str
+    value: Any
+    speed: float
+    """Expected speed at the same batch, over the plain recipe."""
+    fixed_saving: Callable[[dict[str, Any]], float]
+    """Bytes it saves whatever the batch, from the probe's findings (num_parameters ...)."""
+    per_sample_share: float
+    """Share of the compiled step's bytes per sample it keeps (1.0: it saves none of them)."""
+    per_sample_saving: Callable[[dict[str, Any]], float]
+    """Bytes per sample it saves on top (a language model's logits)."""
+
+
+def _adam_states(probe: dict[str, Any]) -> float:
+    # AdamW's two FP32 states are 8 bytes a parameter; 8-bit ones 2.03 (1,235,814,400 parameters of
+    # the 1B Llama shape on the H200: 9.21 GiB against 2.34, scripts/memory_parts_bench.py)
+    return 5.97 * float(probe.get("num_parameters") or 0)
+
+
+def _logits(probe: dict[str, Any]) -> float:
+    # a compiled loss still holds the bf16 logits (0.98 GiB for 4 x 1,024 tokens of a 128,256
+    # vocabulary); liger's fused linear cross-entropy held 0.49 GiB there: about one byte a logit saved
+    return float(probe.get("tokens_per_sample") or 0) * float(probe.get("vocab_size") or 0)
+
+
+LEVERS: tuple[Lever, ...] = (
+    # bitsandbytes' 8-bit AdamW: one fused kernel a parameter, as fused AdamW's
+    Lever("optimizer_state.state", "8bit-bnb", 0.97, _adam_states, 1.0, lambda probe: 0.0),
+    # torchao's 8-bit AdamW stepped the 1B Llama's parameters in 122 ms against fused AdamW's 11 on the
+    # H200: for a step of about 75 ms, about half the speed at the same batch
+    Lever("optimizer_state.state", "8bit", 0.5, _adam_states, 1.0, lambda probe: 0.0),
+    # liger's loss took 25 ms against the compiled loss's 11 ms for 4 x 1,024 tokens of the 1B Llama
+    Lever("loss_kernel.kernel", "fused_linear", 0.85, lambda probe: 0.0, 1.0, _logits),
+    # recomputing every other block's forward in backward: about a sixth more compute. A checkpointed
+    # block keeps its input alone (about 1/17 of a transformer layer's activations), but a sample also
+    # holds what lies outside the blocks (a 1B Llama's 128k-wide logits: about half of its compiled
+    # step's bytes per sample), so the share kept is of the whole sample
+    Lever("activation_checkpointing.every", 2, 0.87, lambda probe: 0.0, 0.75, lambda probe: 0.0),
+    Lever("activation_checkpointing.every", 1, 0.75, lambda probe: 0.0, 0.55, lambda probe: 0.0),
+)
+"""The memory knobs, from the cheapest in speed."""
+
+LEVER_SETS: tuple[tuple[int, ...], ...] = ((0,), (1,), (2,), (0, 2), (1, 2), (3,), (0, 3), (0, 2, 3), (4,), (0, 2, 4))
+"""Combinations of LEVERS tried, as indices: one knob, then more (a 1B Llama's optimizer states and
+its logits together), recompute last (it costs the most). A combination the space does not offer (no
+bitsandbytes, say) is skipped, and one whose batch an earlier one already takes is not queued."""
+
+def levers_of(knobs: dict[str, Any]) -> tuple[Lever, ...]:
+    """The LEVERS a configuration (its recorded knob values) has on."""
+    return tuple(lever for lever in LEVERS
+                 if (knobs.get(lever.param.split(".")[0]) or {}).get(lever.param.split(".")[1]) == lever.value)
+
+
+def without_levers(knobs: dict[str, Any]) -> dict[str, Any]:
+    """The configuration with every memory knob at its untuned value."""
+    out = dict(knobs)
+    for name in {lever.param.split(".")[0] for lever in LEVERS}:
+        if name in out:
+            out[name] = strategies.BY_NAME[name].to_dict(strategies.BY_NAME[name].default())
+    return out
+
+
+def lever_bytes(levers: tuple[Lever, ...], sizes: dict[str, Any], fixed: float, per_sample: float, batch: int) -> float:
+    """Predicted bytes at ``batch`` of a configuration measured at ``fixed`` + ``per_sample`` x batch
+    without ``levers``, with them on."""
+    share = 1.0
+    for lever in levers:
+        share *= lever.per_sample_share
+    fixed -= sum(lever.fixed_saving(sizes) for lever in levers)
+    saving = sum(lever.per_sample_saving(sizes) for lever in levers)
+    # a sample never holds less than a tenth of what it held: the logits are not all it holds
+    return fixed + batch * max(per_sample * share - saving, 0.1 * per_sample)
