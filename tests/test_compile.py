@@ -319,3 +319,66 @@ def test_the_stop_rule_expects_the_cost_of_the_trial_the_planner_runs_next() -> 
     assert estimate_next_wall(study, walls) == 200.0  # the queue's first
     planner = Planner(CPU_SPACE, walls=walls)
     assert estimate_next_wall(study, walls, planner=planner) == 11.0  # the baseline runs first
+
+
+# regional compilation ----------------------------------------------------------------------------
+
+
+def _tiny_llama():
+    from autotune.workload import hub
+
+    config = "num_hidden_layers=10,hidden_size=32,intermediate_size=64,num_attention_heads=4,num_key_value_heads=2,vocab_size=512"
+    return hub.build_hf("hf:llama", hub.parse_model_config(config), 16)["model"]
+
+
+def test_regional_is_offered_on_a_gpu_only_for_a_model_with_repeated_blocks() -> None:
+    assert "regional" in compile_strategy.candidates("cuda", blocks=12)
+    assert "regional" not in compile_strategy.candidates("cuda", blocks=1)
+    assert "regional" not in compile_strategy.candidates("cpu", blocks=12)
+
+
+@pytest.mark.slow
+def test_regional_compiles_each_block_once_and_trains_as_eager(restore_backend_flags) -> None:
+    """Ten decoder layers, more than Dynamo's default recompile limit of 8: one graph serves them all,
+    and the loss and gradients are eager's."""
+    from torch._dynamo.utils import counters
+
+    from autotune.workload import hub
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    eager, regional = _tiny_llama(), _tiny_llama()
+    regional.load_state_dict(eager.state_dict())
+    assert compile_strategy.compile_regions(regional) == 10
+    assert all(getattr(layer, "_compiled_call_impl", None) is not None for layer in regional.model.layers)
+    x, y = hub.random_tokens(2, torch.Generator().manual_seed(1), vocab_size=512, seq_len=16)
+    losses = []
+    for model in (eager, regional):
+        loss = hub.causal_lm_loss(model(x).logits, y)
+        loss.backward()
+        losses.append(loss.detach())
+    assert torch.allclose(losses[0], losses[1], atol=1e-5)
+    for a, b in zip(eager.parameters(), regional.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-4)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_regional_without_blocks_compiles_the_whole_model_and_says_so() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    with pytest.warns(UserWarning, match="no repeated blocks"):
+        assert compile_strategy.compile_regions(model) == 1
+    assert model._compiled_call_impl is not None
+
+
+def test_regional_exports_as_code_where_a_framework_compiles_whole_models() -> None:
+    from autotune.deploy import exports
+
+    space = SearchSpace(device="cuda", precisions=["bf16"], batch_sizes=[8], base_batch_size=8,
+                        compile_modes=["off", "default", "regional"])
+    cfg = TunedConfig.from_params({"precision.mode": "bf16", "compile.mode": "regional"}, space)
+    args, unsupported = exports.hf_training_args(cfg)
+    assert args["torch_compile"] is False and "torch_compile_mode" not in args
+    assert "compile_regions(model)" in next(u["why"] for u in unsupported if u["setting"] == "compile.mode")
+    assert exports.accelerate_config(cfg).config["dynamo_config"] == {}
+    assert "compile.mode" not in {u["setting"] for u in exports.lightning_settings(cfg)["unsupported"]}

@@ -123,6 +123,9 @@ def _common_unsupported(values: dict[str, dict[str, Any]], target: str) -> list[
         ("cuda_graphs.enabled", values["cuda_graphs"]["enabled"], bool(values["cuda_graphs"]["enabled"]),
          f"{target} runs the step eagerly: capturing the whole step in one CUDA graph needs cfg.train_step "
          f"(compile mode reduce-overhead is the nearest {target} has)"),
+        ("compile.mode", values["compile"]["mode"], values["compile"]["mode"] == "regional",
+         f"{target} compiles the whole model or nothing: compile its repeated blocks with "
+         "strategies.compile.compile_regions(model) before training (Lightning's callback does it)"),
         ("optimizer.set_to_none", values["optimizer"]["set_to_none"], not values["optimizer"]["set_to_none"],
          f"{target} clears gradients with zero_grad() (set_to_none=True); zeroing in place needs your own step"),
         ("loss_kernel.kernel", values["loss_kernel"]["kernel"], values["loss_kernel"]["kernel"] != "framework",
@@ -183,8 +186,8 @@ def hf_training_args(cfg: Any) -> HFExport:
         args.update(dataloader_prefetch_factor=loader["prefetch_factor"],
                     dataloader_persistent_workers=loader.get("persistent_workers", False))
     compile_mode = values["compile"]["mode"]
-    args["torch_compile"] = compile_mode != "off"
-    if compile_mode != "off":
+    args["torch_compile"] = compile_mode not in ("off", "regional")  # regional: listed as not expressed
+    if args["torch_compile"]:
         args.update(torch_compile_backend="inductor", torch_compile_mode=compile_mode)
     out = unsupported(cfg, "TrainingArguments", expressed={"optimizer_state.state", "loss_kernel.kernel",
                                                            "activation_checkpointing.every"})
@@ -259,7 +262,7 @@ def accelerate_config(cfg: Any) -> AccelerateExport:
     compile_mode = values["compile"]["mode"]
     config["dynamo_config"] = ({"dynamo_backend": "INDUCTOR", "dynamo_mode": compile_mode,
                                 "dynamo_use_fullgraph": False, "dynamo_use_dynamic": False}
-                               if compile_mode != "off" else {})
+                               if compile_mode not in ("off", "regional") else {})
     out = unsupported(cfg, "accelerate", expressed=set())
     if cfg.device == "cuda":
         flag = "tf32" if mode != "fp32" else "ieee"
@@ -300,7 +303,7 @@ LIGHTNING_PRECISION = {"fp32": "32-true", "tf32": "32-true", "fp16": "16-mixed",
 # is no gap of the Lightning export; cudnn.benchmark is also the Trainer's own benchmark flag
 LIGHTNING_CALLBACK_SETTINGS = {"memory_format.format", "channel_alignment.multiple", "fp32_layers.layers",
                                "cudnn.benchmark", "threads.num_threads", "precision.mode",
-                               "activation_checkpointing.every"}
+                               "activation_checkpointing.every", "compile.mode"}
 
 
 def lightning_settings(cfg: Any) -> dict[str, Any]:

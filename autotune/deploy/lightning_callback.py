@@ -19,6 +19,7 @@ from torch import nn
 from autotune.deploy.exports import LightningExport, lightning_settings, require
 from autotune.deploy.recipe import Recipe, apply_backend_flags
 from autotune.errors import ConfigError
+from strategies.compile import compile_regions
 
 pl = require("lightning", "lightning.pytorch")
 
@@ -84,7 +85,9 @@ class AutotuneCallback(pl.Callback):
             pl_module.to(memory_format=self.recipe.memory_format)
             hook = functools.partial(inputs_in_format, memory_format=self.recipe.memory_format)
             pl_module.register_forward_pre_hook(hook, with_kwargs=True)
-        if self.recipe.compile_mode is not None:
+        if self.recipe.compile_mode == "regional":
+            compile_regions(pl_module)  # its repeated blocks, each in place
+        elif self.recipe.compile_mode is not None:
             pl_module.compile(mode=self.recipe.compile_mode)
 
     def on_fit_start(self, trainer: Any, pl_module: nn.Module) -> None:

@@ -19,7 +19,7 @@ from autotune.errors import ConfigError
 from autotune.workload.models import logits
 from strategies import optimizer as optimizer_strategy
 from strategies import optimizer_state as optimizer_state_strategy
-from strategies.compile import CUDAGRAPH_MODES
+from strategies.compile import CUDAGRAPH_MODES, compile_regions
 from strategies.loss_kernel import step_loss
 from strategies.vocab_padding import pad_optimizer_state
 
@@ -82,7 +82,9 @@ def prepare_model(model: nn.Module, recipe: Recipe, *, set_flags: bool = True) -
         # module is PyTorch's supported order (TorchDynamo's DDPOptimizer splits the compiled
         # graph at DDP's bucket boundaries, so all-reduces still overlap the backward pass)
         model = wrap_ddp(model, recipe)
-    if recipe.compile_mode is not None:
+    if recipe.compile_mode == "regional":
+        compile_regions(model)  # each repeated block in place, as the whole model is below
+    elif recipe.compile_mode is not None:
         # in place: same module, same parameters, same state_dict keys (no "_orig_mod." prefix);
         # the compile itself happens in the first step
         model.compile(mode=recipe.compile_mode)
