@@ -100,7 +100,7 @@ def test_step_numerics_compare_the_numerics_not_the_dropout_masks(monkeypatch):
     gradients (they read 0.62 cosine for hf:gpt2 on an H200 while dropout was on)."""
     import torch
 
-    from autotune.accuracy.check import _datasets, step_numerics
+    from autotune.accuracy.check import datasets, step_numerics
 
     masks = torch.Generator().manual_seed(1)  # never seeded again: each call its own mask
 
@@ -114,7 +114,7 @@ def test_step_numerics_compare_the_numerics_not_the_dropout_masks(monkeypatch):
     settings = AccuracySettings.for_device("cpu", steps=10, batch_size=8)
     # tf32 on a CPU computes FP32 (the TF32 switches are CUDA's) in a step of its own, so its own masks
     tf32 = {"precision": {"mode": "tf32"}}
-    numerics = step_numerics(spec, tf32, SPACE, settings, _datasets(spec, settings, "cpu"))
+    numerics = step_numerics(spec, tf32, SPACE, settings, datasets(spec, settings, "cpu"))
     assert numerics["grad_cosine_vs_fp32"] == pytest.approx(1.0, abs=1e-6)
     assert numerics["grad_cosine_vs_fp64"] == pytest.approx(1.0, abs=1e-5)
 
@@ -136,7 +136,7 @@ def test_the_references_own_step_numerics_take_the_fp32_step_once(monkeypatch):
     monkeypatch.setattr(check, "_one_step", counted)
     spec = WorkloadSpec(model="fake_models:tiny_cnn", input_shape=(3, 8, 8), num_classes=10)
     settings = AccuracySettings.for_device("cpu", steps=10, batch_size=8)
-    data = check._datasets(spec, settings, "cpu")
+    data = check.datasets(spec, settings, "cpu")
     reference = check.step_numerics(spec, {}, SPACE, settings, data)
     assert steps == [("{}", torch.float32), ("{}", torch.float64)]
     assert reference["grad_cosine_vs_fp32"] == pytest.approx(1.0, abs=1e-12)
@@ -326,11 +326,11 @@ def test_a_check_worker_builds_its_model_once_and_copies_the_same_weights_and_ra
     monkeypatch.setattr(models, "build", counted)
     monkeypatch.setattr(check, "_PRISTINE", {})
     spec = WorkloadSpec(model="fake_models:tiny_cnn", input_shape=(3, 8, 8), num_classes=10)
-    first = check._seeded_workload(spec, 3)
+    first = check.seeded_workload(spec, 3)
     after_first = torch.rand(4)
     with torch.no_grad():
         next(first.model.parameters()).add_(1.0)  # a run trains its model: the kept one stays as built
-    second = check._seeded_workload(spec, 3)
+    second = check.seeded_workload(spec, 3)
     after_second = torch.rand(4)
     assert builds == ["fake_models:tiny_cnn"]
     assert second.model is not first.model
@@ -341,8 +341,8 @@ def test_a_check_worker_builds_its_model_once_and_copies_the_same_weights_and_ra
         assert torch.equal(p, q)
     assert torch.equal(after_first, after_fresh) and torch.equal(after_second, after_fresh)
     # another seed is another build; a model too large for the host's memory is built every time
-    check._seeded_workload(spec, 4)
+    check.seeded_workload(spec, 4)
     monkeypatch.setattr(check, "KEEP_SHARE", 0.0)
     monkeypatch.setattr(check, "_PRISTINE", {})
-    check._seeded_workload(spec, 3), check._seeded_workload(spec, 3)
+    check.seeded_workload(spec, 3), check.seeded_workload(spec, 3)
     assert builds == ["fake_models:tiny_cnn"] * 4

@@ -23,7 +23,7 @@ def run_check(request: Mapping[str, Any]) -> dict[str, Any]:
     spec = WorkloadSpec.from_dict(request["workload"])
     knobs = numerics_knobs(request["knobs"])
     reference = request.get("reference")
-    data = _datasets(spec, settings, space.device)
+    data = datasets(spec, settings, space.device)
     if reference is None:
         reference = train_run(spec, {}, space, settings, data, label="FP32 reference")
         reference["numerics"] = step_numerics(spec, {}, space, settings, data)
@@ -33,7 +33,7 @@ def run_check(request: Mapping[str, Any]) -> dict[str, Any]:
                                label="FP32 reference, reshuffled")
         reference["reshuffled"] = {k: reshuffled.get(k) for k in ("final_loss", "held_out_accuracy", "wall_s")}
         # what the reference was trained on: the study keeps it for later searches by these (reference_cache)
-        reference.update(_trained_on(space.device))
+        reference.update(trained_on(space.device))
     if numerics_key(knobs) == numerics_key({}):
         run = dict(reference)
     else:
@@ -43,17 +43,17 @@ def run_check(request: Mapping[str, Any]) -> dict[str, Any]:
     return {"status": "ok", "reference": reference, "run": run}
 
 
-def _trained_on(device: str) -> dict[str, str]:
+def trained_on(device: str) -> dict[str, str]:
     import torch
 
     name = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu"
     return {"device_name": name, "torch": torch.__version__}
 
 
-def _datasets(spec, settings: AccuracySettings, device: str):
+def datasets(spec, settings: AccuracySettings, device: str):
     from autotune.workload.data import load_data
 
-    workload = _seeded_workload(spec, settings.seed)
+    workload = seeded_workload(spec, settings.seed)
     if workload.make_batch is not None and settings.data is None:
         return _workload_batches(workload, settings)
     return load_data(settings.data, input_shape=tuple(workload.input_shape), num_classes=workload.num_classes,
@@ -84,7 +84,7 @@ def _build(spec, knobs: Mapping[str, Any], space, settings: AccuracySettings):
     """The model from the seed (same initial weights every time), its recipe and loss."""
     import strategies
 
-    workload = _seeded_workload(spec, settings.seed)
+    workload = seeded_workload(spec, settings.seed)
     recipe = strategies.build_recipe(strategies.knobs_from_dict(dict(knobs)), space.device)
     return workload, recipe
 
@@ -99,7 +99,7 @@ KEEP_SHARE = 0.25
 available memory; a larger model is built again each time, as before."""
 
 
-def _seeded_workload(spec, seed: int):
+def seeded_workload(spec, seed: int):
     """``build(spec)`` after ``torch.manual_seed(seed)``, with the random state such a build leaves;
     from the second call on, a copy of the first build's model (see _PRISTINE)."""
     import json
@@ -217,7 +217,7 @@ def train_run(spec, knobs: Mapping[str, Any], space, settings: AccuracySettings,
                                    settings.seed if order_seed is None else order_seed)):
             if step % every == 0:
                 progress.say(label, step, settings.steps)
-            x, y = _to(collate(data.train, indices), device, recipe)
+            x, y = to_device(collate(data.train, indices), device, recipe)
             # a step the scaler skipped (inf/NaN gradients) is taken again on the same batch at the
             # lowered scale, so the run makes FP32's optimizer steps on its batches and schedule: in a
             # short check the scaler's first skips (from 65,536 down) would otherwise be a share of it
@@ -265,7 +265,7 @@ def _mean_finite(values) -> float:
     return float(ok.mean()) if len(ok) else float("nan")
 
 
-def _to(batch, device: str, recipe):
+def to_device(batch, device: str, recipe):
     import torch
 
     x, y = batch
@@ -287,7 +287,7 @@ def _evaluate(model, workload, recipe, dataset, settings: AccuracySettings, devi
     correct, total, loss_sum = 0, 0, 0.0
     with torch.no_grad(), runtime.autocast(recipe):
         for batch in eval_batches(dataset, settings.batch_size):  # a batch the training run showed fits
-            x, y = _to(batch, device, recipe)
+            x, y = to_device(batch, device, recipe)
             out = logits(model(x))
             loss_sum += float(workload.loss_fn(out, y).float()) * len(y)
             correct += int((out.argmax(dim=-1) == y).sum())
@@ -333,9 +333,9 @@ def _one_step(spec, knobs, space, settings, batch, dtype) -> tuple[float, Any]:
         model = runtime.prepare_model(workload.model, recipe, set_flags=False)
         if dtype is torch.float64:
             model = model.double()
-        _without_dropout(model)
+        without_dropout(model)
         loss_fn = step_loss(model, workload.loss_fn, recipe)  # a fused linear cross-entropy where loss_kernel says so
-        x, y = _to(batch, device, recipe)
+        x, y = to_device(batch, device, recipe)
         if x.is_floating_point():
             x = x.to(dtype)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -359,7 +359,7 @@ def _one_step(spec, knobs, space, settings, batch, dtype) -> tuple[float, Any]:
     return float(loss.detach().double()), grads.cpu()
 
 
-def _without_dropout(model) -> None:
+def without_dropout(model) -> None:
     """Dropout off for the one-step comparison: the same seed draws other masks on a GPU once the
     dtype changes (fp32 against fp64 read 0.62 gradient cosine for hf:gpt2, dropout 0.1, on an
     H200), and a comparison of two different masks measures the masks, not the numerics. Setting

@@ -30,7 +30,7 @@ BUILDS_PER_WORKER = 5
 """A check worker's set-up besides its start, in model builds: it needs the model once per training
 run and one-step comparison (16 over the CHECK_WORKERS: the reference's two runs and its FP32 and
 FP64 steps; each configuration's run and its own, FP32's and FP64's steps), built for the first
-and deep-copied after (autotune.accuracy.check._seeded_workload; rebuilt for a model over a quarter
+and deep-copied after (autotune.accuracy.check.seeded_workload; rebuilt for a model over a quarter
 of host memory), and it takes the FP64 step. The figure was set when each was a build; with the
 copies it still came close on the H200: a 2-layer Llama (0.67 billion parameters, builds of about
 6 s) planned 42.6 s a worker, and its reference worker spent about 50 s beside its training runs."""
