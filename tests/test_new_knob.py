@@ -70,8 +70,11 @@ def test_a_knob_in_one_module_and_one_registry_line_is_searched_exported_loaded_
     (code / "strategies" / "throwaway.py").write_text(KNOB)
     registry = code / "strategies" / "__init__.py"
     text = registry.read_text()
-    assert "    CudaGraphs(),\n]" in text
-    registry.write_text(text.replace("    CudaGraphs(),\n]", "    CudaGraphs(),\n    __import__('strategies.throwaway').throwaway.Throwaway(),\n]"))
+    # the one registry line, last in REGISTRY (whichever knob is last today)
+    head, sep, tail = text.partition("REGISTRY: list[Strategy] = [")
+    end = tail.index("\n]")
+    assert sep and end > 0
+    registry.write_text(head + sep + tail[:end] + "\n    __import__('strategies.throwaway').throwaway.Throwaway()," + tail[end:])
     env = subprocess_env()
     env["PYTHONPATH"] = f"{code}{__import__('os').pathsep}{env['PYTHONPATH']}"  # this copy of strategies/ first
     out = tmp_path / "out"
