@@ -19,6 +19,10 @@ with the check's own batch size and step count, and the result is reused by ever
 that shares it. The training runs in a worker (mode "accuracy"), isolated like a trial; the study
 side (:class:`AccuracyGate`) decides when to check and caches results in study user attributes.
 
+A sharper, cheaper check, not yet wired into the search: numerics parity (``parity``), the loss
+trajectory and first gradients of a few steps against FP32's, judged by a band that FP32 with its
+weights moved one ulp calibrates in the same run (scripts/parity_calibration.py shows it can fail).
+
 With a budget the checks cost in proportion: their steps are planned from the FP32 baseline's
 measured step time to fit in a share of it (``plan``), and the FP32 reference is trained once per
 workload, settings, torch and device and kept across searches (``reference_cache``).

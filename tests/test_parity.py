@@ -1,0 +1,258 @@
+"""The numerics parity check (autotune.accuracy.parity): configurations that must fail do, every
+time (fp16 gradients that underflow without a GradScaler, fp16 activations that overflow, bf16
+weights with no FP32 master copy at a small learning rate), harmless changes pass (another reduction
+order, other one-ulp directions, the fused optimizer, activation checkpointing, bf16 autocast on a
+well-conditioned model), and the band is the calibration's k times plus a floor. The models are
+scripts/parity_models.py's."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from autotune.accuracy.parity import (
+    BF16_EPS,
+    NOISE_TENSOR,
+    ParityResult,
+    ParitySettings,
+    cached_reference,
+    check_parity,
+    judge,
+    keep_reference,
+    parity_recipe,
+    perturb_one_ulp,
+    run_parity,
+)
+from autotune.accuracy.reference_cache import ReferenceCache
+from autotune.errors import ConfigError
+from autotune.workload.models import WorkloadSpec
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+FP16 = {"precision": {"mode": "fp16"}}
+FP16_SCALED = {"precision": {"mode": "fp16"}, "grad_scaler": {"enabled": True, "init_scale": 65536.0}}
+BF16 = {"precision": {"mode": "bf16"}}
+SETTINGS = ParitySettings(steps=10, batch_size=16, lr=1e-3)
+
+
+@pytest.fixture(autouse=True)
+def parity_models(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import parity_models
+
+    return parity_models
+
+
+def spec(name: str) -> WorkloadSpec:
+    return WorkloadSpec(model=f"parity_models:{name}")
+
+
+def check(name, knobs, settings=SETTINGS, *, reference=None, transform=None, device="cpu"):
+    recipe = parity_recipe(knobs, device)
+    if transform is not None:
+        recipe.model_transforms.append(transform)
+    return check_parity(spec(name), knobs, settings, device=device, reference=reference, recipe=recipe)
+
+
+# the verdict, on figures -------------------------------------------------------------------------
+
+def _reference(cal_loss=1e-3, cal_grads=None):
+    return {"losses": [2.0, 1.8, 1.6], "calibration": {"loss_deviation": cal_loss, "grad_rel_errors": cal_grads or
+                                                       {"w": 1e-6, "b": 1e-6}, "grad_rel_error": 1e-6}}
+
+
+def _run(losses, w_rel=0.01, b_rel=0.01):
+    # sums (|g-r|^2, |r|^2, |g|^2, g.r) of tensors whose reference norm is 1 and error w_rel / b_rel
+    return {"losses": losses, "sums": {"w": (w_rel ** 2, 1.0, 1.0, 1.0 - w_rel ** 2 / 2),
+                                       "b": (b_rel ** 2, 1.0, 1.0, 1.0 - b_rel ** 2 / 2)}}
+
+
+def test_the_band_is_k_times_the_calibration_plus_a_floor():
+    settings = ParitySettings(k=4, loss_floor=0.01, grad_floor=0.1)
+    ref = _reference(cal_loss=1e-3)
+    inside = judge(_run([2.0, 1.8 * 1.013, 1.6]), ref, settings, label="x")
+    assert inside.band.loss == pytest.approx(4 * 1e-3 + 0.01)
+    assert inside.verdict == "passed" and inside.loss_deviation == pytest.approx(0.013)
+    outside = judge(_run([2.0, 1.8 * 1.015, 1.6]), ref, settings, label="x")
+    assert outside.verdict == "violated" and not outside.passed
+    assert "loss 1.5% off FP32 at worst over 3 steps (band 1.4% = 4 x 0.1% FP32-vs-FP32 + 1%)" in outside.reason
+    # a tensor past its band fails however close the loss is, and the reason leads with it
+    grads = judge(_run([2.0, 1.8, 1.6], b_rel=0.2), ref, settings, label="x")
+    assert grads.verdict == "violated" and grads.grad_tensor == "b" and grads.grad_deviation == pytest.approx(0.2)
+    assert grads.reason.startswith("x: violated: first gradients") and "worst tensor b 20% (band 10%)" in grads.reason
+    assert "\n" not in grads.reason
+
+
+def test_a_tensor_whose_fp32_gradient_is_rounding_noise_is_not_judged_alone():
+    """A bias before a BatchNorm: its exact gradient is zero, FP32's is rounding noise, which a
+    one-ulp change of the weights moves by 30%; 16-bit noise is far larger relative to it."""
+    ref = _reference(cal_grads={"w": 1e-6, "b": 0.3})
+    result = judge(_run([2.0, 1.8, 1.6], b_rel=50.0), ref, ParitySettings(), label="x")
+    assert 0.3 > NOISE_TENSOR and result.noise_tensors == ["b"]
+    assert result.verdict == "passed" and result.grad_tensor == "w"
+    assert result.tensors["b"]["rel_error"] == pytest.approx(50.0)  # still reported
+
+
+def test_nan_losses_and_gradients_are_unstable():
+    ref = _reference()
+    nan_loss = judge(_run([2.0, float("nan")]), ref, ParitySettings(), label="fp16")
+    assert nan_loss.verdict == "unstable" and nan_loss.reason == "fp16: unstable: the loss was NaN/Inf at step 2 " \
+                                                                  "(FP32's stayed finite)"
+    run = _run([2.0, 1.8, 1.6])
+    run["sums"]["w"] = (math.inf, 1.0, math.inf, math.nan)
+    assert judge(run, ref, ParitySettings(), label="x").verdict == "unstable"
+
+
+def test_settings_say_what_is_wrong_and_the_fingerprint_leaves_the_band_out():
+    with pytest.raises(ConfigError, match="at least one step"):
+        ParitySettings(steps=0)
+    with pytest.raises(ConfigError, match="k and floors"):
+        ParitySettings(k=-1)
+    base = ParitySettings()
+    assert base.fingerprint() == ParitySettings(k=10, loss_floor=0.5).fingerprint()
+    assert base.fingerprint() != ParitySettings(steps=21).fingerprint()
+    assert ParitySettings.from_dict({**base.to_dict(), "unknown": 1}) == base
+    assert base.loss_floor == 2 * BF16_EPS and base.step_equivalents(reference_kept=True) == 21
+    assert base.step_equivalents(reference_kept=False) == 60
+
+
+def test_one_ulp_moves_every_weight_by_one_unit_in_the_last_place_and_leaves_the_global_rng():
+    model = torch.nn.Linear(64, 64)
+    before = model.weight.detach().clone()
+    state = torch.get_rng_state()
+    perturb_one_ulp(model, seed=3)
+    assert torch.equal(torch.get_rng_state(), state)
+    moved = model.weight.detach()
+    up, down = torch.nextafter(before, torch.tensor(math.inf)), torch.nextafter(before, torch.tensor(-math.inf))
+    assert bool(((moved == up) | (moved == down)).all())
+    assert 0.4 < float((moved == up).float().mean()) < 0.6
+
+
+# must fail ---------------------------------------------------------------------------------------
+
+def test_fp16_without_a_grad_scaler_fails_where_gradients_underflow_and_passes_with_one():
+    """Every gradient of the logits is below half of fp16's smallest subnormal: without loss scaling
+    they all round to zero (no layer learns), with the GradScaler's 65,536 they are kept."""
+    bare, reference = check("underflow_mlp", FP16)
+    assert bare.verdict == "violated"
+    assert bare.grad_rel_error == pytest.approx(1.0) and bare.grad_cosine == 0.0  # all zero
+    assert bare.loss_deviation > 5 * bare.band.loss
+    scaled, _ = check("underflow_mlp", FP16_SCALED, reference=reference)
+    assert scaled.verdict == "passed", scaled.reason
+    assert scaled.loss_deviation < bare.band.loss / 10 and scaled.grad_rel_error < 0.01
+
+
+def test_fp16_fails_where_activations_overflow_with_or_without_a_grad_scaler():
+    """Inputs in raw units reach the first layer as 2**17 times N(0, 1): past fp16's 65,504 they turn
+    to inf in the forward pass, which no loss scale can undo; bf16 (FP32's range) trains it."""
+    bare, reference = check("overflow_mlp", FP16)
+    assert bare.verdict == "unstable" and "NaN/Inf at step 1" in bare.reason
+    scaled, _ = check("overflow_mlp", FP16_SCALED, reference=reference)
+    assert scaled.verdict == "unstable" and scaled.reason.startswith("fp16, GradScaler init 65536: unstable")
+    bf16, _ = check("overflow_mlp", BF16, reference=reference)
+    assert bf16.verdict != "unstable" and bf16.loss_deviation < bf16.band.loss
+
+
+@pytest.mark.slow
+def test_bf16_weights_without_an_fp32_master_copy_fail_where_bf16_autocast_passes(parity_models):
+    """At lr 1e-3 every AdamW update is under half of bf16's spacing at weights of magnitude 1 to 2:
+    bf16 weights never move, FP32 master weights (bf16 autocast) do, at the same learning rate."""
+    settings = ParitySettings(steps=20, batch_size=16, lr=1e-3)
+    lost, reference = check("wide_linear", BF16, settings, transform=parity_models.bf16_weights)
+    assert lost.verdict == "violated" and lost.loss_deviation > 3 * lost.band.loss
+    assert lost.grad_rel_error < lost.band.grad  # the first step's gradients are fine: its updates are lost
+    kept, _ = check("wide_linear", BF16, settings, reference=reference)
+    assert kept.verdict == "passed" and kept.loss_deviation < kept.band.loss / 3, kept.reason
+
+
+# must pass ---------------------------------------------------------------------------------------
+
+def test_harmless_changes_pass_and_equivalent_kernels_match_fp32():
+    """Another reduction order (1 thread instead of 2), other one-ulp directions, AdamW's fused
+    kernel, and activation checkpointing, which recomputes the same FP32 forward bit for bit."""
+    settings = ParitySettings(steps=10, batch_size=16, lr=1e-3, seed=1)
+    ckpt, reference = check("mlp", {"activation_checkpointing": {"every": 1}}, settings)
+    assert ckpt.verdict == "passed" and ckpt.loss_deviation == 0.0 and ckpt.grad_rel_error == 0.0
+    fused, _ = check("mlp", {"optimizer": {"implementation": "fused"}}, settings, reference=reference)
+    assert fused.verdict == "passed" and fused.grad_rel_error == 0.0  # the same gradients; updates round alike
+    assert fused.loss_deviation < 1e-5
+    threads, _ = check("mlp", {"threads": {"num_threads": 1}}, settings, reference=reference)
+    assert threads.verdict == "passed" and threads.loss_deviation < 1e-5
+    ulp, _ = check("mlp", {}, settings, reference=reference, transform=functools.partial(perturb_one_ulp, seed=99))
+    assert ulp.verdict == "passed" and ulp.loss_deviation < 1e-5
+    assert 0 < reference["calibration"]["loss_deviation"] < 1e-5
+
+
+def test_bf16_autocast_on_a_well_conditioned_model_passes_within_the_floor():
+    """bf16 autocast keeps FP32 master weights: on the mlp at lr 1e-3 its loss stays within about
+    0.1-0.3% of FP32's over 10 steps (band 1.6%), its worst tensor (a LayerNorm's) within 5-14%
+    (band 25%); fp16 with the GradScaler is closer still."""
+    bf16, reference = check("mlp", BF16)
+    assert bf16.verdict == "passed", bf16.reason
+    assert bf16.loss_deviation < bf16.band.loss / 3
+    fp16, _ = check("mlp", FP16_SCALED, reference=reference)
+    assert fp16.verdict == "passed" and fp16.loss_deviation < bf16.loss_deviation
+
+
+# the reference kept across searches, and the worker's request -------------------------------------
+
+def test_a_kept_reference_gives_the_same_verdict_at_the_cost_of_one_fp32_step(tmp_path):
+    cache = ReferenceCache(tmp_path)
+    workload = spec("underflow_mlp").to_dict()
+    trained, reference = check("underflow_mlp", FP16)
+    assert reference["reference_source"] == "trained" and reference["device_name"] == "cpu"
+    assert cached_reference(cache, workload, SETTINGS, device_name="cpu", torch_version=torch.__version__) is None
+    assert keep_reference(cache, workload, SETTINGS, reference)
+    found = cached_reference(cache, workload, SETTINGS, device_name="cpu", torch_version=torch.__version__)
+    assert found["reference_source"] == "cache" and found["losses"] == reference["losses"]
+    # another step count, or the accuracy check's key, is another reference
+    assert cached_reference(cache, workload, ParitySettings(steps=11), device_name="cpu",
+                            torch_version=torch.__version__) is None
+    again, _ = check("underflow_mlp", FP16, reference=found)
+    assert again.reference_source == "cache"
+    assert (again.verdict, again.losses, again.grad_rel_error) == (trained.verdict, trained.losses, trained.grad_rel_error)
+
+
+def test_the_worker_request_round_trips_through_json():
+    request = {"workload": spec("mlp").to_dict(), "device": "cpu", "knobs": BF16,
+               "settings": ParitySettings(steps=3).to_dict(), "reference": None}
+    answer = json.loads(json.dumps(run_parity(json.loads(json.dumps(request)))))
+    result = ParityResult.from_dict(answer["result"])
+    assert answer["status"] == "ok" and result.label == "bf16" and result.steps == 3
+    assert result.verdict in ("passed", "violated") and result.band.loss > 0
+    again = run_parity({**request, "reference": answer["reference"]})
+    assert again["result"]["losses"] == answer["result"]["losses"]
+
+
+# on the GPU --------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_on_a_gpu_tf32_and_bf16_pass_and_the_must_fail_cases_fail(parity_models):
+    underflow, ref = check("underflow_mlp", FP16, device="cuda")
+    assert underflow.verdict == "violated" and underflow.grad_rel_error == pytest.approx(1.0)
+    assert check("underflow_mlp", FP16_SCALED, device="cuda", reference=ref)[0].verdict == "passed"
+    assert check("overflow_mlp", FP16_SCALED, device="cuda")[0].verdict == "unstable"
+    tf32, ref = check("mlp", {"precision": {"mode": "tf32"}}, device="cuda")
+    assert tf32.verdict == "passed", tf32.reason
+    assert check("mlp", BF16, device="cuda", reference=ref)[0].verdict == "passed"
+    settings = ParitySettings(steps=20, batch_size=16, lr=1e-3)
+    lost, ref = check("wide_linear", BF16, settings, device="cuda", transform=parity_models.bf16_weights)
+    assert lost.verdict == "violated"
+    assert check("wide_linear", BF16, settings, device="cuda", reference=ref)[0].verdict == "passed"
+
+
+@pytest.mark.slow
+def test_the_calibration_script_prints_each_case_and_meets_every_expectation(capsys):
+    import importlib.util
+
+    loaded = importlib.util.spec_from_file_location("parity_calibration", SCRIPTS / "parity_calibration.py")
+    script = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(script)
+    assert script.main(["--repeats", "1", "--steps", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "MUST FAIL bf16 weights, no FP32 master copy" in out and "every case as expected" in out
