@@ -687,8 +687,9 @@ def checkout() -> str:
         proc = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
         return proc.stdout.strip() if proc.returncode == 0 else ""
 
-    # a copy of the working tree without its .git (the GPU machine's) names it in AUTOTUNE_COMMIT
-    commit = git("rev-parse", "--short", "HEAD") or os.environ.get("AUTOTUNE_COMMIT", "unknown")
+    # the GPU machine's copy of the working tree names it in AUTOTUNE_COMMIT: its own .git, where it
+    # has one, is the session's starting commit (a run of ba47806 said "82b598c + local changes")
+    commit = os.environ.get("AUTOTUNE_COMMIT") or git("rev-parse", "--short", "HEAD") or "unknown"
     return commit + (" + local changes" if git("status", "--porcelain", "--", "autotune", "strategies") else "")
 
 
