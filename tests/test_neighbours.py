@@ -158,3 +158,18 @@ def test_under_a_cap_the_levers_queue_the_largest_batch_the_memory_model_says_fi
     assert "8bit" not in states  # torchao's, slower, would take the same batch: not queued
 
 
+
+
+def test_a_max_autotune_compile_is_costed_at_three_default_compiles_and_regional_below_one():
+    study = _study()
+    bar = _measured(study, LM_SPACE, plain_recipe.params(LM_SPACE, 16), 450.0, role=plain_recipe.ROLE)
+    planner = Planner(LM_SPACE, walls=[(10.0, False), (12.0, False), (70.0, True)])
+    eager, default = planner._cost("off"), planner._cost("default")
+    assert planner._cost("max-autotune-no-cudagraphs") == pytest.approx(eager + 3 * (default - eager))
+    assert eager < planner._cost("regional") < default
+    # two moves of the same prior gain: the one that compiles in a third of the time runs first
+    slow = complete_params({**bar.params, "compile.mode": "max-autotune-no-cudagraphs"}, LM_SPACE)
+    fast = complete_params({**bar.params, "cuda_graphs.enabled": True}, LM_SPACE)
+    for params in (slow, fast):
+        study.enqueue_trial(params, user_attrs={"role": "steered", "steered_by": {"rule": RULE}})
+    assert planner.plans(study)[0].number == study.trials[-1].number

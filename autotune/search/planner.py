@@ -55,6 +55,11 @@ sequence of GPT-2's). It gives ResNet-50's 256 -> 512 about 3%, and a 1B Llama's
 NOVELTY = 0.05
 """How much more than predicted a candidate with a knob value no trial measured (a precision mode,
 CUDA graphs, a compile mode) may give: about the run-to-run spread of the measured gains."""
+COMPILE_MODE_COST = {"max-autotune-no-cudagraphs": 3.0, "max-autotune": 3.0, "regional": 0.4}
+"""A compile's seconds in a mode against default mode's, before this search measured one: max-autotune
+benchmarks kernel candidates for every matmul and convolution (minutes for a ResNet-50: its trial
+timeout allows 1,200 s against default's 300); regional compiles one block (a held-out 24-layer LM
+on the H200: 13.6 s to its first two steps against 57.5 s for the whole model)."""
 UNMEASURED_COST_S = 10.0
 """A trial's cost before any trial was measured (the compile prior comes on top for a compiled one)."""
 
@@ -134,7 +139,7 @@ class Planner:
 
         record = TrialRecord.of(t)
         params = complete_params(planned_params(t), self.space)
-        cost = self._cost(params.get("compile.mode", "off") != "off")
+        cost = self._cost(params.get("compile.mode", "off"))
         peak, verdict = self._memory(memory, params)
         predicted, source = self._predict(params, done, gains)
         novel = [f"{k}={v}" for k, v in params.items() if k in seen and v not in seen[k]
@@ -240,10 +245,17 @@ class Planner:
                 seen.setdefault(k, set()).add(v)
         return seen
 
-    def _cost(self, compiled: bool) -> float:
+    def _cost(self, mode: str) -> float:
+        """A trial's expected seconds in compile ``mode``: this run's walls of its kind (compiled or
+        eager), a compile's share scaled by COMPILE_MODE_COST for the modes that compile more or less."""
+        compiled = mode != "off"
         if self.walls:
-            return expected_wall(self.walls, compiled, self.compile_prior_s)
-        return UNMEASURED_COST_S + (self.compile_prior_s if compiled else 0.0)
+            wall = expected_wall(self.walls, compiled, self.compile_prior_s)
+            eager = expected_wall(self.walls, False, self.compile_prior_s) if compiled else wall
+        else:
+            eager = UNMEASURED_COST_S
+            wall = eager + (self.compile_prior_s if compiled else 0.0)
+        return eager + (wall - eager) * COMPILE_MODE_COST.get(mode, 1.0)
 
     def _memory(self, memory, params: dict[str, Any]) -> tuple[float | None, str | None]:
         """Predicted peak bytes of ``params``, and the memory model's reason it cannot fit (None: it may)."""
