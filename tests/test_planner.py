@@ -157,3 +157,12 @@ def test_a_larger_batch_is_predicted_from_the_batch_prior_in_the_workloads_units
     _measured(images, _params("bf16", 128), 1000.0)
     _queue(images, _params("bf16", 256))
     assert Planner(SPACE).plans(images)[0].predicted == pytest.approx(1000.0 * (256 / 272) / (128 / 144))
+
+
+def test_under_replay_the_queue_runs_in_its_order_after_the_sized_down_ones():
+    study = _study()
+    _measured(study, _params("bf16", 64), 1000.0)
+    slow = _queue(study, _params("fp32", 64), role="replayed")  # predicted far below the best
+    fast = _queue(study, _params("bf16", 64, "default"), role="replayed")
+    assert [p.number for p in Planner(SPACE, walls=_compiled_walls()).plans(study)] == [fast, slow]
+    assert [p.number for p in Planner(SPACE, walls=_compiled_walls(), queue_order=True).plans(study)] == [slow, fast]

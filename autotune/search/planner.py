@@ -99,7 +99,7 @@ class Planner:
 
     def __init__(self, space: SearchSpace, *, maximize: bool = True, limit_bytes: float | None = None,
                  walls: list[tuple[float, bool]] | None = None, compile_prior_s: float = 0.0,
-                 deadline: float | None = None, unit: str = "samples/s") -> None:
+                 deadline: float | None = None, unit: str = "samples/s", queue_order: bool = False) -> None:
         self.space = space
         self.maximize = maximize
         self.limit_bytes = limit_bytes
@@ -108,6 +108,9 @@ class Planner:
         self.compile_prior_s = compile_prior_s
         self.deadline = deadline
         self.unit = unit
+        self.queue_order = queue_order
+        """Run the queue in its order once the sized-down, urgent and repeated ones are out (--replay:
+        an earlier search's configurations in the order it ran them)."""
 
     # -- the plan ------------------------------------------------------------------------------------
 
@@ -128,6 +131,8 @@ class Planner:
         gains["batch half"] = _batch_half(study)
         context = (done, best, memory, seen, [p for _, p, _ in done], gains)
         plans = [self._plan(t, *context) for t in waiting]
+        if self.queue_order:
+            return sorted(plans, key=lambda p: (min(p.rank, 3), p.number))
         # fixed roles in their order (queue order within one); the rest by gain per second, the
         # queue's order breaking ties (the seeds' order says which the guides rank first)
         return sorted(plans, key=lambda p: (p.rank, -p.gain_per_s if p.rank == 5 else 0.0, p.number))

@@ -106,7 +106,8 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
                        "recovered": recovered, "done": len(counted_trials(study)), "config": config})
         stop_rule = StopRule(config, shared, started, emit, compile_prior_s=compile_prior_s(info))
         objective.walls, objective.compile_prior_s = stop_rule.walls, stop_rule.compile_prior_s
-        stop_rule.planner = _planner(study, space, objective, stop_rule, target, _deadline(config, started))
+        stop_rule.planner = _planner(study, space, objective, stop_rule, target, _deadline(config, started),
+                                     replay=bool(config.replay))
         artifacts = Artifacts(out_dir)  # each trial's log and trace, for optuna-dashboard
         if tracking is not None:
             tracking.start(study, config.command)
@@ -192,11 +193,13 @@ def _proposers(config: SearchConfig, space: SearchSpace, target: Goal, objective
 
 
 def _planner(study: optuna.Study, space: SearchSpace, objective: Objective, stop_rule: StopRule, target: Goal,
-             end: float | None) -> Planner:
+             end: float | None, *, replay: bool = False) -> Planner:
     """One place decides what runs next, from the whole picture (autotune.search.planner): installed
-    on the study's queue, and asked by the stop rule what the next trial costs."""
+    on the study's queue, and asked by the stop rule what the next trial costs; under --replay it runs
+    the queue in its order."""
     planner = Planner(space, maximize=target.maximize, limit_bytes=objective.fit_limit_bytes, walls=stop_rule.walls,
-                      compile_prior_s=stop_rule.compile_prior_s, deadline=end, unit=target.unit)
+                      compile_prior_s=stop_rule.compile_prior_s, deadline=end, unit=target.unit,
+                      queue_order=replay)
     planner.install(study)
     return planner
 

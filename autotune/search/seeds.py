@@ -40,7 +40,9 @@ def replay_configurations(folder: Path, space: SearchSpace) -> tuple[list[tuple[
                           "give the folder of a search that ran one")
     earlier = optuna.load_study(study_name=names[0], storage=url)
     kept, left_out = [], 0
-    for trial in sorted(earlier.get_trials(deepcopy=False, states=FINISHED), key=lambda t: t.number):
+    # in the order it ran them: its planner did not run its queue in the order of the trial numbers
+    for trial in sorted(earlier.get_trials(deepcopy=False, states=FINISHED),
+                        key=lambda t: (t.datetime_start is None, t.datetime_start or 0, t.number)):
         if not trial.params:
             continue
         params = complete_params(trial.params, space)
@@ -54,17 +56,24 @@ def replay_configurations(folder: Path, space: SearchSpace) -> tuple[list[tuple[
     return kept, left_out
 
 
-def enqueue_replay(study: optuna.Study, folder: Path, space: SearchSpace, seeds: list[dict[str, Any]]) -> None:
-    """Queue the configurations of the search in ``folder`` behind this one's seeds (which that
-    search measured first too: they are not queued twice). ``seeds`` are seed_configurations',
-    complete parameter sets already, as the replayed ones are."""
+def enqueue_replay(study: optuna.Study, folder: Path, space: SearchSpace,
+                   seeds: list[tuple[str, dict[str, Any]]]) -> None:
+    """Queue the configurations of the search in ``folder`` in the order it ran them, then this
+    search's seeds it did not measure. ``seeds`` are seed_configurations' (role, complete parameters);
+    a replayed configuration that is one of them takes its role (the baseline stays the baseline),
+    once: a repeat of it is replayed. The planner runs this queue in its order (--replay)."""
     replayed, left_out = replay_configurations(folder, space)
-    seeded = list(seeds)
+    unused = list(seeds)
     for number, params in replayed:
-        if params in seeded:
-            seeded.remove(params)  # its first one is this search's seed; a repeat of it is replayed
-            continue
-        study.enqueue_trial(params, user_attrs=queue_attrs(role="replayed", replay_of=number))
+        seed = next((s for s in unused if s[1] == params), None)
+        if seed is not None:
+            unused.remove(seed)
+            study.enqueue_trial(params, user_attrs=queue_attrs(role=seed[0]))
+        else:
+            study.enqueue_trial(params, user_attrs=queue_attrs(role="replayed", replay_of=number))
+    for role, params in unused:
+        study.enqueue_trial(params, user_attrs=queue_attrs(role=role))
+    study.set_user_attr(BACKLOG_ATTR, [])
     if left_out:
         # stacklevel: shown at run_search's line (through study.prepare_study), where the replay was asked for
         warnings.warn(f"--replay {folder}: {left_out} of its configurations are not in this search's space "

@@ -167,11 +167,12 @@ def _set_up(config: SearchConfig, device: str, info: dict[str, Any], study: optu
         study.set_user_attr(PROBE_ATTR, {k: v for k, v in probed.items() if k != "plain_recipe_batch"})
     seeds = seed_configurations(space, units.tokens_per_sample,
                                 plain_batch=(probed or {}).get("plain_recipe_batch"))
-    # the guides' best first; the rest fed as the search's own trials catch up (SeedFeeder),
-    # all at once for --replay, which measures in the earlier search's order
-    enqueue_seeds(study, seeds, all_now=config.replay is not None)
+    # the guides' best first; the rest fed as the search's own trials catch up (SeedFeeder);
+    # --replay measures in the earlier search's order, its seeds where it measured them
     if config.replay is not None:
-        enqueue_replay(study, config.replay, space, [params for _, params in seeds])
+        enqueue_replay(study, config.replay, space, seeds)
+    else:
+        enqueue_seeds(study, seeds)
     setup_done(study)
 
 
