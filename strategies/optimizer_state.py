@@ -228,6 +228,15 @@ def _hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _built(cls: type, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """An 8-bit Adam of ``cls`` (torchao's or bitsandbytes') over ``optimizer``'s parameter objects,
+    each group's hyperparameters (and keys of the user's own) as they were; no state."""
+    groups = [{**_hyperparameters(group), "params": group["params"]} for group in optimizer.param_groups]
+    accepted = ("lr", "betas", "eps", "weight_decay", "amsgrad")
+    defaults = {k: v for k, v in _hyperparameters(optimizer.defaults).items() if k in accepted}
+    return cls(groups, **defaults)
+
+
 def _converted_state(new: torch.optim.Optimizer, param: torch.Tensor, old: Mapping[str, Any]) -> dict[str, Any]:
     """One parameter's torch Adam state as torchao's: the moments quantised into 8-bit buffers (or kept
     as the parameter's dtype where torchao keeps small tensors), the step count as torchao counts it."""
@@ -262,10 +271,7 @@ def _bnb(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     except ImportError as exc:
         raise ConfigError(f"this configuration keeps Adam's states in 8 bits through bitsandbytes ({exc}); "
                           "pip install bitsandbytes") from None
-    groups = [{**_hyperparameters(group), "params": group["params"]} for group in optimizer.param_groups]
-    accepted = ("lr", "betas", "eps", "weight_decay", "amsgrad")
-    defaults = {k: v for k, v in _hyperparameters(optimizer.defaults).items() if k in accepted}
-    return getattr(bnb.optim, cls_name)(groups, **defaults)
+    return _built(getattr(bnb.optim, cls_name), optimizer)
 
 
 def rebuild(optimizer: torch.optim.Optimizer, state: str, *, implementation: str = "default",
@@ -294,10 +300,7 @@ def rebuild(optimizer: torch.optim.Optimizer, state: str, *, implementation: str
     if state == "8bit-bnb":
         return _bnb(optimizer)
     cls = _eight_bit_class(optimizer)
-    groups = [{**_hyperparameters(group), "params": group["params"]} for group in optimizer.param_groups]
-    accepted = ("lr", "betas", "eps", "weight_decay", "amsgrad")
-    defaults = {k: v for k, v in _hyperparameters(optimizer.defaults).items() if k in accepted}
-    new = cls(groups, **defaults)
+    new = _built(cls, optimizer)
     for param, old in optimizer.state.items():
         if old:
             new.state[param] = _converted_state(new, param, old)
