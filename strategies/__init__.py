@@ -123,6 +123,13 @@ def sample(trial, space: SearchSpace) -> dict[str, Any]:
     return chosen
 
 
+def knobs_of(params: Mapping[str, Any], space: SearchSpace) -> dict[str, dict[str, Any]]:
+    """The recorded knob values (as a trial records them) of a configuration's Optuna parameters."""
+    import optuna
+
+    return knobs_to_dict(sample(optuna.trial.FixedTrial(dict(params)), space))
+
+
 def build_recipe(knobs: Mapping[str, Any], device: str) -> Recipe:
     """Apply every knob's config, in registry order, to a fresh recipe."""
     recipe = Recipe(device=device)
@@ -147,4 +154,4 @@ def knobs_from_dict(data: Mapping[str, Mapping[str, Any]], *, fill_missing: bool
 
 
 __all__ = ["REGISTRY", "BY_NAME", "DESCRIBED", "REPORTED", "ReportKnob", "Strategy", "sample", "build_recipe",
-           "knobs_to_dict", "knobs_from_dict", "offer", "seed_params", "describe", "report_knobs"]
+           "knobs_to_dict", "knobs_from_dict", "knobs_of", "offer", "seed_params", "describe", "report_knobs"]

@@ -16,8 +16,6 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-import optuna
-
 import strategies
 from autotune.deploy.space import SearchSpace
 from autotune.search import plain_recipe
@@ -50,10 +48,6 @@ class Fit:
         return predicted is None or predicted <= self.limit_bytes * BACKOFF_FILL
 
 
-def _knobs(space: SearchSpace, params: dict[str, Any]) -> dict[str, Any]:
-    return strategies.knobs_to_dict(strategies.sample(optuna.trial.FixedTrial(params), space))
-
-
 def probe_fit(config: SearchConfig, device: str, space: SearchSpace, info: dict[str, Any],
               limit: int | None, *, spare: bool = False) -> Fit | None:
     """Run the memory probe on the GPU (None on a CPU, without a 16-bit precision, or for a search
@@ -64,7 +58,7 @@ def probe_fit(config: SearchConfig, device: str, space: SearchSpace, info: dict[
     if device != "cuda" or not cap or params is None or len(space.batch_sizes) == 1 or config.ddp:
         return None
     eager = {**params, "compile.mode": "off"} if "compile.mode" in params else params
-    knobs = _knobs(space, eager)
+    knobs = strategies.knobs_of(eager, space)
     request = {"mode": "memory", "space": space.to_dict(), "knobs": knobs, "workload": config.workload.to_dict(),
                "measure": (config.measure.to_dict() if config.measure else {}), "seed": config.seed,
                "batches": list(PROBE_BATCHES), **({"memory_limit_bytes": limit} if limit else {})}
@@ -104,5 +98,5 @@ def plain_recipe_batch(space: SearchSpace, fit: Fit | None) -> int:
     params = plain_recipe.params(space, min(space.batch_sizes))
     if fit is None or params is None:
         return plain_recipe.batch(space)
-    knobs = _knobs(space, params)
+    knobs = strategies.knobs_of(params, space)
     return plain_recipe.batch(space, fits=lambda b: fit.fits(knobs, b))

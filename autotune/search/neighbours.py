@@ -140,7 +140,7 @@ class Neighbours:
             params = offered(self.space, bar.params, {lever.param: lever.value for lever in levers})
             if params is None:
                 continue
-            knobs = _knobs(self.space, params)
+            knobs = strategies.knobs_of(params, self.space)
             # the memory model's prediction, which also sizes the trial before it runs
             fits = [b for b in larger if (need := model.predict(knobs, b)) is not None
                     and need <= self.limit_bytes * BACKOFF_FILL]
@@ -152,10 +152,6 @@ class Neighbours:
             out.append((offered(self.space, params, {"batch_size.batch_size": target}) or params,
                         f"{words}: batch {target} predicted to fit where the plain recipe's {batch} is the largest"))
         return out
-
-
-def _knobs(space: SearchSpace, params: dict[str, Any]) -> dict[str, Any]:
-    return strategies.knobs_to_dict(strategies.sample(optuna.trial.FixedTrial(params), space))
 
 
 def prior_factor(key: str, before: dict[str, Any], after: dict[str, Any]) -> float | None:

@@ -92,16 +92,11 @@ def describe(space: SearchSpace) -> str:
     return ", ".join(parts)
 
 
-COMPILED_ACTIVATIONS = COMPILED_SHARE
-"""A compiled step's bytes per sample as a share of the eager step's the memory probe measured
-(autotune.search.memory.COMPILED_SHARE)."""
-
-
 class GrowToFit:
     """Optuna's callback after each trial: the plain recipe, measured at the batch the eager memory
     probe sized it to, is queued once at the next larger batch (up to MAX_BATCH_FACTOR x the base)
-    when what it allocated, plus COMPILED_ACTIVATIONS of the probe's bytes per sample, stays within
-    the memory model's fill of the limit. A compiled step holds less per sample than the eager probe
+    when what it allocated, plus COMPILED_SHARE (autotune.search.memory) of the probe's bytes per
+    sample, stays within the memory model's fill of the limit. A compiled step holds less per sample than the eager probe
     measured, so "the largest batch that fits" is found by measuring it, as a user would."""
 
     def __init__(self, space: SearchSpace, limit_bytes: float | None) -> None:
@@ -125,7 +120,7 @@ class GrowToFit:
         if model.prior is None or not allocated or not larger:
             return
         grown = min(larger)
-        need = allocated + (grown - batch) * model.prior[2] * COMPILED_ACTIVATIONS
+        need = allocated + (grown - batch) * model.prior[2] * COMPILED_SHARE
         if need > self.limit_bytes * BACKOFF_FILL:
             return
         params = {**trial.params, "batch_size.batch_size": grown}

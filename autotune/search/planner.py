@@ -267,7 +267,7 @@ class Planner:
         import strategies
 
         try:
-            knobs = strategies.knobs_to_dict(strategies.sample(optuna.trial.FixedTrial(params), self.space))
+            knobs = strategies.knobs_of(params, self.space)
         except (ValueError, KeyError):
             return None, None
         return memory.predict(knobs), memory.verdict(knobs)
