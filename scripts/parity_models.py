@@ -16,7 +16,7 @@ teacher (learnable), small enough for a 2-core CPU:
   turn to inf; the LayerNorm after it makes FP32 (and bf16, whose range is FP32's) train it as the mlp.
   A GradScaler cannot help: the overflow is in the forward pass.
 - ``wide_linear``: a linear classifier over 16,384 inputs whose weights are all 1 to 2 in magnitude:
-  there bf16's spacing is 2**-7, so an AdamW update of lr 1e-3 (a few 1e-3 at most) is less than half
+  there bf16's spacing is 2**-7, so an AdamW update of lr 1e-3 or less (a few lr at most) is less than half
   of it and rounds away from bf16 weights; with FP32 master weights (bf16 autocast) it is kept.
 
 ``bf16_weights`` is the model transform of a precision no knob offers: weights (and so the optimizer's

@@ -1,7 +1,7 @@
 """The numerics parity check (autotune.accuracy.parity): configurations that must fail do, every
 time (fp16 gradients that underflow without a GradScaler, fp16 activations that overflow, bf16
 weights with no FP32 master copy at a small learning rate), harmless changes pass (another reduction
-order, other one-ulp directions, the fused optimizer, activation checkpointing, bf16 autocast on a
+order, other calibration directions, the fused optimizer, activation checkpointing, bf16 autocast on a
 well-conditioned model), and the band is the calibration's k times plus a floor. The models are
 scripts/parity_models.py's."""
 
@@ -25,7 +25,8 @@ from autotune.accuracy.parity import (
     judge,
     keep_reference,
     parity_recipe,
-    perturb_one_ulp,
+    perturb_weights,
+    progress_drift,
     run_parity,
 )
 from autotune.accuracy.reference_cache import ReferenceCache
@@ -36,7 +37,7 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 FP16 = {"precision": {"mode": "fp16"}}
 FP16_SCALED = {"precision": {"mode": "fp16"}, "grad_scaler": {"enabled": True, "init_scale": 65536.0}}
 BF16 = {"precision": {"mode": "bf16"}}
-SETTINGS = ParitySettings(steps=10, batch_size=16, lr=1e-3)
+SETTINGS = ParitySettings(steps=10, batch_size=16)
 
 
 @pytest.fixture(autouse=True)
@@ -79,7 +80,7 @@ def test_the_band_is_k_times_the_calibration_plus_a_floor():
     assert inside.verdict == "passed" and inside.loss_deviation == pytest.approx(0.013)
     outside = judge(_run([2.0, 1.8 * 1.015, 1.6]), ref, settings, label="x")
     assert outside.verdict == "violated" and not outside.passed
-    assert "loss 1.5% off FP32 at worst over 3 steps (band 1.4% = 4 x 0.1% FP32-vs-FP32 + 1%)" in outside.reason
+    assert "loss 1.5% off FP32 at worst over 3 steps (band 1.4% = 4 x the calibration's 0.1% + 1%)" in outside.reason
     # a tensor past its band fails however close the loss is, and the reason leads with it
     grads = judge(_run([2.0, 1.8, 1.6], b_rel=0.2), ref, settings, label="x")
     assert grads.verdict == "violated" and grads.grad_tensor == "b" and grads.grad_deviation == pytest.approx(0.2)
@@ -88,11 +89,11 @@ def test_the_band_is_k_times_the_calibration_plus_a_floor():
 
 
 def test_a_tensor_whose_fp32_gradient_is_rounding_noise_is_not_judged_alone():
-    """A bias before a BatchNorm: its exact gradient is zero, FP32's is rounding noise, which a
-    one-ulp change of the weights moves by 30%; 16-bit noise is far larger relative to it."""
-    ref = _reference(cal_grads={"w": 1e-6, "b": 0.3})
+    """A bias before a BatchNorm: its exact gradient is zero, FP32's is rounding noise, which the
+    calibration's change of the weights moves by 80%; 16-bit noise is far larger relative to it."""
+    ref = _reference(cal_grads={"w": 1e-6, "b": 0.8})
     result = judge(_run([2.0, 1.8, 1.6], b_rel=50.0), ref, ParitySettings(), label="x")
-    assert 0.3 > NOISE_TENSOR and result.noise_tensors == ["b"]
+    assert 0.8 > NOISE_TENSOR and result.noise_tensors == ["b"]
     assert result.verdict == "passed" and result.grad_tensor == "w"
     assert result.tensors["b"]["rel_error"] == pytest.approx(50.0)  # still reported
 
@@ -116,20 +117,37 @@ def test_settings_say_what_is_wrong_and_the_fingerprint_leaves_the_band_out():
     assert base.fingerprint() == ParitySettings(k=10, loss_floor=0.5).fingerprint()
     assert base.fingerprint() != ParitySettings(steps=21).fingerprint()
     assert ParitySettings.from_dict({**base.to_dict(), "unknown": 1}) == base
-    assert base.loss_floor == 2 * BF16_EPS and base.step_equivalents(reference_kept=True) == 21
-    assert base.step_equivalents(reference_kept=False) == 60
+    # 20 steps and the first batch again; with no reference kept, the reference's and the calibration's too
+    assert base.loss_floor == 2 * BF16_EPS and base.step_equivalents(reference_kept=True) == 22
+    assert base.step_equivalents(reference_kept=False) == 63
 
 
-def test_one_ulp_moves_every_weight_by_one_unit_in_the_last_place_and_leaves_the_global_rng():
+def test_the_calibration_moves_every_weight_by_half_of_bf16s_spacing_and_leaves_the_global_rng():
     model = torch.nn.Linear(64, 64)
     before = model.weight.detach().clone()
     state = torch.get_rng_state()
-    perturb_one_ulp(model, seed=3)
+    perturb_weights(model, seed=3)
     assert torch.equal(torch.get_rng_state(), state)
-    moved = model.weight.detach()
-    up, down = torch.nextafter(before, torch.tensor(math.inf)), torch.nextafter(before, torch.tensor(-math.inf))
-    assert bool(((moved == up) | (moved == down)).all())
-    assert 0.4 < float((moved == up).float().mean()) < 0.6
+    ratio = model.weight.detach() / before
+    up, down = (ratio - (1 + 2.0 ** -9)).abs() < 1e-6, (ratio - (1 - 2.0 ** -9)).abs() < 1e-6
+    assert bool((up | down).all())
+    assert 0.4 < float(up.float().mean()) < 0.6
+
+
+def test_a_run_that_learns_less_of_the_first_batch_than_fp32_fails_on_its_progress():
+    """The last step is the first batch again: FP32's loss on it fell 2.0 -> 1.5; a run whose own
+    loss fell 2.01 -> 1.71 made 60% of that progress (lost 40%, band 25% + 4 x the calibration's)."""
+    ref = {**_reference(cal_loss=0.05), "losses": [2.0, 1.8, 1.6, 1.5]}  # a loss band of 22%
+    ref["calibration"]["progress_drift"] = 0.01
+    assert progress_drift([2.01, 1.8, 1.6, 1.71], ref["losses"]) == pytest.approx(0.4)
+    slow = judge(_run([2.01, 1.8, 1.6, 1.71]), ref, ParitySettings(), label="x")
+    assert slow.verdict == "violated" and slow.band.drift == pytest.approx(0.29)
+    assert slow.reason.startswith("x: violated: made 60% of FP32's progress on the first batch (at least 71%")
+    # a rounding offset of the loss itself (the same on the first and last step) cancels
+    assert judge(_run([2.02, 1.82, 1.62, 1.52]), ref, ParitySettings()).verdict == "passed"
+    # where FP32 learnt nothing of the batch there is nothing to lose: not judged
+    flat = {**ref, "losses": [2.0, 1.8, 1.6, 2.1]}
+    assert progress_drift([2.0, 1.8, 1.6, 2.5], flat["losses"]) is None
 
 
 # must fail ---------------------------------------------------------------------------------------
@@ -140,10 +158,10 @@ def test_fp16_without_a_grad_scaler_fails_where_gradients_underflow_and_passes_w
     bare, reference = check("underflow_mlp", FP16)
     assert bare.verdict == "violated"
     assert bare.grad_rel_error == pytest.approx(1.0) and bare.grad_cosine == 0.0  # all zero
-    assert bare.loss_deviation > 5 * bare.band.loss
+    assert bare.progress_drift == pytest.approx(1.0)  # it learnt nothing of the first batch
     scaled, _ = check("underflow_mlp", FP16_SCALED, reference=reference)
     assert scaled.verdict == "passed", scaled.reason
-    assert scaled.loss_deviation < bare.band.loss / 10 and scaled.grad_rel_error < 0.01
+    assert scaled.loss_deviation < bare.band.loss / 10 and scaled.grad_rel_error < 0.01 and scaled.progress_drift < 0.1
 
 
 def test_fp16_fails_where_activations_overflow_with_or_without_a_grad_scaler():
@@ -159,11 +177,12 @@ def test_fp16_fails_where_activations_overflow_with_or_without_a_grad_scaler():
 
 @pytest.mark.slow
 def test_bf16_weights_without_an_fp32_master_copy_fail_where_bf16_autocast_passes(parity_models):
-    """At lr 1e-3 every AdamW update is under half of bf16's spacing at weights of magnitude 1 to 2:
-    bf16 weights never move, FP32 master weights (bf16 autocast) do, at the same learning rate."""
-    settings = ParitySettings(steps=20, batch_size=16, lr=1e-3)
+    """At lr 1e-4 every AdamW update is under half of bf16's spacing at weights of magnitude 1 to 2:
+    bf16 weights never move, FP32 master weights (bf16 autocast) do, at the same learning rate. The
+    loss stays within the band (FP32 learns slowly at this rate); what fails is the progress."""
+    settings = ParitySettings(steps=20, batch_size=16)
     lost, reference = check("wide_linear", BF16, settings, transform=parity_models.bf16_weights)
-    assert lost.verdict == "violated" and lost.loss_deviation > 3 * lost.band.loss
+    assert lost.verdict == "violated" and lost.progress_drift > 3 * lost.band.drift, lost.reason
     assert lost.grad_rel_error < lost.band.grad  # the first step's gradients are fine: its updates are lost
     kept, _ = check("wide_linear", BF16, settings, reference=reference)
     assert kept.verdict == "passed" and kept.loss_deviation < kept.band.loss / 3, kept.reason
@@ -174,7 +193,7 @@ def test_bf16_weights_without_an_fp32_master_copy_fail_where_bf16_autocast_passe
 def test_harmless_changes_pass_and_equivalent_kernels_match_fp32():
     """Another reduction order (1 thread instead of 2), other one-ulp directions, AdamW's fused
     kernel, and activation checkpointing, which recomputes the same FP32 forward bit for bit."""
-    settings = ParitySettings(steps=10, batch_size=16, lr=1e-3, seed=1)
+    settings = ParitySettings(steps=10, batch_size=16, seed=1)
     ckpt, reference = check("mlp", {"activation_checkpointing": {"every": 1}}, settings)
     assert ckpt.verdict == "passed" and ckpt.loss_deviation == 0.0 and ckpt.grad_rel_error == 0.0
     fused, _ = check("mlp", {"optimizer": {"implementation": "fused"}}, settings, reference=reference)
@@ -182,15 +201,15 @@ def test_harmless_changes_pass_and_equivalent_kernels_match_fp32():
     assert fused.loss_deviation < 1e-5
     threads, _ = check("mlp", {"threads": {"num_threads": 1}}, settings, reference=reference)
     assert threads.verdict == "passed" and threads.loss_deviation < 1e-5
-    ulp, _ = check("mlp", {}, settings, reference=reference, transform=functools.partial(perturb_one_ulp, seed=99))
-    assert ulp.verdict == "passed" and ulp.loss_deviation < 1e-5
-    assert 0 < reference["calibration"]["loss_deviation"] < 1e-5
+    other, _ = check("mlp", {}, settings, reference=reference, transform=functools.partial(perturb_weights, seed=99))
+    assert other.verdict == "passed" and other.loss_deviation < other.band.loss / 2
+    assert 0 < reference["calibration"]["loss_deviation"] < 1e-2
 
 
 def test_bf16_autocast_on_a_well_conditioned_model_passes_within_the_floor():
-    """bf16 autocast keeps FP32 master weights: on the mlp at lr 1e-3 its loss stays within about
-    0.1-0.3% of FP32's over 10 steps (band 1.6%), its worst tensor (a LayerNorm's) within 5-14%
-    (band 25%); fp16 with the GradScaler is closer still."""
+    """bf16 autocast keeps FP32 master weights: on the mlp at lr 1e-4 its loss stays within about
+    0.06% of FP32's over 20 steps (20 seeds' median; band 1.7%), its worst tensor (a LayerNorm's)
+    within 5.6% (band 45%); fp16 with the GradScaler is closer still."""
     bf16, reference = check("mlp", BF16)
     assert bf16.verdict == "passed", bf16.reason
     assert bf16.loss_deviation < bf16.band.loss / 3
@@ -222,7 +241,7 @@ def test_the_worker_request_round_trips_through_json():
                "settings": ParitySettings(steps=3).to_dict(), "reference": None}
     answer = json.loads(json.dumps(run_parity(json.loads(json.dumps(request)))))
     result = ParityResult.from_dict(answer["result"])
-    assert answer["status"] == "ok" and result.label == "bf16" and result.steps == 3
+    assert answer["status"] == "ok" and result.label == "bf16" and result.steps == 4  # and the first batch again
     assert result.verdict in ("passed", "violated") and result.band.loss > 0
     again = run_parity({**request, "reference": answer["reference"]})
     assert again["result"]["losses"] == answer["result"]["losses"]
@@ -240,7 +259,7 @@ def test_on_a_gpu_tf32_and_bf16_pass_and_the_must_fail_cases_fail(parity_models)
     tf32, ref = check("mlp", {"precision": {"mode": "tf32"}}, device="cuda")
     assert tf32.verdict == "passed", tf32.reason
     assert check("mlp", BF16, device="cuda", reference=ref)[0].verdict == "passed"
-    settings = ParitySettings(steps=20, batch_size=16, lr=1e-3)
+    settings = ParitySettings(steps=20, batch_size=16)
     lost, ref = check("wide_linear", BF16, settings, device="cuda", transform=parity_models.bf16_weights)
     assert lost.verdict == "violated"
     assert check("wide_linear", BF16, settings, device="cuda", reference=ref)[0].verdict == "passed"

@@ -20,8 +20,9 @@ that shares it. The training runs in a worker (mode "accuracy"), isolated like a
 side (:class:`AccuracyGate`) decides when to check and caches results in study user attributes.
 
 A sharper, cheaper check, not yet wired into the search: numerics parity (``parity``), the loss
-trajectory and first gradients of a few steps against FP32's, judged by a band that FP32 with its
-weights moved one ulp calibrates in the same run (scripts/parity_calibration.py shows it can fail).
+trajectory, first gradients and progress on the first batch over a few steps against FP32's, judged
+by a band that FP32 with its weights moved by half of bf16's spacing calibrates in the same run
+(scripts/parity_calibration.py shows it can fail).
 
 With a budget the checks cost in proportion: their steps are planned from the FP32 baseline's
 measured step time to fit in a share of it (``plan``), and the FP32 reference is trained once per
