@@ -88,9 +88,15 @@ def _add_search(sub: argparse._SubParsersAction) -> None:
     _add_accuracy_options(p)
     p.add_argument("--no-accuracy-check", action="store_true",
                    help="skip the accuracy check (speed only: a configuration may then cost accuracy)")
-    p.add_argument("--accuracy-share", type=float, default=0.25, metavar="SHARE",
-                   help="what the accuracy checks may spend of --budget while trials run (default 0.25); "
-                        "without --accuracy-steps their steps are scaled to fit in it")
+    p.add_argument("--accuracy-method", choices=("parity", "held-out"), default="parity",
+                   help="how a configuration is judged against FP32: parity (default: its loss trajectory, "
+                        "progress and first gradients from the same weights on the same batches, within a band "
+                        "a harmless change calibrates; a few dozen steps) or held-out (hundreds of steps, "
+                        "held-out accuracy)")
+    p.add_argument("--accuracy-share", type=float, metavar="SHARE",
+                   help="what the accuracy checks may spend of --budget (default 0.15 for parity, the "
+                        "recommendation's verdict included; 0.25 for held-out, while trials run); without "
+                        "--accuracy-steps their steps are scaled to fit in it")
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
@@ -235,7 +241,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         trial_timeout_s=args.trial_timeout, command=_command_line(args),
         accuracy_check=not args.no_accuracy_check, max_accuracy_drop=args.max_accuracy_drop,
         max_loss_drift=args.max_loss_drift, accuracy_steps=args.accuracy_steps, data=args.data,
-        accuracy_share=args.accuracy_share,
+        accuracy_share=args.accuracy_share, accuracy_method=args.accuracy_method,
         mlflow=args.mlflow,
     )
     if args.min_measure_time is not None:

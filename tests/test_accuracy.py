@@ -280,7 +280,7 @@ def test_search_never_recommends_a_configuration_that_fails_the_check(tmp_path):
     out = tmp_path / "out"
     run_cli("search", "--model", "fake_models:broken_head_under_autocast", "--device", "cpu",
             "--input-shape", "3x32x32", "--num-classes", "10", "--min-measure-time", "0.3",
-            "--precisions", "fp32,bf16", "--trials", "6", "--out", str(out))
+            "--precisions", "fp32,bf16", "--trials", "6", "--accuracy-method", "held-out", "--out", str(out))
     data = json.loads((out / "config.json").read_text())
     knobs = data["knobs"]
     assert knobs["precision"]["mode"] == "fp32" or knobs["fp32_layers"]["layers"] in ("head", "norm+head")

@@ -127,18 +127,28 @@ def failed(accuracy: Mapping[str, Any] | None) -> bool:
 # in the study process: when to check, the cache, the recommendation
 
 SETTINGS_ATTR = "accuracy_settings"
+METHOD_ATTR = "accuracy_method"
+"""How the study's checks judge: "parity" (autotune.accuracy.parity_gate), absent for the held-out check."""
 UNAVAILABLE_ATTR = "accuracy_unavailable"
 REFERENCE_ATTR = "accuracy_reference:{fingerprint}"
 RESULT_ATTR = "accuracy_run:{fingerprint}:{key}"
 
 
-def _key_hash(key: str) -> str:
+def key_hash(key: str) -> str:
     return hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
-def study_settings(study) -> AccuracySettings | None:
+def study_settings(study):
+    """The study's check settings: ParitySettings where its checks are numerics parity, else
+    AccuracySettings; None before a check was set up."""
     data = study.user_attrs.get(SETTINGS_ATTR)
-    return AccuracySettings.from_dict(data) if data else None
+    if not data:
+        return None
+    if study.user_attrs.get(METHOD_ATTR) == "parity":
+        from autotune.accuracy.parity import ParitySettings
+
+        return ParitySettings.from_dict(data)
+    return AccuracySettings.from_dict(data)
 
 
 def cached_run(study, settings: AccuracySettings, knobs: Mapping[str, Any]) -> tuple[dict, dict] | None:
@@ -150,7 +160,7 @@ def cached_run(study, settings: AccuracySettings, knobs: Mapping[str, Any]) -> t
     key = numerics_key(knobs)
     if key == numerics_key({}):
         return {**reference, "numerics_key": key}, reference
-    run = attrs.get(RESULT_ATTR.format(fingerprint=settings.fingerprint(), key=_key_hash(key)))
+    run = attrs.get(RESULT_ATTR.format(fingerprint=settings.fingerprint(), key=key_hash(key)))
     return (run, reference) if run is not None else None
 
 
@@ -168,6 +178,10 @@ def accuracy_of(study, trial) -> dict[str, Any] | None:
     if found is None:
         return None
     run, reference = found
+    if "calibration" in reference:  # a parity check's: its runs are stored judged
+        from autotune.accuracy.parity_verdict import reference_evidence
+
+        return dict(run) if run.get("method") else reference_evidence(reference, numerics_key=run.get("numerics_key"))
     return judge(run, reference, max_accuracy_drop=settings.max_accuracy_drop, max_loss_drift=settings.max_loss_drift)
 
 
@@ -253,13 +267,16 @@ class AccuracyGate:
                 measured = step_time(study)
                 if measured is None and not force:
                     return
-                plan = (make_plan(self.settings, budget_s=self.budget_s, share=self.share, measured=measured,
-                                   held_out=self.held_out)
-                        if measured else {"how": "unmeasured", "steps": self.settings.steps})
+                plan = self.make_plan(measured) if measured else {"how": "unmeasured", "steps": self.settings.steps}
                 study.set_user_attr(PLAN_ATTR, plan)
             self.settings = _planned(self.settings, plan)
             study.set_user_attr(SETTINGS_ATTR, self.settings.to_dict())
             self.pending = False
+
+    def make_plan(self, measured: dict[str, Any]) -> dict[str, Any]:
+        """The checks' steps (and batch) from ``step_time``'s figures (autotune.accuracy.plan)."""
+        return make_plan(self.settings, budget_s=self.budget_s, share=self.share, measured=measured,
+                         held_out=self.held_out)
 
     def judge(self, run: Mapping[str, Any], reference: Mapping[str, Any]) -> dict[str, Any]:
         return judge(run, reference, max_accuracy_drop=self.settings.max_accuracy_drop,
@@ -348,7 +365,7 @@ class AccuracyGate:
         key = numerics_key(knobs)
         request = {"mode": "accuracy", "workload": self.workload, "space": self.space.to_dict(),
                    "knobs": numerics_knobs(knobs), "settings": self.settings.to_dict(), "reference": reference}
-        log = self.log_dir / f"accuracy-{_key_hash(key)}.log" if self.log_dir else None
+        log = self.log_dir / f"accuracy-{key_hash(key)}.log" if self.log_dir else None
         started = time.time()
         try:
             said = None
@@ -376,7 +393,7 @@ class AccuracyGate:
                 reference = {**result["reference"], "reference_source": "trained"}
                 study.set_user_attr(REFERENCE_ATTR.format(fingerprint=fingerprint), reference)
         if key != numerics_key({}):
-            study.set_user_attr(RESULT_ATTR.format(fingerprint=fingerprint, key=_key_hash(key)),
+            study.set_user_attr(RESULT_ATTR.format(fingerprint=fingerprint, key=key_hash(key)),
                                 {**run, "knobs": numerics_knobs(knobs)})
         return run, reference
 
@@ -398,6 +415,11 @@ class AccuracyGate:
             return 0.0
         per_run = plan["estimate_s"] / CHECK_RUNS
         return per_run if self._reference(study) is not None else 3 * per_run
+
+    def verdict_reserve_s(self, study) -> float:
+        """Seconds the trials leave for the recommendation's check: none here (this check spends its
+        share while trials run, and the recommendation takes what is left; ParityGate plans one)."""
+        return 0.0
 
     def near_frontier(self, study, value: float) -> bool:
         """Whether an objective value (samples/s, or joules per sample or peak memory, which are

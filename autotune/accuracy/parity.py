@@ -6,9 +6,9 @@ Three runs of ``steps`` optimizer steps (AdamW, constant learning rate, dropout 
 project's own training step (``runtime.TrainStep`` on the configuration's recipe, as
 ``TunedConfig.train_step`` builds it), so every knob's numerics are what is measured (precision,
 GradScaler, fp32_layers, loss_kernel, optimizer_state and implementation, activation_checkpointing,
-compile): the FP32 reference; the calibration, the same FP32 run with every initial weight moved by
-half of bf16's spacing (CALIBRATION_STEP, 2**-9 of itself, up or down at random: at most what storing
-the initial weights in bf16 would change, a change known to be harmless), which shows how far this
+compile): the FP32 reference; the calibration, the same FP32 run with every initial weight moved to
+one of its two bf16 neighbours at random (up to one bf16 step, 2**-8 of itself; a value bf16 holds
+stays: the weights a bf16 copy of them could hold, a change known to be harmless), which shows how far this
 model's training carries a rounding-sized difference; and the configuration. From each: the loss at
 every step, and per parameter tensor the first step's gradients (unscaled, of the step taken: one the
 GradScaler skips is taken again on its batch, as ``autotune.accuracy.check`` does). Deviations from
@@ -20,7 +20,10 @@ The calibration's size is a 16-bit format's rounding, not FP32's: a randomly ini
 first gradients (batch 8, CPU) amplify rounding by about 10^5 through its BatchNorms, so one FP32
 ulp moved 142 of its 161 tensors' gradients by 1.6-2.3% and the others by under 1%, while bf16
 autocast moved those others by 56-81%: a one-ulp calibration saw none of that amplification and
-failed bf16 on them. Moved by 2**-9, the calibration shows it. The learning rate (LR) is small for the
+failed bf16 on them. Moved by bf16 steps, the calibration shows it. They are bf16 steps, not a share
+of each weight: a head whose bias holds logits at 2**16 (tests' broken_head_under_autocast) moved by
+2**-9 of itself shifted its logits by 128 and its calibration's loss by 86x, which passed a bf16 head
+that learnt nothing; 2**16 is a bf16 value, which the calibration leaves as it is. The learning rate (LR) is small for the
 same reason: at 1e-3 the same ResNet-50's loss after 5 steps was 3.06 for FP32, 4.87 and 2.90 for
 two calibrations and 3.73 on one thread instead of two (training itself is chaotic there, so no
 band is sharp); at 1e-4 the four stayed within 1.1% of each other at every step and bf16 within
@@ -59,18 +62,23 @@ import hashlib
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
+from autotune.accuracy.parity_verdict import (  # noqa: F401  (the check's verdict, importable from here)
+    BF16_EPS,
+    NOISE_TENSOR,
+    ParityBand,
+    ParityResult,
+    describe,
+    global_figures,
+    judge,
+    loss_deviation,
+    progress_drift,
+    tensor_figures,
+)
 from autotune.accuracy.settings import MIN_STEPS, AccuracySettings
 
-BF16_EPS = 2.0 ** -7
-"""torch.finfo(torch.bfloat16).eps: the spacing of bf16 numbers just above 1."""
-NOISE_TENSOR = 0.5
-"""A tensor whose FP32 first gradient moved by more than this (relative) under the calibration's
-change is rounding noise: its direction says nothing, so it is not judged on its own."""
-CALIBRATION_STEP = 2.0 ** -9
-"""The calibration moves every initial weight by this share of itself: half of bf16's spacing."""
 FORMAT = 2
 """Part of the reference's cache key: bumped when what a parity reference holds changes."""
 
@@ -140,94 +148,27 @@ class ParitySettings:
         return run + (1 if reference_kept else 2 * run)
 
 
-@dataclass(kw_only=True)
-class ParityBand:
-    """What a configuration may deviate from FP32: ``k`` x the calibration's deviation + a floor."""
-
-    k: float
-    loss_floor: float
-    grad_floor: float
-    loss: float
-    """The largest relative loss difference accepted over the trajectory."""
-    grad: float
-    """The relative gradient error accepted for the tensor named by the result's ``grad_tensor``
-    (each tensor has its own: k x its calibration error + grad_floor)."""
-    drift_floor: float = 0.25
-    drift: float | None = None
-    """The share of FP32's progress on the first batch a run may lose; None where FP32 made none."""
-
-
-@dataclass(kw_only=True)
-class ParityResult:
-    """A parity check's verdict, its band and the figures it was decided on."""
-
-    verdict: str
-    """passed, violated (outside the band) or unstable (a NaN/Inf loss or gradient)."""
-    reason: str
-    """The verdict in one line, for a user."""
-    label: str
-    steps: int
-    """Steps run (fewer where the loss went NaN/Inf)."""
-    band: ParityBand
-    loss_deviation: float
-    """max over the steps of |loss - FP32's| / |FP32's|."""
-    grad_deviation: float
-    """The relative first-step gradient error of ``grad_tensor``."""
-    grad_tensor: str
-    """The judged tensor that came closest to its band (or went furthest past it)."""
-    grad_rel_error: float
-    """||g - g_ref|| / ||g_ref|| over all first-step gradients together."""
-    grad_cosine: float
-    """Cosine of all first-step gradients together against FP32's."""
-    min_grad_cosine: float
-    """The lowest cosine of a judged tensor."""
-    calibration_loss_deviation: float
-    calibration_grad_deviation: float
-    """The calibration's on ``grad_tensor``."""
-    progress_drift: float | None = None
-    """The share of FP32's progress on the first batch this run lost (progress_drift)."""
-    calibration_drift: float | None = None
-    losses: list[float]
-    reference_losses: list[float]
-    skipped_steps: int = 0
-    """Steps the GradScaler skipped (each taken again on its batch)."""
-    noise_tensors: list[str] = field(default_factory=list)
-    """Tensors whose FP32 gradient is rounding noise (NOISE_TENSOR): not judged on their own."""
-    reference_source: str = "trained"
-    """"trained" by this check, or "cache": an earlier search's (reference_cache)."""
-    seconds: float = 0.0
-    """Wall time of the check, with the reference's runs where it trained them."""
-    tensors: dict[str, dict[str, float]] = field(default_factory=dict)
-    """Per parameter tensor: rel_error, cosine, calibration_rel_error, band."""
-
-    @property
-    def passed(self) -> bool:
-        return self.verdict == "passed"
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ParityResult":
-        return cls(**{**data, "band": ParityBand(**data["band"])})
-
-
 # ---------------------------------------------------------------------------------------------
 # one run
 
 
-def perturb_weights(model, seed: int, step: float = CALIBRATION_STEP):
-    """``model`` with every floating-point parameter multiplied by ``1 + step`` or ``1 - step`` at
-    random (drawn from ``seed`` by a generator of its own: the global random state is untouched).
-    A model transform: the calibration's change, and with another seed a control's."""
+def perturb_weights(model, seed: int):
+    """``model`` with every floating-point parameter moved to one of its two bf16 neighbours, down
+    (towards zero) or up at random, drawn from ``seed`` by a generator of its own (the global random
+    state is untouched); a value bf16 holds exactly stays. A model transform: the calibration's
+    change, and with another seed a control's."""
     import torch
 
     g = torch.Generator().manual_seed(seed + 7919)
     with torch.no_grad():
         for p in model.parameters():
-            if p.is_floating_point():
-                up = torch.rand(p.shape, generator=g) < 0.5
-                p.mul_(1 + torch.where(up, step, -step).to(p.device, p.dtype))
+            if p.dtype != torch.float32:
+                continue
+            bits = p.detach().cpu().contiguous().view(torch.int32)
+            low = bits & 0xFFFF  # the bits bf16 drops; clearing them moves the value towards zero
+            up = (torch.rand(p.shape, generator=g) < 0.5) & (low != 0)
+            moved = (bits - low) + up.to(torch.int32) * 0x10000  # one bf16 step away from zero
+            p.copy_(moved.view(torch.float32).to(p.device))
     return model
 
 
@@ -320,137 +261,6 @@ def max_retries(steps: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# deviations and the verdict
-
-
-def loss_deviation(losses: list[float], reference: list[float]) -> float:
-    """max_t |l(t) - l_ref(t)| / |l_ref(t)|; infinite where a loss is NaN/Inf or the run stopped early."""
-    if len(losses) < len(reference):
-        return math.inf
-    worst = 0.0
-    for value, ref in zip(losses, reference):
-        if not math.isfinite(value):
-            return math.inf
-        worst = max(worst, abs(value - ref) / max(abs(ref), 1e-30))
-    return worst
-
-
-def progress_drift(losses: list[float], reference: list[float]) -> float | None:
-    """The share of FP32's progress on the first batch that a run lost: ``1 - p / p_ref``, where a
-    run's progress is its first step's loss less its last's (the first batch again, after the run).
-    Both losses are the run's own, so a precision's rounding of the loss itself (the same batch from
-    nearly the same weights) cancels: on parity_models' wide_linear at lr 1e-4, whose loss fell by
-    0.03 in 20 steps, bf16 autocast's last loss alone put it up to 12% behind FP32. 0: learnt as
-    much, 1: nothing; None where the reference did not learn the batch (nothing to lose), infinite
-    where the run stopped early or went NaN/Inf."""
-    if len(reference) < 2 or not reference[0] > reference[-1]:
-        return None
-    if len(losses) < len(reference) or not all(math.isfinite(x) for x in (losses[0], losses[-1])):
-        return math.inf
-    return 1.0 - (losses[0] - losses[-1]) / (reference[0] - reference[-1])
-
-
-def _ratio(d2: float, r2: float) -> float:
-    return math.sqrt(d2 / r2) if r2 > 0 else (0.0 if d2 == 0 else math.inf)
-
-
-def _cosine(dot: float, g2: float, r2: float) -> float:
-    return dot / math.sqrt(g2 * r2) if g2 > 0 and r2 > 0 else (1.0 if g2 == r2 == 0 else 0.0)
-
-
-def tensor_figures(sums: Mapping[str, tuple[float, float, float, float]]) -> dict[str, dict[str, float]]:
-    """Per tensor: relative error ||g - r|| / ||r|| and cosine, from its sums (|g-r|^2, |r|^2, |g|^2, g.r)."""
-    out = {}
-    for name, (d2, r2, g2, dot) in sums.items():
-        finite = all(math.isfinite(v) for v in (d2, g2, dot))
-        out[name] = ({"rel_error": _ratio(d2, r2), "cosine": _cosine(dot, g2, r2)} if finite
-                     else {"rel_error": math.inf, "cosine": math.nan})
-    return out
-
-
-def global_figures(sums: Mapping[str, tuple[float, float, float, float]]) -> tuple[float, float]:
-    """(relative error, cosine) of all tensors' gradients together."""
-    d2, r2, g2, dot = (sum(s[i] for s in sums.values()) for i in range(4))
-    if not all(math.isfinite(v) for v in (d2, g2, dot)):
-        return math.inf, math.nan
-    return _ratio(d2, r2), _cosine(dot, g2, r2)
-
-
-def judge(run: Mapping[str, Any], reference: Mapping[str, Any], settings: ParitySettings, *,
-          label: str = "configuration", seconds: float = 0.0) -> ParityResult:
-    """The verdict on a run (its losses, and its first gradients' sums against the reference's) from
-    the reference (its losses and the calibration's figures) and the band of ``settings``."""
-    calib = reference["calibration"]
-    loss_dev = loss_deviation(run["losses"], reference["losses"])
-    tensors = tensor_figures(run["sums"])
-    noise = sorted(n for n, v in calib["grad_rel_errors"].items() if v > NOISE_TENSOR)
-    worst_name, worst_ratio = "", -1.0
-    for name, fig in tensors.items():
-        fig["calibration_rel_error"] = calib["grad_rel_errors"].get(name, 0.0)
-        fig["band"] = settings.k * fig["calibration_rel_error"] + settings.grad_floor
-        ratio = fig["rel_error"] / fig["band"] if fig["band"] > 0 else (0.0 if fig["rel_error"] == 0 else math.inf)
-        if name not in noise and ratio > worst_ratio:
-            worst_name, worst_ratio = name, ratio
-    # no gradients to compare: every step skipped, or no parameter of the configuration's model is FP32's
-    worst = tensors.get(worst_name, {"rel_error": math.nan, "band": settings.grad_floor,
-                                     "calibration_rel_error": math.nan})
-    rel, cos = global_figures(run["sums"]) if run["sums"] else (math.nan, math.nan)
-    drift, cal_drift = progress_drift(run["losses"], reference["losses"]), calib.get("progress_drift")
-    band = ParityBand(k=settings.k, loss_floor=settings.loss_floor, grad_floor=settings.grad_floor,
-                      loss=settings.k * calib["loss_deviation"] + settings.loss_floor, grad=worst["band"],
-                      drift_floor=settings.drift_floor,
-                      drift=None if drift is None else settings.k * abs(cal_drift or 0.0) + settings.drift_floor)
-    if not (math.isfinite(loss_dev) and all(math.isfinite(f["rel_error"]) for f in tensors.values())):
-        verdict = "unstable"
-    else:
-        lost = drift is not None and drift > band.drift
-        verdict = "passed" if loss_dev <= band.loss and worst_ratio <= 1.0 and not lost else "violated"
-    result = ParityResult(
-        verdict=verdict, reason="", label=label, steps=len(run["losses"]), band=band, loss_deviation=loss_dev,
-        grad_deviation=worst["rel_error"], grad_tensor=worst_name, grad_rel_error=rel, grad_cosine=cos,
-        min_grad_cosine=min((f["cosine"] for n, f in tensors.items() if n not in noise), default=1.0),
-        calibration_loss_deviation=calib["loss_deviation"], calibration_grad_deviation=worst["calibration_rel_error"],
-        progress_drift=drift, calibration_drift=cal_drift,
-        losses=list(run["losses"]), reference_losses=list(reference["losses"]), skipped_steps=run.get("skipped", 0),
-        noise_tensors=noise, reference_source=reference.get("reference_source", "trained"), seconds=seconds,
-        tensors=tensors)
-    result.reason = describe(result)
-    return result
-
-
-def describe(result: ParityResult) -> str:
-    """The verdict in one line: what deviated from FP32, by how much, against which band."""
-    b = result.band
-    if result.verdict == "unstable":
-        where = (f"the loss was NaN/Inf at step {result.steps}" if not math.isfinite(result.loss_deviation)
-                 else "a first-step gradient was NaN/Inf")
-        return f"{result.label}: unstable: {where} (FP32's stayed finite)"
-    loss = (f"loss {_pct(result.loss_deviation)} off FP32 at worst over {result.steps} steps (band "
-            f"{_pct(b.loss)} = {b.k:g} x the calibration's {_pct(result.calibration_loss_deviation)} + {_pct(b.loss_floor)})")
-    grad = (f"first gradients {_pct(result.grad_rel_error)} off (cosine {result.grad_cosine:.4f}), worst tensor "
-            f"{result.grad_tensor} {_pct(result.grad_deviation)} (band {_pct(b.grad)})" if result.grad_tensor
-            else "first gradients not compared (no parameter of the configuration's model is FP32's)")
-    parts = [loss, grad]
-    if result.loss_deviation <= b.loss and result.grad_deviation > b.grad:
-        parts.reverse()  # what failed first
-    if result.progress_drift is not None and b.drift is not None:
-        learnt = (f"made {_pct(1 - result.progress_drift)} of FP32's progress on the first batch (at least "
-                  f"{_pct(1 - b.drift)} = 100% - {b.k:g} x the calibration's {_pct(abs(result.calibration_drift or 0.0))} "
-                  f"lost - {_pct(b.drift_floor)})")
-        parts.insert(0 if result.progress_drift > b.drift and result.loss_deviation <= b.loss else 1, learnt)
-    return f"{result.label}: {result.verdict}: " + "; ".join(parts)
-
-
-def _pct(x: float) -> str:
-    if not math.isfinite(x):
-        return "n/a" if math.isnan(x) else "inf"
-    a = abs(x)
-    if a == 0 or a >= 0.001:
-        return f"{100 * x:.2g}%" if a < 0.1 else f"{100 * x:.0f}%"
-    return f"{100 * x:.1e}%"
-
-
-# ---------------------------------------------------------------------------------------------
 # the check
 
 
@@ -512,12 +322,19 @@ def check_parity(spec, knobs: Mapping[str, Any], settings: ParitySettings, *, de
 
 def run_parity(request: Mapping[str, Any]) -> dict[str, Any]:
     """A worker mode ("parity"), as check.run_check is "accuracy": request {"workload": spec dict,
-    "device", "knobs", "settings", "reference": a kept one or None}; returns {"status": "ok",
-    "result": ParityResult dict, "reference": the reference (trained here, or the one given)}."""
+    "device", "knobs", "settings", "reference": a kept one or None, "reference_only": train the
+    reference alone}; returns {"status": "ok", "result": ParityResult dict (None for the reference
+    alone), "reference": the reference (trained here, or the one given)}."""
     from autotune.workload.models import WorkloadSpec
 
     settings = ParitySettings.from_dict(request["settings"])
     spec = WorkloadSpec.from_dict(request["workload"])
+    if request.get("reference_only"):  # FP32's numerics: the reference is their run
+        from autotune.accuracy.check import datasets
+
+        device = request.get("device", "cpu")
+        reference, _ = train_reference(spec, settings, device, datasets(spec, settings.data_settings(), device))
+        return {"status": "ok", "result": None, "reference": {**reference, "reference_source": "trained"}}
     result, reference = check_parity(spec, request.get("knobs") or {}, settings, device=request.get("device", "cpu"),
                                      reference=request.get("reference"), label=request.get("label"))
     return {"status": "ok", "result": result.to_dict(), "reference": reference}

@@ -67,7 +67,8 @@ def step_time(study) -> dict[str, Any] | None:
     overhead = (record.timing.get("worker_start_s") or 0.0) + BUILDS_PER_WORKER * check_build_s(record)
     limits = [b for b in (figures.get("device_total_bytes"), study.user_attrs.get("memory_limit_bytes")) if b]
     return {"samples_per_s": rate, "trial": record.number, "baseline": record.role == "baseline",
-            "overhead_s": overhead, "batch_size": figures.get("batch_size"),
+            "overhead_s": overhead, "worker_start_s": record.timing.get("worker_start_s") or 0.0,
+            "build_s": check_build_s(record), "batch_size": figures.get("batch_size"),
             "peak_memory_bytes": figures.get("peak_memory_bytes"), "limit_bytes": min(limits) if limits else None}
 
 
@@ -135,6 +136,11 @@ def describe(plan: dict[str, Any] | None) -> str | None:
     if how != "scaled":
         return f"{steps} steps (the default, without a --budget to scale it to)"
     within = f"{plan['share']:.0%} of the {duration(plan['budget_s'])} budget"
+    if plan.get("method") == "parity":
+        if plan.get("fits") is False:
+            return f"{steps} steps of numerics parity would not fit in {within}"
+        return (f"{steps} steps of numerics parity against FP32 (scaled to {within}; the first verdict about "
+                f"{plan['first_verdict_s']:.0f} s, each later one {plan['check_s']:.0f} s)")
     if plan.get("batch_size"):
         within += (f"; batch {plan['batch_size']} instead of {plan['default_batch_size']}, for the FP32 "
                    "baseline's memory")

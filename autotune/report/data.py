@@ -67,11 +67,14 @@ class ReportData:
     @property
     def accuracy_measure(self) -> tuple[str, str]:
         """The frame's column, and its heading, that says how a trial trained against FP32: the
-        held-out accuracy drop; or, where no check had a held-out set (a language model's own
-        batches), the training loss drift (the share of FP32's loss decrease the run lost)."""
-        drop = self.frame["accuracy_drop"] if "accuracy_drop" in self.frame else pd.Series(dtype=float)
-        if pd.to_numeric(drop, errors="coerce").notna().any():
-            return "accuracy_drop", "accuracy drop"
+        held-out accuracy drop; where no check had a held-out set (a language model's own batches),
+        the training loss drift (the share of FP32's loss decrease the run lost); where the checks
+        were numerics parity, the loss trajectory's largest deviation from FP32's."""
+        for column, heading in (("accuracy_drop", "accuracy drop"), ("loss_drift", "loss drift"),
+                                ("loss_deviation", "loss deviation")):
+            values = self.frame[column] if column in self.frame else pd.Series(dtype=float)
+            if pd.to_numeric(values, errors="coerce").notna().any():
+                return column, heading
         return "loss_drift", "loss drift"
 
 
@@ -80,10 +83,11 @@ _FRAME_COLUMNS = ["number", "role", "state", "status", "reason", "duplicate_of",
                   "loader_fed_samples_per_s", "compute_only_samples_per_s", "loader_wait_share", "data_bound",
                   "step_time_ms", "spread", "noisy", "peak_memory_gb", "worker_start_s", "build_s", "warmup_s",
                   "measure_s", "trial_wall_s", "compile_s", "compile_cache", "joules_per_sample", "avg_power_w", "accuracy",
-                  "accuracy_drop", "loss_drift"]
+                  "accuracy_drop", "loss_drift", "loss_deviation"]
 
 
-_ACCURACY_COLUMNS = ("accuracy_verdict", "accuracy_reason", "accuracy", "accuracy_drop", "loss_drift", "accuracy_allowed",
+_ACCURACY_COLUMNS = ("accuracy_verdict", "accuracy_reason", "accuracy", "accuracy_drop", "loss_drift", "loss_deviation",
+                     "accuracy_allowed",
                      "accuracy_key")
 """The frame's columns that come from a trial's accuracy check (its numerics' check)."""
 

@@ -85,6 +85,7 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
             "accuracy": acc.get("accuracy"),
             "accuracy_drop": acc.get("accuracy_drop"),
             "loss_drift": acc.get("loss_drift"),
+            "loss_deviation": acc.get("loss_deviation"),  # a numerics parity check's, relative
             "accuracy_steps": acc.get("steps"),
             "accuracy_final_loss": acc.get("final_loss"),
             "skipped_steps": acc.get("skipped_steps"),
@@ -254,6 +255,11 @@ def _add_objective_and_accuracy(info: dict[str, Any], study: optuna.Study, best:
         info["accuracy"] = {**accuracy, "settings": study.user_attrs.get(SETTINGS_ATTR)}
     elif study.user_attrs.get(UNAVAILABLE_ATTR):
         info["accuracy"] = {"verdict": "not checked", "reason": study.user_attrs[UNAVAILABLE_ATTR]}
+    elif (study.user_attrs.get(PLAN_ATTR) or {}).get("fits") is False:
+        # said before the checks: no parity verdict fits the budget (autotune.accuracy.parity_gate)
+        from autotune.accuracy.parity_gate import no_verdict_notice
+
+        info["accuracy"] = {"verdict": "not checked", "reason": no_verdict_notice(study.user_attrs[PLAN_ATTR])}
     elif study.user_attrs.get(SETTINGS_ATTR):
         # the check was on, but the budget ended before this configuration's numerics were checked
         info["accuracy"] = {"verdict": "not checked", "reason": (

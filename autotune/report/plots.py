@@ -179,6 +179,7 @@ SPEED_ACCURACY_AXES = {
     "accuracy_drop": "accuracy drop vs FP32 (lower is better)",
     "accuracy": "accuracy (higher is better)",
     "loss_drift": "training loss drift vs FP32, share of FP32's loss decrease (lower is better)",
+    "loss_deviation": "largest loss deviation from FP32 over the parity run, relative (lower is better)",
 }
 """The accuracy axis, by the first column some measured trial has (a language model has no held-out
 accuracy: its checks give the loss drift)."""
@@ -186,7 +187,7 @@ accuracy: its checks give the loss drift)."""
 
 FAILED = ("violated", "unstable", "error")
 """Accuracy verdicts that fail a configuration (autotune.accuracy.gate)."""
-_ALLOWED_WORDS = {"accuracy_drop": "drop", "loss_drift": "drift"}
+_ALLOWED_WORDS = {"accuracy_drop": "drop", "loss_drift": "drift", "loss_deviation": "deviation"}
 
 
 def speed_accuracy_column(d: ReportData) -> str | None:

@@ -49,7 +49,7 @@ _FORMATS = {"samples_per_s": fmt_rate, "tokens_per_s": fmt_rate, "per_gpu_sample
             "scaling_efficiency": lambda v: fmt_pct(v, 0), "step_time_ms": fmt_ms, "spread": lambda v: fmt_pct(v, 1),
             "peak_memory_gb": fmt_gib, "joules_per_sample": lambda v: fmt_g(v, 3),
             "accuracy_drop": lambda v: fmt_g(v, 3), "loss_drift": lambda v: fmt_g(v, 3),
-            "trial_wall_s": lambda v: fmt_g(v, 3), "compile_s": lambda v: fmt_g(v, 3),
+            "loss_deviation": lambda v: fmt_g(v, 3), "trial_wall_s": lambda v: fmt_g(v, 3), "compile_s": lambda v: fmt_g(v, 3),
             "vs_baseline": fmt_ratio, "vs_plain_recipe": fmt_ratio}
 """How the table of all trials writes each numeric column."""
 

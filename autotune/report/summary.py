@@ -80,6 +80,8 @@ def _accuracy_text(d: ReportData, best: pd.Series | None) -> str:
             text += ", training was not stable"
     elif acc.get("accuracy") is not None:
         text = f"accuracy {fmt_g(acc['accuracy'])}"
+    elif acc.get("method") == "parity":
+        text = acc.get("reason") or acc["verdict"]  # the verdict's whole line, band included
     elif acc.get("verdict"):
         # judged on the training loss alone: a workload with no held-out set (a language model's)
         text = acc["verdict"] + (f": {acc['reason']}" if acc.get("reason") else "")

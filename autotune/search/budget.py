@@ -74,6 +74,9 @@ class StopRule:
         self.new_trials = 0
         self.planner = None
         """The search's planner (autotune.search.planner), asked what runs next and what it costs."""
+        self.gate = None
+        """The search's accuracy gate, or None: the trials leave it the seconds of the recommendation's
+        verdict (verdict_reserve_s)."""
 
     def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         config, started, record = self.config, self.started, TrialRecord.of(trial)
@@ -94,6 +97,7 @@ class StopRule:
             study.stop()
         if end is not None:
             now = time.time()
+            end -= self.gate.verdict_reserve_s(study) if self.gate is not None else 0.0
             if now + estimate_next_wall(study, self.walls, left_s=end - now, compile_prior_s=self.compile_prior_s,
                                         planner=self.planner) > end:
                 study.stop()

@@ -59,9 +59,12 @@ class SearchConfig:
     accuracy_steps: int | None = None
     """Steps of the accuracy check's training run; None: scaled to the measured step time and
     accuracy_share of the budget (autotune.accuracy.plan), at most 300 on a GPU, 100 on a CPU."""
-    accuracy_share: float = 0.25
-    """What the accuracy checks may spend of --budget while trials run (more than 0, at most 1);
-    their steps are planned to fit in it."""
+    accuracy_share: float | None = None
+    """What the accuracy checks may spend of --budget (more than 0, at most 1); their steps are
+    planned to fit in it. None: 0.15 for parity (the recommendation's verdict included), 0.25 for
+    held-out (while trials run)."""
+    accuracy_method: str = "parity"
+    """"parity" (autotune.accuracy.parity_gate) or "held-out" (autotune.accuracy.gate.AccuracyGate)."""
     data: str | None = None
     """The accuracy check's data: None (synthetic), an ImageFolder folder, or package.module:factory."""
     profile: bool = True
@@ -196,18 +199,42 @@ class SearchConfig:
         """The accuracy check's options, and --data (which feeds the accuracy check and the timed steps)."""
         from autotune.workload.data import check_data_spec
 
-        if not 0 < self.accuracy_share <= 1:
+        if self.accuracy_method not in ("parity", "held-out"):
+            raise ConfigError(f"--accuracy-method {self.accuracy_method!r}: choose parity or held-out")
+        if self.accuracy_share is not None and not 0 < self.accuracy_share <= 1:
             raise ConfigError(f"--accuracy-share {self.accuracy_share:g}: give the share of --budget the accuracy "
-                              "checks may spend, more than 0 and at most 1 (default 0.25)")
+                              "checks may spend, more than 0 and at most 1 (default 0.15 for parity)")
         if self.accuracy_check:
-            self.accuracy_settings("cpu")  # validates the thresholds and the step count
+            # validates the thresholds (for `autotune accuracy` too) and the step count
+            self.accuracy_settings("cpu", steps=None if self.accuracy_method == "parity" else self.accuracy_steps)
+            if self.accuracy_method == "parity":
+                self.parity_settings()
         check_data_spec(self.data)  # without the check it still feeds the timed steps, through a DataLoader
 
-    def accuracy_settings(self, device: str):
-        """The accuracy check's settings on ``device`` (validated: a bad value raises ConfigError)."""
+    @property
+    def share_of_budget(self) -> float:
+        """--accuracy-share, or the method's default."""
+        from autotune.accuracy.parity_gate import DEFAULT_SHARE
+        from autotune.accuracy.plan import DEFAULT_SHARE as HELD_OUT_SHARE
+
+        if self.accuracy_share is not None:
+            return self.accuracy_share
+        return DEFAULT_SHARE if self.accuracy_method == "parity" else HELD_OUT_SHARE
+
+    def parity_settings(self):
+        """The numerics parity check's settings (validated: a bad value raises ConfigError)."""
+        from autotune.accuracy.parity import ParitySettings
+
+        given = {"steps": self.accuracy_steps} if self.accuracy_steps is not None else {}
+        return ParitySettings(**given, seed=self.seed, data=self.data)
+
+    def accuracy_settings(self, device: str, *, steps: int | None | str = "given"):
+        """The accuracy check's settings on ``device`` (validated: a bad value raises ConfigError), at
+        --accuracy-steps unless ``steps`` says otherwise."""
         from autotune.accuracy.settings import AccuracySettings
 
-        return AccuracySettings.for_device(device, steps=self.accuracy_steps, seed=self.seed, data=self.data,
+        steps = self.accuracy_steps if steps == "given" else steps
+        return AccuracySettings.for_device(device, steps=steps, seed=self.seed, data=self.data,
                                            max_accuracy_drop=self.max_accuracy_drop,
                                            max_loss_drift=self.max_loss_drift)
 

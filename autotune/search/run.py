@@ -106,6 +106,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
                        "recovered": recovered, "done": len(counted_trials(study)), "config": config})
         stop_rule = StopRule(config, shared, started, emit, compile_prior_s=compile_prior_s(info))
         objective.walls, objective.compile_prior_s = stop_rule.walls, stop_rule.compile_prior_s
+        stop_rule.gate = gate
         stop_rule.planner = _planner(study, space, objective, stop_rule, target, _deadline(config, started),
                                      replay=bool(config.replay))
         artifacts = Artifacts(out_dir)  # each trial's log and trace, for optuna-dashboard
@@ -263,14 +264,18 @@ def _accuracy_gate(config: SearchConfig, device: str, space: SearchSpace, out_di
     if not config.accuracy_check:
         return None
     from autotune.accuracy.gate import AccuracyGate
+    from autotune.accuracy.parity_gate import ParityGate
 
     # without --accuracy-steps the check's steps are planned from the first measured step time to
     # fit in --accuracy-share of the budget; the FP32 reference comes from the file cache when kept
-    gate = AccuracyGate(settings=config.accuracy_settings(device), space=space,
-                        workload=config.workload.to_dict(), timeout_s=config.trial_timeout_s,
-                        log_dir=out_dir / "logs", budget_s=config.budget_s, share=config.accuracy_share,
-                        scale_steps=config.accuracy_steps is None,
-                        held_out=not (info.get("own_batches") and config.data is None), prestart=prestart)
+    common = {"space": space, "workload": config.workload.to_dict(), "timeout_s": config.trial_timeout_s,
+              "log_dir": out_dir / "logs", "budget_s": config.budget_s, "share": config.share_of_budget,
+              "scale_steps": config.accuracy_steps is None, "prestart": prestart}
+    if config.accuracy_method == "parity":
+        gate = ParityGate(settings=config.parity_settings(), **common)
+    else:
+        gate = AccuracyGate(settings=config.accuracy_settings(device), **common,
+                            held_out=not (info.get("own_batches") and config.data is None))
     gate.attach(study)
     return gate
 

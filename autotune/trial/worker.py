@@ -402,6 +402,10 @@ def serve(request: dict[str, Any], result_path: str, ready_at: float | None = No
             from autotune.accuracy.check import run_check
 
             result = run_check(request)
+        elif request.get("mode") == "parity":
+            from autotune.accuracy.parity import run_parity
+
+            result = run_parity(request)
         else:
             result = run_trial(request)
     except Exception as exc:  # reported to the study, which records it on the trial

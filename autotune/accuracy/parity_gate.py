@@ -1,0 +1,248 @@
+"""The search's accuracy verdict by numerics parity (autotune.accuracy.parity): the gate that checks
+configurations near the speed frontier and the recommendation against FP32, planned to cost at most
+``share`` (15% by default) of ``--budget``, all its checks and the recommendation's verdict together.
+
+The held-out accuracy check (autotune.accuracy.gate.AccuracyGate, ``--accuracy-method held-out``)
+trains each configuration for hundreds of steps and judges held-out accuracy; in seven default
+searches (issue 37) none of its verdicts could have failed: a saturated task, a 25-point FP32
+reshuffle allowance, or no verdict because its runs did not fit the budget. A parity check costs a
+few dozen steps and fails what breaks training (scripts/parity_calibration.py).
+
+The plan (``parity_plan``): once the FP32 baseline is measured, its throughput gives the check's step
+time; the first verdict trains the reference, its calibration and the configuration (each ``steps``
+steps and the first batch again) in one worker; a later one the configuration's run and one FP32
+step. The steps are the most (up to ParitySettings.steps) with which the first verdict fits in the
+share. Where even MIN_STEPS do not fit, the search says so in one line, with the budget that would
+fit one, and checks nothing. While trials run, the checks keep one check's seconds of the share for
+the recommendation, and the stop rule (autotune.search.budget) ends the trials early enough for it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from typing import Any, Mapping
+
+from autotune.accuracy.gate import (
+    METHOD_ATTR,
+    MIN_CHECK_S,
+    PLAN_ATTR,
+    REFERENCE_ATTR,
+    RESULT_ATTR,
+    UNAVAILABLE_ATTR,
+    AccuracyGate,
+    accuracy_of,
+    key_hash,
+    failed,
+)
+from autotune.accuracy.parity import ParityResult, ParitySettings
+from autotune.accuracy.parity_verdict import METHOD, evidence, reference_evidence
+from autotune.accuracy.plan import CHECK_FILL, duration
+from autotune.accuracy.settings import numerics_key, numerics_knobs
+from autotune.trial.record import TrialRecord
+
+DEFAULT_SHARE = 0.15
+"""What the parity checks may spend of --budget (issue 37: at most 15%)."""
+MIN_STEPS = 3
+"""The fewest steps of a parity run: a loss trajectory of four points and the first batch again."""
+RESERVE_MARGIN = 1.2
+"""The trials leave the recommendation's verdict this multiple of its planned seconds, and MIN_CHECK_S."""
+BUILDS = 2
+"""A parity worker's set-up besides its start, in model builds: it builds the model once and copies
+it for each run (autotune.accuracy.check.seeded_workload); the second is the data and the copies."""
+
+
+def fitting_batch(batch_size: int, measured: Mapping[str, Any]) -> int:
+    """The check's batch: ``batch_size``, or less where the FP32 baseline's peak over its batch says an
+    FP32 step of it would not fit in CHECK_FILL of the memory limit."""
+    peak, batch, limit = measured.get("peak_memory_bytes"), measured.get("batch_size"), measured.get("limit_bytes")
+    if not (measured.get("baseline") and peak and batch and limit):
+        return batch_size
+    return max(2, min(batch_size, int(CHECK_FILL * limit * batch / peak)))
+
+
+def parity_plan(settings: ParitySettings, *, budget_s: float, share: float, measured: Mapping[str, Any]) -> dict[str, Any]:
+    """The parity checks' steps (and batch) for a search of ``budget_s`` whose checks may spend
+    ``share`` of it, from autotune.accuracy.plan.step_time's figures; ``fits`` False where the first
+    verdict does not fit at MIN_STEPS (``needed_budget_s`` says what budget would)."""
+    batch = fitting_batch(settings.batch_size, measured)
+    step_s = batch / measured["samples_per_s"]
+    overhead = measured["overhead_s"]
+    room = share * budget_s - overhead
+    # the first verdict: the reference, the calibration and the configuration, each steps + 1
+    steps = min(settings.steps, math.floor(room / (3 * step_s)) - 1)
+    fits = steps >= MIN_STEPS
+    steps = max(MIN_STEPS, steps)
+    first = overhead + 3 * (steps + 1) * step_s
+    later = overhead + (steps + 2) * step_s  # its run and the reference's first step
+    plan = {"how": "scaled", "method": METHOD, "steps": steps, "default_steps": settings.steps, "share": share,
+            "budget_s": budget_s, "step_s": round(step_s, 6), "estimate_s": round(first, 1),
+            "first_verdict_s": round(first, 1), "check_s": round(later, 1), "fits": fits,
+            "needed_budget_s": round((overhead + 3 * (MIN_STEPS + 1) * step_s) / share, 1),
+            "from_trial": measured["trial"], "from_baseline": measured["baseline"]}
+    if batch != settings.batch_size:
+        plan.update(batch_size=batch, default_batch_size=settings.batch_size)
+    return plan
+
+
+def no_verdict_notice(plan: Mapping[str, Any]) -> str:
+    """The one line a search prints when no verdict fits its budget."""
+    return (f"no accuracy verdict fits: one numerics parity check against FP32 takes about "
+            f"{plan['first_verdict_s']:.0f} s here, more than {plan['share']:.0%} of the "
+            f"{duration(plan['budget_s'])} budget; the recommendation will say it was not checked "
+            f"(--budget {math.ceil(plan['needed_budget_s'] / 60)}m would fit one, or raise --accuracy-share)")
+
+
+class ParityGate(AccuracyGate):
+    """AccuracyGate whose checks are numerics parity runs (one worker a check), judged when measured
+    and kept judged in the study; the FP32 reference is trained once per workload, settings and
+    device and kept across searches (reference_cache), as the held-out check's is."""
+
+    def __init__(self, *, settings: ParitySettings, share: float = DEFAULT_SHARE, **kwargs: Any) -> None:
+        super().__init__(settings=settings, share=share, held_out=False, **kwargs)
+        self.final = False
+        """The search is over: the recommendation's check may take what the share has left."""
+        self.notice: str | None = None
+        """The one line said when no verdict fits the budget (no_verdict_notice)."""
+        self.study = None
+        """The study attached (attach)."""
+
+    def attach(self, study) -> None:
+        self.study = study
+        study.set_user_attr(METHOD_ATTR, METHOD)
+        super().attach(study)
+
+    def make_plan(self, measured: dict[str, Any]) -> dict[str, Any]:
+        measured = {**measured, "overhead_s": self._overhead(measured)}
+        plan = parity_plan(self.settings, budget_s=self.budget_s, share=self.share, measured=measured)
+        if not plan["fits"]:
+            self.notice = no_verdict_notice(plan)
+            warnings.warn(self.notice, stacklevel=2)
+        return plan
+
+    @staticmethod
+    def _overhead(measured: Mapping[str, Any]) -> float:
+        """A parity worker's start and BUILDS builds, as the trial step_time read measured them."""
+        return measured.get("worker_start_s", 0.0) + BUILDS * measured.get("build_s", 0.0)
+
+    def judge(self, run: Mapping[str, Any], reference: Mapping[str, Any]) -> dict[str, Any]:
+        """A parity run is stored judged; FP32's numerics are the reference's own."""
+        if run.get("method") == METHOD:
+            return dict(run)
+        return reference_evidence(reference, numerics_key=run.get("numerics_key"))
+
+    def _planned_fits(self, study) -> bool:
+        plan = study.user_attrs.get(PLAN_ATTR) or {}
+        return plan.get("fits", True) is not False
+
+    def evidence(self, study, knobs: Mapping[str, Any], *, check: bool, timeout_s: float | None = None,
+                 within_share: bool = True, label: str = "") -> dict[str, Any] | None:
+        self.settle(study, force=check)
+        if check and self.budget_s is not None and not self._planned_fits(study):
+            check = False  # said once, before the checks: no verdict fits this budget
+        return super().evidence(study, knobs, check=check, timeout_s=timeout_s, within_share=True, label=label)
+
+    def _timeout(self, timeout_s: float | None, within_share: bool) -> float | None:
+        """Within the share always; while trials run, one check's seconds are kept for the end."""
+        timeout = timeout_s or self.timeout_s
+        if self.budget_s is None:
+            return timeout
+        plan = self.study.user_attrs.get(PLAN_ATTR) or {} if self.study is not None else {}
+        plan_check = 0.0 if self.final else (plan.get("check_s") or 0.0)
+        left = self.share * self.budget_s - self.spent_s - plan_check
+        if left < MIN_CHECK_S:
+            return None
+        return min(timeout, left)
+
+    def _first_verdict_fits(self, study) -> bool:
+        if self.budget_s is None or self._reference(study) is not None:
+            return True
+        plan = study.user_attrs.get(PLAN_ATTR) or {}
+        keep = 0.0 if self.final else (plan.get("check_s") or 0.0)
+        return self.spent_s + (plan.get("first_verdict_s") or 0.0) + keep <= self.share * self.budget_s
+
+    def estimate_s(self, study) -> float:
+        plan = study.user_attrs.get(PLAN_ATTR) or {}
+        if plan.get("method") != METHOD:
+            return 0.0
+        return plan["check_s"] if self._reference(study) is not None else plan["first_verdict_s"]
+
+    def verdict_reserve_s(self, study) -> float:
+        """Seconds the trials leave for the recommendation's verdict: one check's, where the best
+        trial so far has none and the share still holds one; 0 otherwise."""
+        plan = study.user_attrs.get(PLAN_ATTR) or {}
+        if self.budget_s is None or plan.get("method") != METHOD or not plan.get("fits", True) or self.unavailable:
+            return 0.0
+        best = self._best(study)
+        if best is None or accuracy_of(study, best) is not None:
+            return 0.0
+        need = self.estimate_s(study)
+        if self.spent_s + need > self.share * self.budget_s:
+            return 0.0
+        # a trial ends a few seconds past its estimate: on a 2-core CPU a 4-minute search's last trial
+        # left 30 s for a first verdict planned at 34 s, and the recommendation went unchecked
+        return RESERVE_MARGIN * need + MIN_CHECK_S
+
+    @staticmethod
+    def _best(study):
+        from optuna.study import StudyDirection
+        from optuna.trial import TrialState
+
+        done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                if t.value is not None and not TrialRecord.of(t).unstable and TrialRecord.of(t).knobs
+                and not failed(accuracy_of(study, t))]
+        if not done:
+            return None
+        pick = max if study.direction == StudyDirection.MAXIMIZE else min
+        return pick(done, key=lambda t: t.value)
+
+    def ensure_recommendation(self, study, deadline: float | None = None):
+        self.final = True
+        return super().ensure_recommendation(study, deadline=deadline)
+
+    def _measure(self, study, knobs: Mapping[str, Any], timeout_s: float, label: str = "") -> tuple[dict, dict] | None:
+        from autotune.trial.runner import run_worker
+
+        reference = self._reference(study)
+        key = numerics_key(knobs)
+        fp32 = key == numerics_key({})
+        request = {"mode": "parity", "workload": self.workload, "device": self.space.device,
+                   "knobs": numerics_knobs(knobs), "settings": self.settings.to_dict(), "reference": reference,
+                   "reference_only": fp32 and reference is None}
+        log = self.log_dir / f"parity-{key_hash(key)}.log" if self.log_dir else None
+        if self.on_phase is not None:
+            self.on_phase(f"accuracy check{' of ' + label if label else ''}: numerics parity against FP32 "
+                          f"({self.settings.steps} steps{'' if reference else ', the FP32 reference first'})")
+        started = time.time()
+        try:
+            result = run_worker(request, timeout_s=timeout_s, log_path=log, spare=self.prestart)
+        finally:
+            self.spent_s += time.time() - started
+        return self._recorded(study, result, knobs, reference, timeout_s)
+
+    def _recorded(self, study, result: Mapping[str, Any], knobs: Mapping[str, Any], reference: dict | None,
+                  timeout_s: float) -> tuple[dict, dict] | None:
+        """Keep what a parity worker answered in the study (and a reference it trained in the file
+        cache); the run judged, and the reference, or None where nothing can be judged."""
+        fingerprint, key = self.settings.fingerprint(), numerics_key(knobs)
+        if result["status"] == "timeout" and timeout_s < self.timeout_s:
+            return None  # cut by the budget: not the configuration's fault
+        if result["status"] != "ok":
+            reason = f"the parity check {result['status']}: {result.get('reason')}"
+            if reference is None:
+                self.unavailable = (f"the FP32 reference of the parity check failed ({reason}); fix --data, lower "
+                                    "--accuracy-steps, or pass --no-accuracy-check")
+                study.set_user_attr(UNAVAILABLE_ATTR, self.unavailable)
+                return None
+            return {"status": "error", "reason": reason, "numerics_key": key}, reference
+        if reference is None:
+            self._keep(study, result["reference"])
+            reference = {**result["reference"], "reference_source": "trained"}
+            study.set_user_attr(REFERENCE_ATTR.format(fingerprint=fingerprint), reference)
+        if result.get("result") is None:  # FP32's numerics: the reference is their run
+            return {"numerics_key": key}, reference
+        run = evidence(ParityResult.from_dict(result["result"]), numerics_key=key)
+        study.set_user_attr(RESULT_ATTR.format(fingerprint=fingerprint, key=key_hash(key)),
+                            {**run, "knobs": numerics_knobs(knobs)})
+        return run, reference

@@ -1,0 +1,189 @@
+"""The search's accuracy verdict by numerics parity (autotune.accuracy.parity_gate): planned to fit
+the recommendation's verdict in 15% of --budget, said in one line when none fits, kept judged in the
+study, and failing a configuration that breaks training, in a real search."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import optuna
+import pandas as pd
+import pytest
+from optuna.distributions import CategoricalDistribution
+
+from autotune.accuracy.gate import METHOD_ATTR, PLAN_ATTR, accuracy_of, study_settings
+from autotune.accuracy.parity import ParitySettings
+from autotune.accuracy.parity_gate import DEFAULT_SHARE, MIN_STEPS, ParityGate, no_verdict_notice, parity_plan
+from autotune.accuracy.plan import describe
+from autotune.accuracy.reference_cache import ReferenceCache
+from autotune.deploy.space import SearchSpace
+from autotune.errors import ConfigError
+from autotune.search.options import SearchConfig
+from autotune.workload.models import WorkloadSpec
+from conftest import run_cli
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+SPACE = SearchSpace(device="cpu", precisions=["fp32", "bf16"])
+TINY = {"model": "fake_models:tiny_cnn", "input_shape": [3, 32, 32], "num_classes": 10}
+BROKEN = {**TINY, "model": "fake_models:broken_head_under_autocast"}
+BF16 = {"precision": {"mode": "bf16"}}
+SMALL = ["--device", "cpu", "--input-shape", "3x32x32", "--num-classes", "10", "--min-measure-time", "0.3"]
+# a check step at batch 16 taking 0.5 s, with a worker start and two builds of 2 s
+MEASURED = {"samples_per_s": 32.0, "overhead_s": 2.0, "trial": 0, "baseline": True}
+
+
+# the plan ----------------------------------------------------------------------------------------
+
+def test_the_first_verdict_fits_in_the_share_and_later_ones_cost_one_run():
+    roomy = parity_plan(ParitySettings(), budget_s=600, share=DEFAULT_SHARE, measured=MEASURED)
+    # 90 s of share: the default 20 steps fit; the first verdict trains the reference, the
+    # calibration and the configuration (21 steps each), a later one the configuration and one step
+    assert roomy["steps"] == 20 and roomy["fits"]
+    assert roomy["first_verdict_s"] == pytest.approx(2 + 3 * 21 * 0.5)
+    assert roomy["check_s"] == pytest.approx(2 + 22 * 0.5)
+    assert describe(roomy) == ("20 steps of numerics parity against FP32 (scaled to 15% of the 10 min budget; the "
+                               "first verdict about 34 s, each later one 13 s)")
+    # 9 s of share: 7 s after the worker's start leave 3 steps (3 runs of 4 steps at 0.5 s)
+    tight = parity_plan(ParitySettings(), budget_s=60, share=DEFAULT_SHARE, measured=MEASURED)
+    assert tight["steps"] == MIN_STEPS == 3 and tight["fits"] and tight["first_verdict_s"] <= 9
+
+
+def test_where_no_verdict_fits_the_plan_says_so_with_the_budget_that_would():
+    short = parity_plan(ParitySettings(), budget_s=40, share=DEFAULT_SHARE, measured=MEASURED)
+    assert not short["fits"] and short["steps"] == MIN_STEPS
+    # 3 steps: 2 s + 3 runs x 4 steps x 0.5 s = 8 s, in 15%: a budget of 53.3 s
+    assert short["needed_budget_s"] == pytest.approx(8 / 0.15, abs=0.1)
+    notice = no_verdict_notice(short)
+    assert notice == ("no accuracy verdict fits: one numerics parity check against FP32 takes about 8 s here, more "
+                      "than 15% of the 40 s budget; the recommendation will say it was not checked (--budget 1m "
+                      "would fit one, or raise --accuracy-share)")
+    assert describe(short) == "3 steps of numerics parity would not fit in 15% of the 40 s budget"
+
+
+def test_the_checks_batch_is_cut_where_the_fp32_baselines_memory_says_it_would_not_fit():
+    gib = 2 ** 30
+    big = {**MEASURED, "peak_memory_bytes": 10 * gib, "batch_size": 32, "limit_bytes": 4 * gib}
+    plan = parity_plan(ParitySettings(), budget_s=600, share=DEFAULT_SHARE, measured=big)
+    assert plan["batch_size"] == 11 and plan["default_batch_size"] == 16  # 0.9 x 4 GiB / (10 GiB / 32)
+    roomy = {**big, "limit_bytes": 141 * gib}
+    assert "batch_size" not in parity_plan(ParitySettings(), budget_s=600, share=DEFAULT_SHARE, measured=roomy)
+
+
+def test_the_method_and_its_share_are_options_with_clear_errors():
+    spec = WorkloadSpec(model="resnet18")
+    assert SearchConfig(workload=spec).share_of_budget == 0.15
+    assert SearchConfig(workload=spec, accuracy_method="held-out").share_of_budget == 0.25
+    assert SearchConfig(workload=spec, accuracy_share=0.3).share_of_budget == 0.3
+    with pytest.raises(ConfigError, match="choose parity or held-out"):
+        SearchConfig(workload=spec, accuracy_method="exact")
+    with pytest.raises(ConfigError, match="at least one step"):
+        SearchConfig(workload=spec, accuracy_steps=0)
+    assert SearchConfig(workload=spec, accuracy_steps=5).parity_settings().steps == 5
+
+
+# the gate on a study -----------------------------------------------------------------------------
+
+def _study(*trials: tuple[float, dict, str]) -> optuna.Study:
+    study = optuna.create_study(direction="maximize")
+    dist = {"precision.mode": CategoricalDistribution(["fp32", "bf16"])}
+    for value, knobs, role in trials:
+        study.add_trial(optuna.trial.create_trial(
+            params={"precision.mode": knobs["precision"]["mode"]}, distributions=dist, value=value,
+            user_attrs={"role": role, "status": "ok", "knobs": knobs,
+                        "figures": {"samples_per_s": value, "batch_size": 16}, "timing": {"worker_start_s": 0.5}}))
+    return study
+
+
+def _gate(tmp_path, **options) -> ParityGate:
+    return ParityGate(settings=ParitySettings(steps=4), space=SPACE, workload=options.pop("workload", TINY),
+                      timeout_s=300, log_dir=tmp_path, cache=ReferenceCache(tmp_path / "cache"), **options)
+
+
+@pytest.mark.slow
+def test_a_configuration_that_breaks_training_fails_and_fp32s_numerics_pass_as_the_reference(tmp_path):
+    """broken_head_under_autocast's logits sit at 2**16: a bf16 head rounds them to steps of 512 and
+    learns nothing, which the parity run shows; FP32's numerics are the reference's own."""
+    study = _study((100.0, {"precision": {"mode": "fp32"}}, "baseline"), (300.0, BF16, "candidate"))
+    gate = _gate(tmp_path, workload=BROKEN)
+    gate.attach(study)
+    assert study.user_attrs[METHOD_ATTR] == "parity" and isinstance(study_settings(study), ParitySettings)
+    broken = gate.evidence(study, BF16, check=True, label="#1")
+    assert broken["method"] == "parity" and broken["verdict"] in ("violated", "unstable"), broken["reason"]
+    assert broken["constraint"] > 0 and broken["reason"].startswith("bf16: ")
+    # kept judged in the study: the trial, checked after it finished, reads it; FP32 is the reference
+    assert accuracy_of(study, study.trials[1])["reason"] == broken["reason"]
+    fp32 = accuracy_of(study, study.trials[0])
+    assert fp32["verdict"] == "passed" and fp32["reason"].startswith("FP32 numerics: the parity check's reference")
+    # its reference was kept for the next search, under the device and torch that trained it
+    assert list((tmp_path / "cache").glob("*.json"))
+
+
+@pytest.mark.slow
+def test_the_trials_leave_the_recommendations_verdict_its_seconds(tmp_path):
+    study = _study((100.0, {"precision": {"mode": "fp32"}}, "baseline"), (300.0, BF16, "candidate"))
+    gate = _gate(tmp_path, budget_s=600, scale_steps=True)
+    gate.attach(study)
+    assert gate.verdict_reserve_s(study) == 0.0  # nothing planned yet
+    gate.settle(study)
+    plan = study.user_attrs[PLAN_ATTR]
+    assert plan["method"] == "parity" and plan["fits"]
+    # the best (bf16) has no verdict: the trials keep the first verdict's seconds for it
+    assert gate.verdict_reserve_s(study) == pytest.approx(1.2 * plan["first_verdict_s"] + 5)
+    verdict = gate.evidence(study, BF16, check=True)
+    assert verdict["verdict"] == "passed", verdict["reason"]
+    assert gate.verdict_reserve_s(study) == 0.0
+    assert gate.spent_s <= DEFAULT_SHARE * 600
+
+
+def test_with_no_verdict_in_the_share_nothing_is_checked_and_the_study_says_why(tmp_path):
+    study = _study((0.5, {"precision": {"mode": "fp32"}}, "baseline"), (1.0, BF16, "candidate"))
+    gate = _gate(tmp_path, budget_s=30, scale_steps=True)
+    gate.attach(study)
+    with pytest.warns(UserWarning, match="no accuracy verdict fits"):
+        assert gate.evidence(study, BF16, check=True) is None
+    assert study.user_attrs[PLAN_ATTR]["fits"] is False and gate.spent_s == 0.0
+    assert gate.verdict_reserve_s(study) == 0.0
+
+
+# in a search -------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_search_with_no_room_for_a_verdict_says_so_once_and_ends_within_its_budget(tmp_path):
+    out = tmp_path / "out"
+    started = time.monotonic()
+    proc = run_cli("search", "--model", "fake_models:tiny_cnn", *SMALL, "--budget", "30s", "--accuracy-share", "0.01",
+                   "--out", str(out))
+    assert time.monotonic() - started < 30 + 15
+    said = " ".join(proc.stderr.split())
+    # said once as the baseline is measured, and again by the summary of what was recommended
+    assert said.count("warning: no accuracy verdict fits") == 1 and "more than 1% of the 30 s budget" in said
+    assert said.index("warning: no accuracy verdict fits") < said.index("accuracy: not checked: no accuracy verdict")
+    accuracy = json.loads((out / "config.json").read_text())["accuracy"]
+    assert accuracy["verdict"] == "not checked" and accuracy["reason"].startswith("no accuracy verdict fits")
+    assert accuracy["plan"]["fits"] is False and f"--budget {math.ceil(accuracy['plan']['needed_budget_s'] / 60)}m" \
+        in accuracy["reason"]
+    assert "no accuracy verdict fits" in " ".join((out / "report.md").read_text().split())
+
+
+@pytest.mark.slow
+def test_a_search_fails_the_configuration_that_breaks_training_and_recommends_a_passing_one(tmp_path):
+    """The fastest configuration (bf16) ruins the head; the search judges it by parity, does not
+    recommend it, and its outputs carry the verdict, the band and the loss deviation."""
+    out = tmp_path / "out"
+    run_cli("search", "--model", "fake_models:broken_head_under_autocast", "--device", "cpu",
+            "--input-shape", "3x32x32", "--num-classes", "10", "--min-measure-time", "0.3",
+            "--precisions", "fp32,bf16", "--trials", "6", "--out", str(out))
+    data = json.loads((out / "config.json").read_text())
+    knobs = data["knobs"]
+    assert knobs["precision"]["mode"] == "fp32" or knobs["fp32_layers"]["layers"] in ("head", "norm+head")
+    assert data["accuracy"]["method"] == "parity" and data["accuracy"]["verdict"] == "passed"
+    trials = pd.read_csv(out / "trials.csv")
+    checked = trials[trials["accuracy_verdict"].notna()]
+    bf16_plain = checked[checked["config"].str.startswith("bf16") & ~checked["config"].str.contains("fp32 .*head")]
+    assert len(bf16_plain) >= 1 and bf16_plain["accuracy_verdict"].isin(["violated", "unstable"]).all()
+    fastest = trials.loc[trials["samples_per_s"].idxmax()]
+    assert fastest["accuracy_verdict"] != "passed" and data["study"]["trial_number"] != fastest["number"]
+    assert "loss_deviation" in trials.columns and "loss deviation" in (out / "report.md").read_text()
