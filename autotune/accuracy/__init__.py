@@ -21,7 +21,7 @@ side (:class:`AccuracyGate`) decides when to check and caches results in study u
 
 A sharper, cheaper check, not yet wired into the search: numerics parity (``parity``), the loss
 trajectory, first gradients and progress on the first batch over a few steps against FP32's, judged
-by a band that FP32 with its weights moved by half of bf16's spacing calibrates in the same run
+by a band that FP32 from weights moved to neighbouring bf16 values calibrates in the same run
 (scripts/parity_calibration.py shows it can fail).
 
 With a budget the checks cost in proportion: their steps are planned from the FP32 baseline's
