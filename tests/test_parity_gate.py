@@ -46,21 +46,25 @@ def test_the_first_verdict_fits_in_the_share_and_later_ones_cost_one_run():
     assert roomy["check_s"] == pytest.approx(2 + 22 * 0.5)
     assert describe(roomy) == ("20 steps of numerics parity against FP32 (scaled to 15% of the 10 min budget; the "
                                "first verdict about 34 s, each later one 13 s)")
-    # 9 s of share: 7 s after the worker's start leave 3 steps (3 runs of 4 steps at 0.5 s)
+    # 9 s of share, 7 s after the worker's start: 3 steps at batch 16, so the batch is halved for 8
     tight = parity_plan(ParitySettings(), budget_s=60, share=DEFAULT_SHARE, measured=MEASURED)
-    assert tight["steps"] == MIN_STEPS == 3 and tight["fits"] and tight["first_verdict_s"] <= 9
+    assert (tight["batch_size"], tight["steps"], tight["fits"]) == (8, 8, True) and tight["first_verdict_s"] <= 9
+    assert "against FP32 at batch 8 (scaled to 15% of the 60 s budget" in describe(tight)
+    # 6 s of share: batch 4 (0.125 s a step) gets 9 steps
+    shorter = parity_plan(ParitySettings(), budget_s=40, share=DEFAULT_SHARE, measured=MEASURED)
+    assert (shorter["batch_size"], shorter["steps"]) == (4, 9)
 
 
 def test_where_no_verdict_fits_the_plan_says_so_with_the_budget_that_would():
-    short = parity_plan(ParitySettings(), budget_s=40, share=DEFAULT_SHARE, measured=MEASURED)
-    assert not short["fits"] and short["steps"] == MIN_STEPS
-    # 3 steps: 2 s + 3 runs x 4 steps x 0.5 s = 8 s, in 15%: a budget of 53.3 s
-    assert short["needed_budget_s"] == pytest.approx(8 / 0.15, abs=0.1)
+    short = parity_plan(ParitySettings(), budget_s=20, share=DEFAULT_SHARE, measured=MEASURED)
+    assert not short["fits"] and short["steps"] == MIN_STEPS and short["batch_size"] == 4
+    # 3 steps at batch 4: 2 s + 3 runs x 4 steps x 0.125 s = 3.5 s, in 15%: a budget of 23.3 s
+    assert short["needed_budget_s"] == pytest.approx(3.5 / 0.15, abs=0.1)
     notice = no_verdict_notice(short)
-    assert notice == ("no accuracy verdict fits: one numerics parity check against FP32 takes about 8 s here, more "
-                      "than 15% of the 40 s budget; the recommendation will say it was not checked (--budget 1m "
+    assert notice == ("no accuracy verdict fits: one numerics parity check against FP32 takes about 4 s here, more "
+                      "than 15% of the 20 s budget; the recommendation will say it was not checked (--budget 1m "
                       "would fit one, or raise --accuracy-share)")
-    assert describe(short) == "3 steps of numerics parity would not fit in 15% of the 40 s budget"
+    assert describe(short) == "3 steps of numerics parity at batch 4 would not fit in 15% of the 20 s budget"
 
 
 def test_the_checks_batch_is_cut_where_the_fp32_baselines_memory_says_it_would_not_fit():
@@ -136,6 +140,11 @@ def test_the_trials_leave_the_recommendations_verdict_its_seconds(tmp_path):
     assert verdict["verdict"] == "passed", verdict["reason"]
     assert gate.verdict_reserve_s(study) == 0.0
     assert gate.spent_s <= DEFAULT_SHARE * 600
+    # a check of a trial slower than the best keeps a later check's seconds for the end; the best's does not
+    gate.near_frontier(study, 50.0)
+    assert not gate.checking_best and gate._keep_s(study) == plan["check_s"]
+    gate.near_frontier(study, 400.0)
+    assert gate.checking_best and gate._keep_s(study) == 0.0
 
 
 def test_with_no_verdict_in_the_share_nothing_is_checked_and_the_study_says_why(tmp_path):

@@ -137,10 +137,11 @@ def describe(plan: dict[str, Any] | None) -> str | None:
         return f"{steps} steps (the default, without a --budget to scale it to)"
     within = f"{plan['share']:.0%} of the {duration(plan['budget_s'])} budget"
     if plan.get("method") == "parity":
+        batch = f" at batch {plan['batch_size']}" if plan.get("batch_size") else ""
         if plan.get("fits") is False:
-            return f"{steps} steps of numerics parity would not fit in {within}"
-        return (f"{steps} steps of numerics parity against FP32 (scaled to {within}; the first verdict about "
-                f"{plan['first_verdict_s']:.0f} s, each later one {plan['check_s']:.0f} s)")
+            return f"{steps} steps of numerics parity{batch} would not fit in {within}"
+        return (f"{steps} steps of numerics parity against FP32{batch} (scaled to {within}; the first verdict "
+                f"about {plan['first_verdict_s']:.0f} s, each later one {plan['check_s']:.0f} s)")
     if plan.get("batch_size"):
         within += (f"; batch {plan['batch_size']} instead of {plan['default_batch_size']}, for the FP32 "
                    "baseline's memory")
