@@ -185,8 +185,10 @@ def tiny_reference():
 @pytest.mark.slow
 def test_fp32_and_bf16_pass_on_a_small_model(tiny_reference):
     bf16, reference = tiny_reference
-    assert reference["held_out_accuracy"] > 80  # the synthetic data is learnable in 100 CPU steps
-    assert reference["final_loss"] < 0.6 * reference["initial_loss"]
+    # the teacher's labels are learnt, not saturated, in 100 CPU steps: 39-43% held-out (chance: 10%),
+    # training loss 2.27 -> 2.05 (scripts/teacher_calibration.py, seeds 0-2)
+    assert 30 < reference["held_out_accuracy"] < 90
+    assert reference["final_loss"] < 0.95 * reference["initial_loss"]
     assert bf16["verdict"] == "passed", bf16["reason"]
     assert bf16["numerics"]["grad_cosine_vs_fp32"] > 0.99 and bf16["numerics"]["loss_rel_error_vs_fp64"] < 1e-2
     fp32 = judge(reference, reference, **LIMITS)

@@ -12,6 +12,14 @@ from typing import Any, Mapping
 from autotune.accuracy.settings import AccuracySettings, describe_numerics, numerics_key, numerics_knobs
 
 
+HELD_OUT_TOKENS = 65_536
+"""Tokens of a language model's held-out split at most. Its FP32 reshuffle noise is not the
+sampling of these: TinyLM's held-out loss moved 0.0023 nats (median of 3 seeds) between the two data
+orders on 8,192 held-out tokens and 0.0031 on 32,768 (scripts/teacher_calibration.py, 100 steps of
+16), while the forward passes over 1,024 sequences would cost a 2-layer Llama about 23 s on the H200
+(it trains 15 sequences/s in FP32; a forward is about a third of a step) in each of the check's runs."""
+
+
 def run_check(request: Mapping[str, Any]) -> dict[str, Any]:
     """Worker mode "accuracy": train the FP32 reference (unless given) and the configuration,
     compare one step's numerics; return the raw results (judged by the study)."""
@@ -31,7 +39,8 @@ def run_check(request: Mapping[str, Any]) -> dict[str, Any]:
         # reasons that have nothing to do with precision; a drop within that is not a loss
         reshuffled = train_run(spec, {}, space, settings, data, order_seed=settings.seed + 1,
                                label="FP32 reference, reshuffled")
-        reference["reshuffled"] = {k: reshuffled.get(k) for k in ("final_loss", "held_out_accuracy", "wall_s")}
+        reference["reshuffled"] = {k: reshuffled.get(k) for k in ("final_loss", "held_out_accuracy",
+                                                                   "held_out_loss", "wall_s")}
         # what the reference was trained on: the study keeps it for later searches by these (reference_cache)
         reference.update(trained_on(space.device))
     if numerics_key(knobs) == numerics_key({}):
@@ -62,22 +71,49 @@ def datasets(spec, settings: AccuracySettings, device: str):
 
 
 def _workload_batches(workload, settings: AccuracySettings):
-    """A model with its own batch maker (non-image inputs) and no --data: memorise a fixed set of
-    its batches. There is no held-out set (random labels do not generalise), so the check
-    compares training loss."""
+    """A model with its own batch maker and no --data. A language model's (its inputs integer
+    tokens below its num_classes, its targets the same tokens shifted by one or not) trains on
+    sequences of a fixed random Markov teacher at its vocabulary and length, with a held-out split
+    judged by its loss (autotune.workload.data.TeacherTokens). Any other memorises a fixed set of
+    its own batches: no held-out set (its labels may be random), so the check compares training loss."""
     import torch
     from torch.utils.data import TensorDataset
 
     from autotune.errors import ConfigError
-    from autotune.workload.data import Datasets
+    from autotune.workload.data import Datasets, token_data
 
     g = torch.Generator().manual_seed(settings.seed)
     x, y = workload.make_batch(settings.batch_size * 4, g)
     if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
         raise ConfigError("the workload's make_batch returns inputs that are not one tensor, so the accuracy "
                           "check cannot build data from it; pass --data package.module:factory")
+    layout = _token_layout(x, y, workload.num_classes)
+    if layout is not None:
+        return token_data(workload.num_classes, x.shape[1], train_size=settings.steps * settings.batch_size,
+                          held_out_size=held_out_sequences(settings, x.shape[1]), seed=settings.seed,
+                          shifted=layout == "shifted", dtype=x.dtype)
     return Datasets(train=TensorDataset(x, y), held_out=None, num_classes=None,
                     source=f"{len(x)} fixed batches of the workload's make_batch (memorised; no held-out set)")
+
+
+def held_out_sequences(settings: AccuracySettings, seq_len: int) -> int:
+    """A language model's held-out sequences: ``settings.held_out_size``, fewer where that would
+    pass HELD_OUT_TOKENS tokens (64 sequences of GPT-2's 1,024)."""
+    return max(1, min(settings.held_out_size, math.ceil(HELD_OUT_TOKENS / seq_len)))
+
+
+def _token_layout(x, y, vocab_size: int) -> str | None:
+    """"shifted" (targets are the next tokens), "same" (the loss shifts) or None: not token batches."""
+    import torch
+
+    integers = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+    if x.dim() != 2 or x.shape != y.shape or x.shape[1] < 2 or x.dtype not in integers or y.dtype not in integers:
+        return None
+    if int(x.min()) < 0 or int(y.min()) < 0 or max(int(x.max()), int(y.max())) >= vocab_size:
+        return None
+    if (x[:, 1:] == y[:, :-1]).all():
+        return "shifted"
+    return "same" if (x == y).all() else None
 
 
 def _build(spec, knobs: Mapping[str, Any], space, settings: AccuracySettings):
@@ -235,7 +271,7 @@ def train_run(spec, knobs: Mapping[str, Any], space, settings: AccuracySettings,
         curve = torch.stack(losses).cpu()
         params_finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
         progress.say(f"{label}: held-out evaluation")
-        held = _evaluate(model, workload, recipe, data.held_out, settings, device) if data.held_out is not None else {}
+        held = _evaluate(model, workload, recipe, data, settings, device)
     finite = torch.isfinite(curve)
     head = curve[: max(1, len(curve) // 10)]
     tail = curve[-max(1, len(curve) // 10):]
@@ -275,14 +311,19 @@ def to_device(batch, device: str, recipe):
     return x, y.to(device)
 
 
-def _evaluate(model, workload, recipe, dataset, settings: AccuracySettings, device: str) -> dict[str, Any]:
-    """Held-out accuracy (percent) and loss, in eval mode under the configuration's autocast."""
+def _evaluate(model, workload, recipe, data, settings: AccuracySettings, device: str) -> dict[str, Any]:
+    """Held-out loss (the mean of the loss function's batch means, by sample) and accuracy (percent;
+    not where ``data.judged_by`` is "loss": a language model's next tokens), in eval mode under the
+    configuration's autocast; nothing without a held-out set."""
     import torch
 
     from autotune.deploy import runtime
     from autotune.workload.data import eval_batches
     from autotune.workload.models import logits
 
+    dataset = data.held_out
+    if dataset is None:
+        return {}
     model.eval()
     correct, total, loss_sum = 0, 0, 0.0
     with torch.no_grad(), runtime.autocast(recipe):
@@ -293,8 +334,10 @@ def _evaluate(model, workload, recipe, dataset, settings: AccuracySettings, devi
             correct += int((out.argmax(dim=-1) == y).sum())
             total += len(y)
     model.train()
-    return {"held_out_accuracy": 100.0 * correct / total, "held_out_loss": loss_sum / total,
-            "held_out_size": total}
+    out = {"held_out_loss": loss_sum / total, "held_out_size": total}
+    if data.judged_by == "accuracy":
+        out["held_out_accuracy"] = 100.0 * correct / total
+    return out
 
 
 def step_numerics(spec, knobs: Mapping[str, Any], space, settings: AccuracySettings, data) -> dict[str, Any]:
