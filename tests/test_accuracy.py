@@ -348,3 +348,22 @@ def test_a_check_worker_builds_its_model_once_and_copies_the_same_weights_and_ra
     monkeypatch.setattr(check, "_PRISTINE", {})
     check.seeded_workload(spec, 3), check.seeded_workload(spec, 3)
     assert builds == ["fake_models:tiny_cnn"] * 4
+
+
+def test_a_language_models_check_judges_its_held_out_loss_against_fp32s_decrease():
+    """A language model's check has no held-out accuracy: the held-out loss decides, as a share of
+    FP32's decrease from its initial loss, with the reshuffled FP32 run's difference as noise."""
+    from autotune.accuracy.gate import judge
+
+    reference = {"initial_loss": 6.9, "final_loss": 5.0, "held_out_loss": 6.1, "steps": 100,
+                 "reshuffled": {"final_loss": 5.0, "held_out_loss": 6.108}}
+    kept = judge({"initial_loss": 6.9, "final_loss": 5.0, "held_out_loss": 6.14, "steps": 100}, reference,
+                 max_accuracy_drop=0.5, max_loss_drift=0.1)
+    assert kept["verdict"] == "passed" and kept["loss_drift"] == pytest.approx(0.05)
+    assert kept["reason"].startswith("held-out loss 6.14 vs 6.1 for FP32 (drift 0.050")
+    lost = judge({"initial_loss": 6.9, "final_loss": 5.0, "held_out_loss": 6.8, "steps": 100}, reference,
+                 max_accuracy_drop=0.5, max_loss_drift=0.1)
+    assert lost["verdict"] == "violated" and lost["allowed"] == pytest.approx(0.11)
+    nan = judge({"initial_loss": 6.9, "final_loss": 5.0, "held_out_loss": float("nan"), "steps": 100}, reference,
+                max_accuracy_drop=0.5, max_loss_drift=0.1)
+    assert nan["verdict"] == "unstable"

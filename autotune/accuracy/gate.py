@@ -59,8 +59,11 @@ def judge(run: Mapping[str, Any], reference: Mapping[str, Any], *, max_accuracy_
         out["reference_accuracy"] = reference["held_out_accuracy"]
         out["accuracy_drop"] = reference["held_out_accuracy"] - run["held_out_accuracy"]
         out["held_out_size"] = run.get("held_out_size")
-    progress = (reference.get("initial_loss") or 0.0) - (reference.get("final_loss") or 0.0)
-    final, ref_final = run.get("final_loss"), reference.get("final_loss")
+    # a language model's check judges its held-out loss (the teacher's tokens: autotune.accuracy.check)
+    held = not has_accuracy and run.get("held_out_loss") is not None and reference.get("held_out_loss") is not None
+    key, words = ("held_out_loss", "held-out loss") if held else ("final_loss", "final training loss")
+    progress = (reference.get("initial_loss") or 0.0) - (reference.get(key) or 0.0)
+    final, ref_final = run.get(key), reference.get(key)
     if final is not None and ref_final is not None and math.isfinite(final):
         # the share of the FP32 run's loss decrease that this run lost (0: as good, 1: learnt nothing)
         out["loss_drift"] = (final - ref_final) / progress if progress > 0 else (final - ref_final) / max(abs(ref_final), 1e-12)
@@ -69,10 +72,10 @@ def judge(run: Mapping[str, Any], reference: Mapping[str, Any], *, max_accuracy_
     noise_acc = (abs(reference["held_out_accuracy"] - shuffled["held_out_accuracy"])
                  if has_accuracy and shuffled.get("held_out_accuracy") is not None else 0.0)
     noise_drift = 0.0
-    if shuffled.get("final_loss") is not None and ref_final is not None and math.isfinite(shuffled["final_loss"]):
-        noise_drift = abs(shuffled["final_loss"] - ref_final) / progress if progress > 0 else 0.0
+    if shuffled.get(key) is not None and ref_final is not None and math.isfinite(shuffled[key]):
+        noise_drift = abs(shuffled[key] - ref_final) / progress if progress > 0 else 0.0
     out["fp32_noise"] = {"accuracy_points": noise_acc, "loss_drift": noise_drift}
-    unstable = _instability(run)
+    unstable = _instability(run) or (f"the held-out loss was {final}" if held and not math.isfinite(final) else None)
     if unstable:
         out.update(verdict="unstable", stable=False, reason=unstable, constraint=UNSTABLE_CONSTRAINT)
         return out
@@ -88,7 +91,7 @@ def judge(run: Mapping[str, Any], reference: Mapping[str, Any], *, max_accuracy_
         allowed = max_loss_drift + noise_drift
         excess = out["loss_drift"] - allowed
         noise = f" + {noise_drift:.3f} FP32 reshuffle noise" if noise_drift else ""
-        what = (f"final training loss {final:.4g} vs {ref_final:.4g} for FP32 (drift {out['loss_drift']:.3f} of "
+        what = (f"{words} {final:.4g} vs {ref_final:.4g} for FP32 (drift {out['loss_drift']:.3f} of "
                 f"FP32's loss decrease, allowed {max_loss_drift:g}{noise}) after {run.get('steps')} steps")
     out["allowed"] = allowed
     out["constraint"] = float(excess)

@@ -21,9 +21,9 @@ from typing import Any, Mapping
 from autotune.accuracy.settings import AccuracySettings
 from autotune.cache import CACHE_ENV, cache_root
 
-FORMAT = 1
+FORMAT = 2
 """Part of every key: bumped when what a reference holds changes, so an older file is never read as
-a newer one."""
+a newer one (2: the synthetic data is labelled by a teacher, and a language model's has a held-out split)."""
 
 
 def cache_dir() -> Path:
