@@ -163,7 +163,9 @@ def test_with_no_verdict_in_the_share_nothing_is_checked_and_the_study_says_why(
 def test_a_search_with_no_room_for_a_verdict_says_so_once_and_ends_within_its_budget(tmp_path):
     out = tmp_path / "out"
     started = time.monotonic()
-    proc = run_cli("search", "--model", "fake_models:tiny_cnn", *SMALL, "--budget", "30s", "--accuracy-share", "0.01",
+    # slow_cnn sleeps 50 ms a step: a first verdict at 3 steps (12 steps, batch 4) takes over 0.6 s, past
+    # the 0.3 s share (tiny_cnn's fitted at batch 4, the plan halving its batch)
+    proc = run_cli("search", "--model", "fake_models:slow_cnn", *SMALL, "--budget", "30s", "--accuracy-share", "0.01",
                    "--out", str(out))
     assert time.monotonic() - started < 30 + 15
     said = " ".join(proc.stderr.split())
