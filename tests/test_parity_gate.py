@@ -157,6 +157,20 @@ def test_with_no_verdict_in_the_share_nothing_is_checked_and_the_study_says_why(
     assert gate.verdict_reserve_s(study) == 0.0
 
 
+def test_a_resumed_study_of_the_held_out_check_plans_parity_afresh(tmp_path):
+    from autotune.accuracy.gate import SETTINGS_ATTR
+    from autotune.accuracy.settings import AccuracySettings
+
+    study = _study((100.0, {"precision": {"mode": "fp32"}}, "baseline"))
+    study.set_user_attr(SETTINGS_ATTR, AccuracySettings.for_device("cpu").to_dict())
+    study.set_user_attr(PLAN_ATTR, {"how": "scaled", "steps": 40})
+    gate = _gate(tmp_path, budget_s=600, scale_steps=True)
+    gate.attach(study)
+    assert gate.pending and gate.settings.steps == 4  # not the held-out check's 40
+    gate.settle(study)
+    assert study.user_attrs[PLAN_ATTR]["method"] == "parity"
+
+
 # in a search -------------------------------------------------------------------------------------
 
 @pytest.mark.slow

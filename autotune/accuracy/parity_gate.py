@@ -32,6 +32,7 @@ from autotune.accuracy.gate import (
     PLAN_ATTR,
     REFERENCE_ATTR,
     RESULT_ATTR,
+    SETTINGS_ATTR,
     UNAVAILABLE_ATTR,
     AccuracyGate,
     accuracy_of,
@@ -134,6 +135,9 @@ class ParityGate(AccuracyGate):
 
     def attach(self, study) -> None:
         self.study = study
+        if study.user_attrs.get(SETTINGS_ATTR) and study.user_attrs.get(METHOD_ATTR) != METHOD:
+            # a study of the held-out check resumed: its plan's steps were for that check, not this one
+            study.set_user_attr(PLAN_ATTR, {})
         study.set_user_attr(METHOD_ATTR, METHOD)
         super().attach(study)
 
