@@ -111,7 +111,7 @@ def _sized(settings: ParitySettings, batch: int, *, budget_s: float, share: floa
 def no_verdict_notice(plan: Mapping[str, Any]) -> str:
     """The one line a search prints when no verdict fits its budget."""
     return (f"no accuracy verdict fits: one numerics parity check against FP32 takes about "
-            f"{plan['first_verdict_s']:.0f} s here, more than {plan['share']:.0%} of the "
+            f"{plan['first_verdict_s']:.0f} s here, more than {100 * plan['share']:.3g}% of the "
             f"{duration(plan['budget_s'])} budget; the recommendation will say it was not checked "
             f"(--budget {math.ceil(plan['needed_budget_s'] / 60)}m would fit one, or raise --accuracy-share)")
 
