@@ -380,25 +380,37 @@ class AccuracyGate:
         if result["status"] == "timeout" and timeout_s < self.timeout_s:
             return None  # cut by the search budget: not the configuration's fault, check again later
         if result["status"] != "ok":
-            reason = f"the accuracy check {result['status']}: {result.get('reason')}"
-            if reference is None:
-                # the FP32 reference itself failed: nothing can be judged, and it is not this
-                # configuration's fault; the search goes on for speed and says so everywhere
-                self.unavailable = (f"the FP32 reference of the accuracy check failed ({reason}); fix --data, "
-                                    "lower --accuracy-steps, or pass --no-accuracy-check")
-                study.set_user_attr(UNAVAILABLE_ATTR, self.unavailable)
+            run = self._failure(study, result, reference, key, "accuracy check")
+            if run is None:
                 return None
-            run = {"status": "error", "reason": reason, "numerics_key": key}
         else:
             run = result["run"]
             if reference is None:
-                self._keep(study, result["reference"])
-                reference = {**result["reference"], "reference_source": "trained"}
-                study.set_user_attr(REFERENCE_ATTR.format(fingerprint=fingerprint), reference)
+                reference = self._trained_reference(study, result["reference"])
         if key != numerics_key({}):
             study.set_user_attr(RESULT_ATTR.format(fingerprint=fingerprint, key=key_hash(key)),
                                 {**run, "knobs": numerics_knobs(knobs)})
         return run, reference
+
+    def _failure(self, study, result: Mapping[str, Any], reference: Mapping[str, Any] | None, key: str,
+                 check: str) -> dict[str, Any] | None:
+        """A check worker that did not answer "ok": the configuration's error run, or None where it was
+        the FP32 reference that failed (nothing can be judged, and it is not this configuration's
+        fault; the search goes on for speed and says so everywhere)."""
+        reason = f"the {check} {result['status']}: {result.get('reason')}"
+        if reference is not None:
+            return {"status": "error", "reason": reason, "numerics_key": key}
+        self.unavailable = (f"the FP32 reference of the {check} failed ({reason}); fix --data, "
+                            "lower --accuracy-steps, or pass --no-accuracy-check")
+        study.set_user_attr(UNAVAILABLE_ATTR, self.unavailable)
+        return None
+
+    def _trained_reference(self, study, trained: Mapping[str, Any]) -> dict[str, Any]:
+        """A reference a check worker trained: kept for later searches and in the study."""
+        self._keep(study, trained)
+        reference = {**trained, "reference_source": "trained"}
+        study.set_user_attr(REFERENCE_ATTR.format(fingerprint=self.settings.fingerprint()), reference)
+        return reference
 
     def _keep(self, study, reference: Mapping[str, Any]) -> None:
         """Keep a reference trained here for later searches (autotune.accuracy.reference_cache)."""

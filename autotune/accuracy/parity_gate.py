@@ -30,10 +30,8 @@ from autotune.accuracy.gate import (
     METHOD_ATTR,
     MIN_CHECK_S,
     PLAN_ATTR,
-    REFERENCE_ATTR,
     RESULT_ATTR,
     SETTINGS_ATTR,
-    UNAVAILABLE_ATTR,
     AccuracyGate,
     accuracy_of,
     key_hash,
@@ -273,17 +271,10 @@ class ParityGate(AccuracyGate):
         if result["status"] == "timeout" and timeout_s < self.timeout_s:
             return None  # cut by the budget: not the configuration's fault
         if result["status"] != "ok":
-            reason = f"the parity check {result['status']}: {result.get('reason')}"
-            if reference is None:
-                self.unavailable = (f"the FP32 reference of the parity check failed ({reason}); fix --data, lower "
-                                    "--accuracy-steps, or pass --no-accuracy-check")
-                study.set_user_attr(UNAVAILABLE_ATTR, self.unavailable)
-                return None
-            return {"status": "error", "reason": reason, "numerics_key": key}, reference
+            run = self._failure(study, result, reference, key, "parity check")
+            return None if run is None else (run, reference)
         if reference is None:
-            self._keep(study, result["reference"])
-            reference = {**result["reference"], "reference_source": "trained"}
-            study.set_user_attr(REFERENCE_ATTR.format(fingerprint=fingerprint), reference)
+            reference = self._trained_reference(study, result["reference"])
         if result.get("result") is None:  # FP32's numerics: the reference is their run
             return {"numerics_key": key}, reference
         run = evidence(ParityResult.from_dict(result["result"]), numerics_key=key)
