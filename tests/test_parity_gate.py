@@ -75,6 +75,24 @@ def test_the_checks_batch_is_cut_where_the_fp32_baselines_memory_says_it_would_n
     roomy = {**big, "limit_bytes": 141 * gib}
     assert "batch_size" not in parity_plan(ParitySettings(), budget_s=600, share=DEFAULT_SHARE, measured=roomy)
 
+    # a 1B language model under 24 GiB: FP32 fits one sequence, and the check runs at one
+    llama = {**MEASURED, "peak_memory_bytes": 22 * gib, "batch_size": 1, "limit_bytes": 24 * gib}
+    assert parity_plan(ParitySettings(), budget_s=300, share=DEFAULT_SHARE, measured=llama)["batch_size"] == 1
+
+
+def test_the_check_worker_runs_under_the_searchs_memory_limit(tmp_path, monkeypatch):
+    """--memory-limit is the user's card: the check's FP32 runs must fit on it as the trials do."""
+    import autotune.trial.runner as runner
+
+    requests = []
+    monkeypatch.setattr(runner, "run_worker", lambda request, **kw: requests.append(request) or
+                        {"status": "error", "reason": "scripted"})
+    study = _study((100.0, {"precision": {"mode": "fp32"}}, "baseline"), (300.0, BF16, "candidate"))
+    study.set_user_attr("memory_limit_bytes", 24 * 2 ** 30)
+    gate = _gate(tmp_path)
+    gate.attach(study)
+    gate.evidence(study, BF16, check=True, label="#1")
+    assert requests and requests[0]["mode"] == "parity" and requests[0]["memory_limit_bytes"] == 24 * 2 ** 30
 
 def test_the_method_and_its_share_are_options_with_clear_errors():
     spec = WorkloadSpec(model="resnet18")

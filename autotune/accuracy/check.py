@@ -135,16 +135,18 @@ KEEP_SHARE = 0.25
 available memory; a larger model is built again each time, as before."""
 
 
-def seeded_workload(spec, seed: int):
+def seeded_workload(spec, seed: int, *, init_device: str = "cpu"):
     """``build(spec)`` after ``torch.manual_seed(seed)``, with the random state such a build leaves;
-    from the second call on, a copy of the first build's model (see _PRISTINE)."""
+    from the second call on, a copy of the first build's model (see _PRISTINE). ``init_device``: as
+    models.build's (an hf: model initialised on the GPU); the copy kept is on the CPU, so that it
+    takes none of the card's memory."""
     import json
 
     import torch
 
     from autotune.workload.models import build
 
-    key = json.dumps({"workload": spec.to_dict(), "seed": seed}, sort_keys=True)
+    key = json.dumps({"workload": spec.to_dict(), "seed": seed, "init_device": init_device}, sort_keys=True)
     torch.manual_seed(seed)  # every device's generator, as a fresh build finds them
     if key in _PRISTINE:
         pristine, rng = _PRISTINE[key]
@@ -152,22 +154,23 @@ def seeded_workload(spec, seed: int):
         if copied is not None:
             torch.set_rng_state(rng)
             return copied
-    workload = build(spec)
+    workload = build(spec, init_device=init_device)
     if _worth_keeping(workload.model):
-        pristine = _copied(workload)
+        pristine = _copied(workload, to_cpu=True)
         if pristine is not None:  # a model deepcopy cannot copy is built every time
             _PRISTINE[key] = (pristine, torch.get_rng_state())
     return workload
 
 
-def _copied(workload):
-    """``workload`` with a deep copy of its model (nothing else of it is changed by a run); None
-    where the model cannot be deep-copied (hooks holding handles, say)."""
+def _copied(workload, *, to_cpu: bool = False):
+    """``workload`` with a deep copy of its model (nothing else of it is changed by a run), on the
+    CPU with ``to_cpu``; None where the model cannot be deep-copied (hooks holding handles, say)."""
     import copy
     import dataclasses
 
     try:
-        return dataclasses.replace(workload, model=copy.deepcopy(workload.model))
+        model = copy.deepcopy(workload.model)
+        return dataclasses.replace(workload, model=model.to("cpu") if to_cpu else model)
     except Exception:
         return None
 

@@ -79,8 +79,9 @@ from autotune.accuracy.parity_verdict import (  # noqa: F401  (the check's verdi
 )
 from autotune.accuracy.settings import MIN_STEPS, AccuracySettings
 
-FORMAT = 2
-"""Part of the reference's cache key: bumped when what a parity reference holds changes."""
+FORMAT = 3
+"""Part of the reference's cache key: bumped when what a parity reference holds changes (3: an hf:
+model's initial weights are drawn on the device it trains on)."""
 
 
 @dataclass(kw_only=True)
@@ -113,7 +114,7 @@ class ParitySettings:
         from autotune.errors import ConfigError
 
         for wrong, words in ((self.steps < 1, f"needs at least one step, got {self.steps}"),
-                             (self.batch_size < 2, f"needs a batch of at least 2, got {self.batch_size}"),
+                             (self.batch_size < 1, f"needs a batch of at least 1, got {self.batch_size}"),
                              (not self.lr > 0, f"needs a positive learning rate, got {self.lr}"),
                              (not min(self.k, self.loss_floor, self.grad_floor, self.drift_floor) >= 0,
                               "band's k and floors must be >= 0")):
@@ -220,7 +221,7 @@ def _one_run(spec, recipe, settings: ParitySettings, data, *, steps: int, refere
     from autotune.workload.data import batch_order, collate
 
     started = time.perf_counter()
-    workload = seeded_workload(spec, settings.seed)
+    workload = seeded_workload(spec, settings.seed, init_device=recipe.device)
     names = {id(p): n for n, p in workload.model.named_parameters()}
     if perturb:
         perturb_weights(workload.model, settings.seed)
@@ -329,6 +330,10 @@ def run_parity(request: Mapping[str, Any]) -> dict[str, Any]:
 
     settings = ParitySettings.from_dict(request["settings"])
     spec = WorkloadSpec.from_dict(request["workload"])
+    if request.get("memory_limit_bytes") and request.get("device") == "cuda":
+        from autotune.trial.memory_fit import cap_memory
+
+        cap_memory(int(request["memory_limit_bytes"]))  # --memory-limit: as on a card of that size
     if request.get("reference_only"):  # FP32's numerics: the reference is their run
         from autotune.accuracy.check import datasets
 

@@ -64,7 +64,7 @@ def fitting_batch(batch_size: int, measured: Mapping[str, Any]) -> int:
     peak, batch, limit = measured.get("peak_memory_bytes"), measured.get("batch_size"), measured.get("limit_bytes")
     if not (measured.get("baseline") and peak and batch and limit):
         return batch_size
-    return max(2, min(batch_size, int(CHECK_FILL * limit * batch / peak)))
+    return max(1, min(batch_size, int(CHECK_FILL * limit * batch / peak)))
 
 
 def parity_plan(settings: ParitySettings, *, budget_s: float, share: float, measured: Mapping[str, Any]) -> dict[str, Any]:
@@ -252,6 +252,8 @@ class ParityGate(AccuracyGate):
         request = {"mode": "parity", "workload": self.workload, "device": self.space.device,
                    "knobs": numerics_knobs(knobs), "settings": self.settings.to_dict(), "reference": reference,
                    "reference_only": fp32 and reference is None}
+        if study.user_attrs.get("memory_limit_bytes"):  # the check runs on the user's card too
+            request["memory_limit_bytes"] = study.user_attrs["memory_limit_bytes"]
         log = self.log_dir / f"parity-{key_hash(key)}.log" if self.log_dir else None
         if self.on_phase is not None:
             self.on_phase(f"accuracy check{' of ' + label if label else ''}: numerics parity against FP32 "
