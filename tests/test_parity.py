@@ -111,6 +111,8 @@ def test_nan_losses_and_gradients_are_unstable():
 def test_settings_say_what_is_wrong_and_the_fingerprint_leaves_the_band_out():
     with pytest.raises(ConfigError, match="at least one step"):
         ParitySettings(steps=0)
+    with pytest.raises(ConfigError, match="batch of at least 1"):
+        ParitySettings(batch_size=0)
     with pytest.raises(ConfigError, match="k and floors"):
         ParitySettings(k=-1)
     base = ParitySettings()
@@ -252,6 +254,18 @@ def test_the_worker_request_round_trips_through_json():
     again = run_parity({**request, "reference": answer["reference"]})
     assert again["result"]["losses"] == answer["result"]["losses"]
 
+
+
+def test_a_check_at_batch_one_runs_as_a_worker_under_a_memory_limit():
+    """A 1B model's FP32 step fits one sequence under a 24 GiB cap, so the plan may run the check at
+    batch 1 with the search's --memory-limit (a CPU has no cap to set). On the H200 this request
+    failed on the check data's own batch of at least 2, and the recommendation went unchecked."""
+    request = {"workload": spec("mlp").to_dict(), "device": "cpu", "knobs": BF16,
+               "settings": ParitySettings(steps=3, batch_size=1).to_dict(), "reference": None,
+               "memory_limit_bytes": 24 * 2 ** 30}
+    answer = run_parity(request)
+    assert answer["status"] == "ok" and len(answer["reference"]["losses"]) == 4
+    assert answer["result"]["verdict"] in ("passed", "violated")
 
 # on the GPU --------------------------------------------------------------------------------------
 

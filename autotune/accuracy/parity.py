@@ -138,7 +138,9 @@ class ParitySettings:
 
     def data_settings(self) -> AccuracySettings:
         """Accuracy-check settings that make this check's training data (``check.datasets``)."""
-        return AccuracySettings(steps=max(MIN_STEPS, self.steps), batch_size=self.batch_size, held_out_size=1,
+        # at least 2 a batch, as the held-out check's: a parity run at batch 1 (a 1B model under a
+        # 24 GiB cap) draws its batches from that data one sample at a time
+        return AccuracySettings(steps=max(MIN_STEPS, self.steps), batch_size=max(2, self.batch_size), held_out_size=1,
                                 seed=self.seed, data=self.data, fp64=False)
 
     def step_equivalents(self, *, reference_kept: bool) -> int:
