@@ -186,6 +186,42 @@ def test_a_batch_of_another_shape_is_refused_with_the_fix() -> None:
         step._copy_in(torch.randn(5, 4), y[:5])
 
 
+def test_a_compiled_model_is_not_recompiled_inside_the_capture(monkeypatch) -> None:
+    """The capture runs autocast with its weight cache off, and a compiled model guards on that: the
+    warm-up steps must run it so too, or the model recompiles inside the capture, where Inductor's
+    autotuning synchronises and the capture fails (ViT-B/16 and GPT-2 on the H200). CPU autocast,
+    with the CUDA stream and graph objects replaced by no-ops, counts the graphs compiled."""
+    import contextlib
+
+    from torch._dynamo.utils import counters
+
+    class _Stream:
+        def wait_stream(self, other):
+            pass
+
+    class _Graph:
+        def replay(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, **kw: contextlib.nullcontext())
+    torch._dynamo.reset()
+    counters.clear()
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.cross_entropy,
+                     Recipe(device="cpu", autocast_dtype=torch.bfloat16, compile_mode="default", cuda_graphs=True))
+    x, y = torch.randn(8, 16), torch.randint(0, 2, (8,))
+    for _ in range(GRAPH_WARMUP_STEPS):
+        step(x, y)
+    warmed = counters["stats"]["unique_graphs"]
+    step(x, y)  # the capture
+    assert step.graph is not None and warmed >= 1
+    assert counters["stats"]["unique_graphs"] == warmed, "the model was compiled again inside the capture"
+
+
 def test_a_language_model_on_cuda_is_seeded_with_nanogpts_recipes_sized_in_tokens() -> None:
     """hf:gpt2 at 1,024 tokens on the H200: the image seeds (fp16/bf16 at 256 to 1,024 sequences)
     ran out of memory five times in a 7-minute search, and none trained with the fused AdamW of the

@@ -270,7 +270,10 @@ class TrainStep:
             side = self._side_stream
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                loss = self._eager(inputs, targets)
+                # autocast's weight cache off as in the capture: a compiled model guards on it, and
+                # a recompile inside the capture autotuned Inductor's kernels there, which synchronises
+                # (ViT-B/16 and GPT-2 on the H200: "operation not permitted when stream is capturing")
+                loss = self._eager(inputs, targets, cache_enabled=False)
             torch.cuda.current_stream().wait_stream(side)
             self._num_graph_warmup += 1
             return loss
