@@ -321,9 +321,9 @@ def test_a_check_worker_builds_its_model_once_and_copies_the_same_weights_and_ra
     builds = []
     real_build = models.build
 
-    def counted(spec):
+    def counted(spec, **kwargs):
         builds.append(spec.model)
-        return real_build(spec)
+        return real_build(spec, **kwargs)
 
     monkeypatch.setattr(models, "build", counted)
     monkeypatch.setattr(check, "_PRISTINE", {})

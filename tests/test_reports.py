@@ -99,6 +99,8 @@ def test_the_reports_accuracy_line_gives_the_verdict_config_json_gives(path: Pat
     accuracy = config["accuracy"]
     if accuracy.get("accuracy_drop") is not None:
         assert line.startswith("accuracy drop "), line
+    elif accuracy.get("method") == "parity":  # its reason names the configuration and the verdict
+        assert line.startswith(accuracy["reason"]) and f": {accuracy['verdict']}: " in line, line
     else:
         assert line.startswith(f"{accuracy['verdict']}: {accuracy['reason']}"), line
 
