@@ -13,6 +13,7 @@ from autotune.deploy.recipe import Recipe
 from autotune.deploy.space import SearchSpace
 from strategies.base import ReportKnob, Strategy
 from strategies.activation_checkpointing import ActivationCheckpointing
+from strategies.allocator import Allocator
 from strategies.attention import Attention
 from strategies.batch_size import BatchSize
 from strategies.channel_alignment import ChannelAlignment
@@ -45,6 +46,8 @@ REGISTRY: list[Strategy] = [
     LossKernel(),
     MemoryFormat(),
     Cudnn(),
+    # the CUDA allocator's setting: a process-wide switch the worker and autotune.load set before the model is built
+    Allocator(),
     # the input pipeline: the DataLoader (only with --data) produces batches, streams copies them
     DataLoaderStrategy(),
     Streams(),
@@ -70,8 +73,8 @@ BY_NAME: dict[str, Strategy] = {s.name: s for s in REGISTRY}
 # How a configuration is shown: the order of its words in a one-line description, and of the knobs
 # in the report. A knob left out of a list comes after the listed ones, in registry order.
 DESCRIBED = ["precision", "memory_format", "batch_size", "cudnn", "channel_alignment", "vocab_padding", "attention",
-             "streams", "dataloader", "threads", "fp32_layers", "optimizer", "optimizer_state", "compile", "cuda_graphs",
-             "ddp"]
+             "streams", "dataloader", "threads", "fp32_layers", "optimizer", "optimizer_state", "allocator", "compile",
+             "cuda_graphs", "ddp"]
 REPORTED = ["precision", "memory_format", "batch_size", "channel_alignment", "vocab_padding", "attention", "cudnn",
             "streams", "threads", "grad_scaler", "ddp"]
 

@@ -29,6 +29,7 @@ from autotune.deploy import runtime
 from autotune.deploy.recipe import Recipe, backend_flags
 from autotune.deploy.space import SearchSpace
 from autotune.errors import ConfigError
+from strategies.allocator import set_allocator
 from strategies.streams import device_batches
 
 FORMAT_VERSION = 1
@@ -94,6 +95,8 @@ class TunedConfig:
         if space.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"{path} was tuned for CUDA but this process has no GPU; run on a GPU, or "
                               "tune for this machine with `autotune search --device cpu`")
+        # before the user builds the model: the allocator's setting covers only the segments made after it
+        set_allocator(cfg.recipe)
         _warn_if_it_may_not_fit(path, data, space.device)
         differs = _provenance_differences(data.get("provenance") or {}, space.device)
         if differs:
@@ -154,7 +157,11 @@ class TunedConfig:
         GPU (``LOCAL_RANK``): call it after ``torch.distributed.init_process_group()`` in a
         script launched with ``torchrun``; without a process group it raises ConfigError. The
         wrapped model's state_dict keys start with "module." (save ``model.module.state_dict()``).
+
+        With the allocator knob's expandable segments, the CUDA allocator is set to them first (as
+        ``autotune.load`` does): the model moved here is in them, not what your code put on the GPU before.
         """
+        set_allocator(self.recipe)
         model = runtime.prepare_model(model, self.recipe)
         if optimizer is not None:
             optimizer = runtime.prepare_optimizer(optimizer, self.recipe)

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import strategies
 from autotune.errors import ConfigError
 from strategies import activation_checkpointing as checkpointing
+from strategies import allocator
 
 TARGETS = ("hf", "lightning", "accelerate")
 
@@ -142,6 +143,10 @@ def _common_unsupported(values: dict[str, dict[str, Any]], target: str) -> list[
          f"optimizer = strategies.optimizer_state.rebuild(optimizer, {values['optimizer_state']['state']!r}) "
          "(torchao's or bitsandbytes' AdamW8bit, same param groups "
          "and hyperparameters) where you build it (Lightning: in configure_optimizers)"),
+        ("allocator.expandable_segments", values["allocator"]["expandable_segments"],
+         bool(values["allocator"]["expandable_segments"]),
+         f"{target} has no CUDA allocator option: {allocator.ENVIRONMENT_FIX} (autotune.load(CONFIG) sets it too, "
+         "for what the process allocates after it)"),
     ]
     return [item(setting, value, why) for setting, value, tuned, why in checks if tuned]
 

@@ -125,6 +125,9 @@ class Recipe:
     optimizer_state: str = "full"
     """"full" keeps the user's optimizer; "8bit" replaces its torch.optim.Adam/AdamW with torchao's
     8-bit Adam8bit/AdamW8bit (same param_groups, hyperparameters and state: strategies.optimizer_state)."""
+    expandable_segments: bool = False
+    """The CUDA caching allocator's expandable segments, set before the model is on the GPU
+    (strategies.allocator.set_allocator: the worker, autotune.load and TunedConfig.prepare call it)."""
     compile_mode: str | None = None
     """torch.compile mode the model is compiled with ("default", "reduce-overhead", ...); None: eager."""
     cuda_graphs: bool = False

@@ -2,7 +2,10 @@
 
 8-bit optimizer states (strategies.optimizer_state), a fused linear cross-entropy
 (strategies.loss_kernel) and recomputed activations (strategies.activation_checkpointing) each buy
-memory: a fixed part (the optimizer's states) or a share of what a sample holds. The memory model
+memory: a fixed part (the optimizer's states) or a share of what a sample holds. The allocator's
+expandable segments (strategies.allocator) buy what the caching allocator reserved and no tensor used,
+which no size of the model says: the memory model takes it from the same configuration measured
+without them (MemoryModel.gap_predict). The memory model
 (autotune.search.memory) predicts a configuration with them from the same configuration measured
 without them, less these savings, until it measures one; the plain recipe's neighbours
 (autotune.search.neighbours) queue them at the batch that prediction says fits, and the planner
@@ -31,6 +34,9 @@ class Lever:
     """Share of the compiled step's bytes per sample it keeps (1.0: it saves none of them)."""
     per_sample_saving: Callable[[dict[str, Any]], float]
     """Bytes per sample it saves on top (a language model's logits)."""
+    saves_gap: bool = False
+    """It saves the allocator's fragmentation as measured (peak reserved minus peak allocated) instead
+    of bytes from the probe's sizes: the memory model predicts it from a measured configuration."""
 
 
 def _adam_states(probe: dict[str, Any]) -> float:
@@ -59,12 +65,17 @@ LEVERS: tuple[Lever, ...] = (
     # step's bytes per sample), so the share kept is of the whole sample
     Lever("activation_checkpointing.every", 2, 0.87, lambda probe: 0.0, 0.75, lambda probe: 0.0),
     Lever("activation_checkpointing.every", 1, 0.75, lambda probe: 0.0, 0.55, lambda probe: 0.0),
+    # expandable segments: the same kernels on memory mapped as it is needed; a speed of 1.0 is an
+    # assumption, not measured (pages are mapped when a segment grows, which a steady step stops doing)
+    Lever("allocator.expandable_segments", True, 1.0, lambda probe: 0.0, 1.0, lambda probe: 0.0, saves_gap=True),
 )
 """The memory knobs, from the cheapest in speed."""
 
-LEVER_SETS: tuple[tuple[int, ...], ...] = ((0,), (1,), (2,), (0, 2), (1, 2), (3,), (0, 3), (0, 2, 3), (4,), (0, 2, 4))
+LEVER_SETS: tuple[tuple[int, ...], ...] = ((0,), (1,), (2,), (0, 2), (1, 2), (3,), (0, 3), (0, 2, 3), (4,), (0, 2, 4),
+                                           (5,), (0, 5), (1, 5))
 """Combinations of LEVERS tried, as indices: one knob, then more (a 1B Llama's optimizer states and
-its logits together), recompute last (it costs the most). A combination the space does not offer (no
+its logits together), recompute last (it costs the most); then expandable segments, alone and with
+8-bit states (appended: the sets before keep their order). A combination the space does not offer (no
 bitsandbytes, say) is skipped, and one whose batch an earlier one already takes is not queued."""
 
 def levers_of(knobs: dict[str, Any]) -> tuple[Lever, ...]:
@@ -73,13 +84,18 @@ def levers_of(knobs: dict[str, Any]) -> tuple[Lever, ...]:
                  if (knobs.get(lever.param.split(".")[0]) or {}).get(lever.param.split(".")[1]) == lever.value)
 
 
-def without_levers(knobs: dict[str, Any]) -> dict[str, Any]:
-    """The configuration with every memory knob at its untuned value."""
+def without_levers(knobs: dict[str, Any], levers: tuple[Lever, ...] = LEVERS) -> dict[str, Any]:
+    """The configuration with every memory knob (of ``levers``: all of them unless given) at its
+    untuned value."""
     out = dict(knobs)
-    for name in {lever.param.split(".")[0] for lever in LEVERS}:
+    for name in {lever.param.split(".")[0] for lever in levers}:
         if name in out:
             out[name] = strategies.BY_NAME[name].to_dict(strategies.BY_NAME[name].default())
     return out
+
+
+GAP_LEVERS = tuple(lever for lever in LEVERS if lever.saves_gap)
+"""The levers whose saving is a measured gap between reserved and allocated memory."""
 
 
 def lever_bytes(levers: tuple[Lever, ...], sizes: dict[str, Any], fixed: float, per_sample: float, batch: int) -> float:

@@ -8,8 +8,8 @@ and the recommendation was the plain recipe itself. What can beat it is the plai
 change a user would try next: the vocabulary padded to a multiple of 64 (nanoGPT's), fp16 in place of
 bf16, another compile mode, the whole step in a CUDA graph, a larger batch; and where memory caps the
 batch (a 1B Llama under 24 GiB fits the plain recipe at batch 1 or 2), the knobs that buy memory:
-8-bit optimizer states, a fused linear cross-entropy, recomputed activations, traded for a batch
-that fits and runs faster.
+8-bit optimizer states, a fused linear cross-entropy, recomputed activations, the allocator's
+expandable segments, traded for a batch that fits and runs faster.
 
 ``Neighbours`` is a proposer (Optuna's callback after each trial): once the plain recipe is measured,
 it queues those candidates once each, as steered trials of RULE (the one-knob moves only when no
@@ -124,7 +124,7 @@ class Neighbours:
         """Under a memory cap that holds the plain recipe below MAX_BATCH_FACTOR x the base batch: for
         each LEVER_SETS combination offered, the plain recipe with it at the largest batch the memory
         model predicts to fit (MemoryModel.lever_predict: the plain recipe's measured peaks less what
-        the knobs save), where that is larger than the bar's; at most one per batch, the cheapest in
+        the knobs save; for expandable segments, less the gap it reserved above its allocated peak), where that is larger than the bar's; at most one per batch, the cheapest in
         speed first."""
         from autotune.search.memory import BACKOFF_FILL, MemoryModel
 

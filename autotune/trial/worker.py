@@ -41,6 +41,7 @@ from autotune.trial import progress  # noqa: E402
 from autotune.trial.request import read_request  # noqa: E402
 from autotune.workload.hub import is_hub_model, preload as preload_hub_model  # noqa: E402
 from autotune.workload.models import WorkloadSpec, build  # noqa: E402
+from strategies.allocator import set_allocator  # noqa: E402
 
 
 def _preload() -> list[str]:
@@ -239,6 +240,7 @@ def run_trial(request: dict[str, Any]) -> dict[str, Any]:
     limit = request.get("memory_limit_bytes")
     if limit and device == "cuda":
         cap_memory(int(limit))
+    set_allocator(cfg.recipe)  # expandable segments before the model is built (on the GPU, for an hf: model)
     progress.say("building the model")
     t_request = time.perf_counter() - t0
     run = _Steps(cfg, trial.spec, data_spec=data_spec, input_on_device=trial.input_on_device, seed=seed)
@@ -312,6 +314,7 @@ def probe_memory(request: dict[str, Any]) -> dict[str, Any]:
     limit = request.get("memory_limit_bytes")
     if limit and cfg.device == "cuda":
         cap_memory(int(limit))
+    set_allocator(cfg.recipe)  # before the model is built, as in a trial
     seed = int(request.get("seed", 0))
     batches = [int(b) for b in request["batches"]]
     peaks: dict[str, int] = {}
