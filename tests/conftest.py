@@ -195,3 +195,24 @@ def wait_ready(worker, timeout_s: float = 60) -> None:
         last = cpu
         time.sleep(1.0)
     raise AssertionError("the spare worker never got ready")
+
+
+@pytest.fixture
+def no_op_cuda_graphs(monkeypatch):
+    """CUDA's stream and graph objects as no-ops, so that a TrainStep's whole-step graph path (its
+    warm-up on a side stream, then the capture) runs its Python on a CPU."""
+    import contextlib
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    class Graph:
+        def replay(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, **kw: contextlib.nullcontext())

@@ -186,28 +186,13 @@ def test_a_batch_of_another_shape_is_refused_with_the_fix() -> None:
         step._copy_in(torch.randn(5, 4), y[:5])
 
 
-def test_a_compiled_model_is_not_recompiled_inside_the_capture(monkeypatch) -> None:
+def test_a_compiled_model_is_not_recompiled_inside_the_capture(no_op_cuda_graphs) -> None:
     """The capture runs autocast with its weight cache off, and a compiled model guards on that: the
     warm-up steps must run it so too, or the model recompiles inside the capture, where Inductor's
     autotuning synchronises and the capture fails (ViT-B/16 and GPT-2 on the H200). CPU autocast,
     with the CUDA stream and graph objects replaced by no-ops, counts the graphs compiled."""
-    import contextlib
-
     from torch._dynamo.utils import counters
 
-    class _Stream:
-        def wait_stream(self, other):
-            pass
-
-    class _Graph:
-        def replay(self):
-            pass
-
-    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", _Stream)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
-    monkeypatch.setattr(torch.cuda, "graph", lambda g, **kw: contextlib.nullcontext())
     torch._dynamo.reset()
     counters.clear()
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))

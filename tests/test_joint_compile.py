@@ -6,7 +6,6 @@ CPU only: Inductor's C++ backend, tiny language models; CPU autocast stands in f
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
@@ -194,24 +193,11 @@ def test_a_regional_compile_keeps_its_loss_apart_and_trains_as_eager() -> None:
 
 
 @pytest.mark.slow
-def test_the_whole_step_graph_path_runs_the_joint_graph(monkeypatch) -> None:
+def test_the_whole_step_graph_path_runs_the_joint_graph(no_op_cuda_graphs) -> None:
     """cuda_graphs' warm-up and capture run the joint function (CUDA's stream and graph objects
     replaced by no-ops on this CPU), with autocast's weight cache off in both: one graph, no
     recompile inside the capture."""
 
-    class Stream:
-        def wait_stream(self, other):
-            pass
-
-    class Graph:
-        def replay(self):
-            pass
-
-    monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-    monkeypatch.setattr(torch.cuda, "graph", lambda g, **kw: contextlib.nullcontext())
     step = make_step(TinyLM(), autocast_dtype=torch.bfloat16, compile_mode="default", cuda_graphs=True)
     assert step.num_setup_steps == GRAPH_WARMUP_STEPS + 1
     for x, y in batches(GRAPH_WARMUP_STEPS + 1):
