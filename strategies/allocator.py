@@ -29,9 +29,10 @@ trial worker calls it before building the model (an ``hf:`` model is built on th
 outside autotune, it is the environment's ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
 before the process first uses CUDA (what the framework exports say).
 
-Offered on CUDA only (a CPU has no caching allocator to set). It composes with every other knob: the
-private memory pools of CUDA graphs (whole-step capture, compile's reduce-overhead) keep plain
-segments, and ``set_per_process_memory_fraction`` (``--memory-limit``) still caps the total. Under
+Offered on CUDA only (a CPU has no caching allocator to set), beside every other knob:
+``set_per_process_memory_fraction`` (``--memory-limit``) still caps the total. How it goes with the
+private memory pools of CUDA graphs (whole-step capture, compile's reduce-overhead) has not been
+measured here: a trial that fails with them is recorded as any failed trial is. Under
 ``--ddp`` it is offered too: DDP's gradient buckets are tensors of this allocator like any other, and
 each rank builds its model on the CPU and sets the allocator in ``cfg.prepare`` before the move to its
 GPU (autotune.trial.ddp_rank); no DDP trial with it has run on GPUs yet. It is only ever switched on:
