@@ -147,6 +147,22 @@ def test_the_memory_model_predicts_a_memory_knob_from_the_configuration_measured
     assert model.verdict(levered) is None and model.verdict(plain) is not None
 
 
+def test_a_foreach_adam_step_is_predicted_above_the_fused_probe_by_its_temporaries():
+    """The eager probe ran fused AdamW; a foreach AdamW step also holds a new FP32 tensor a parameter
+    (4.9 GB for the 1B Llama): on the H200 such a trial at batch 1 was predicted at the probe's peak
+    and ran out of memory under 24 GiB."""
+    space = _capped_space()
+    study = _capped_study(space)
+    probe = study.user_attrs[PROBE_ATTR]
+    eager = {**plain_recipe.params(space, 1), "compile.mode": "off"}
+    fused, foreach = _knobs(space, eager), _knobs(space, {**eager, "optimizer.implementation": "foreach"})
+    for optimizer_class, extra in (("torch.optim.adamw.AdamW", 4 * 1.236e9), ("torch.optim.sgd.SGD", 0.0)):
+        probed = {**probe, "family": family(fused), "sizes": {**probe["sizes"], "optimizer_class": optimizer_class}}
+        study.set_user_attr(PROBE_ATTR, probed)
+        model = MemoryModel.from_study(study, 24 * GIB)
+        assert model.predict(foreach) == pytest.approx(model.predict(fused) + extra)
+    assert fused["optimizer"]["implementation"] == "fused"
+
 def test_under_a_cap_the_levers_queue_the_largest_batch_the_memory_model_says_fits():
     space = _capped_space()
     study = _capped_study(space)

@@ -68,7 +68,8 @@ def probe_fit(config: SearchConfig, device: str, space: SearchSpace, info: dict[
                       "sized by what they measure", stacklevel=3)
         return None
     # the sizes the memory knobs' savings follow from (autotune.search.neighbours.LEVERS)
-    sizes = {key: info.get(key) for key in ("num_parameters", "tokens_per_sample", "vocab_size") if info.get(key)}
+    sizes = {key: info.get(key) for key in ("num_parameters", "tokens_per_sample", "vocab_size", "optimizer_class")
+             if info.get(key)}
     probed = {"family": family(knobs), "peaks": result.get("peaks") or {}, "sizes": sizes,
               "does_not_fit_at": result.get("does_not_fit_at"), "seconds": result.get("seconds")}
     fit = Fit(probed=probed, limit_bytes=float(cap), base_fits=True)
