@@ -256,6 +256,18 @@ def test_the_worker_request_round_trips_through_json():
 
 
 
+def test_a_gradients_figures_are_summed_in_chunks_as_whole_and_unscaled():
+    """A 1B Llama's embedding gradient is 262M elements: summed whole in FP64 it took four 2 GB
+    copies on a card its FP32 step had filled. In chunks the figures are the same, and a GradScaler's
+    scale divides each chunk."""
+    from autotune.accuracy.parity import tensor_sums
+
+    g, r = torch.randn(1000, 37), torch.randn(1000, 37)
+    whole = [float((g.double() - r.double()).pow(2).sum()), float(r.double().pow(2).sum()),
+             float(g.double().pow(2).sum()), float((g.double() * r.double()).sum())]
+    assert tensor_sums(g, r, chunk=999) == pytest.approx(whole, rel=1e-12)
+    assert tensor_sums(g * 1024, r, scale=torch.tensor(1024.0), chunk=999) == pytest.approx(whole, rel=1e-12)
+
 def test_a_check_at_batch_one_runs_as_a_worker_under_a_memory_limit():
     """A 1B model's FP32 step fits one sequence under a 24 GiB cap, so the plan may run the check at
     batch 1 with the search's --memory-limit (a CPU has no cap to set). On the H200 this request
