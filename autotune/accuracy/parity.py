@@ -240,6 +240,11 @@ def _one_run(spec, recipe, settings: ParitySettings, data, *, steps: int, refere
     from autotune.workload.data import batch_order, collate
 
     started = time.perf_counter()
+    if recipe.device == "cuda":  # the run before's model and states, returned to the card (--memory-limit)
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
     workload = seeded_workload(spec, settings.seed, init_device=recipe.device)
     names = {id(p): n for n, p in workload.model.named_parameters()}
     if perturb:
