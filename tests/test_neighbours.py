@@ -163,6 +163,22 @@ def test_a_foreach_adam_step_is_predicted_above_the_fused_probe_by_its_temporari
         assert model.predict(foreach) == pytest.approx(model.predict(fused) + extra)
     assert fused["optimizer"]["implementation"] == "fused"
 
+def test_a_measured_memory_knob_configuration_is_predicted_from_its_own_peak():
+    """Once a configuration with memory knobs is measured at one batch, its other batches start from
+    that peak, with the knobs' predicted bytes per sample between them, not from the plain recipe's."""
+    space = _capped_space()
+    study = _capped_study(space)
+    params = {**plain_recipe.params(space, 8), "optimizer_state.state": "8bit-bnb"}
+    knobs = _knobs(space, params)
+    before = MemoryModel.from_study(study, 24 * GIB)
+    slope = before.predict(knobs, 16) - before.predict(knobs, 8)
+    _measured(study, space, params, 50.0, role="steered", status="ok", knobs=knobs,
+              figures={"peak_memory_bytes": 18.0 * GIB})
+    after = MemoryModel.from_study(study, 24 * GIB)
+    assert before.predict(knobs, 8) == pytest.approx(28.3 * GIB - 5.97 * 1.236e9)  # the plain recipe less the states
+    assert after.predict(knobs, 8) == pytest.approx(18.0 * GIB)
+    assert after.predict(knobs, 16) == pytest.approx(18.0 * GIB + slope) and slope > 0
+
 def test_under_a_cap_the_levers_queue_the_largest_batch_the_memory_model_says_fits():
     space = _capped_space()
     study = _capped_study(space)
