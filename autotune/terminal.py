@@ -20,7 +20,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from autotune.report.format import describe, fmt_rate, plural_fix
+from autotune.report.format import describe, fmt_rate, memory_knobs_line, plural_fix
 
 console = Console(stderr=True)
 
@@ -209,6 +209,8 @@ def print_summary(out_dir: Path, elapsed_s: float | None = None, phases: dict[st
         console.print(f"speed-up over the FP32 baseline: {data['speedup_vs_baseline']:.2f}x, "
                       f"memory {data['memory_vs_baseline']:.2f}x")
     if line := plain_recipe_line(data):
+        console.print(escape(line))
+    if line := memory_knobs_line(data):
         console.print(escape(line))
     console.print(objective_line(data))
     for param, entry in (data.get("fixed_knobs") or {}).items():

@@ -17,7 +17,8 @@ from autotune.accuracy.plan import PLAN_ATTR
 from autotune.deploy.config import TunedConfig
 from autotune.deploy.space import SearchSpace
 from autotune.report.format import describe
-from autotune.search.trials import baseline_trial, best_trial, plain_recipe_trial, search_cost
+from autotune.search.trials import (baseline_trial, best_trial, best_without_memory_knobs, plain_recipe_trial,
+                                    search_cost)
 from autotune.trial.record import TrialRecord
 from autotune.workload.units import ATTR as UNITS_ATTR, Units
 
@@ -191,6 +192,7 @@ def _config_info(study: optuna.Study, out_dir: Path, best: optuna.trial.FrozenTr
         info["memory_vs_baseline"] = f["peak_memory_bytes"] / b["peak_memory_bytes"]
     plain = plain_recipe_trial(study)
     info.update(_plain_recipe_info(study, best, plain, units))
+    info.update(_memory_knobs_info(study, best, units))
     _add_objective_and_accuracy(info, study, best, base)
     info["objective"]["plain_recipe_value"] = plain.value if plain is not None else None
     return info
@@ -215,6 +217,28 @@ def _plain_recipe_info(study: optuna.Study, best: optuna.trial.FrozenTrial, plai
         # nothing measured beat it: the recommendation is the recipe (or a trial of the same knobs)
         "best_is_plain_recipe": best.number == plain.number or best_record.knobs == record.knobs,
     }
+
+
+def _memory_knobs_info(study: optuna.Study, best: optuna.trial.FrozenTrial, units: Units) -> dict[str, Any]:
+    """Where the best has memory knobs on (autotune.search.levers): which, and the best of the same
+    search without any of them (``without_memory_knobs``, None where none completed) with the best's
+    speed-up over it; nothing otherwise."""
+    from autotune.search.levers import levers_of
+
+    best_record = TrialRecord.of(best)
+    levers = levers_of(best_record.knobs or {})
+    if not levers:
+        return {}
+    words = [strategies.BY_NAME[lever.param.split(".")[0]].words(
+        {lever.param.split(".")[1]: lever.value}) or lever.param for lever in levers]
+    other = best_without_memory_knobs(study)
+    if other is None:
+        return {"memory_knobs": words, "without_memory_knobs": None}
+    record = TrialRecord.of(other)
+    return {"memory_knobs": words,
+            "without_memory_knobs": {"summary": describe(record.knobs), "figures": units.with_tokens(record.figures),
+                                     "trial_number": other.number},
+            "speedup_vs_without_memory_knobs": best_record.figures["samples_per_s"] / record.figures["samples_per_s"]}
 
 
 def plain_recipe_missing(study: optuna.Study) -> str | None:

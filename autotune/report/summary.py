@@ -16,6 +16,7 @@ from autotune.report.format import (
     fmt_rate,
     fmt_ratio,
     fmt_s,
+    memory_knobs_line,
     repeats_of,
     trials_text,
 )
@@ -137,6 +138,8 @@ def summary_items(d: ReportData) -> list[dict[str, str]]:
                       "text": fmt_ratio(speedup) if speedup is not None else "no baseline to compare with"})
         if (plain := plain_recipe_text(d)) is not None:
             items.append({"label": "Speed-up over the plain recipe", "text": plain})
+        if (memory := memory_knobs_line(cfg)) is not None:
+            items.append({"label": "Memory knobs", "text": memory})
         items.append({"label": "Peak memory", "text": _memory_text(best, base)})
         note = (cfg.get("baseline") or {}).get("note")
         if note:

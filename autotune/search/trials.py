@@ -61,6 +61,22 @@ def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
     return pick(done, key=lambda t: t.value)
 
 
+def best_without_memory_knobs(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
+    """The best trial as best_trial picks it, among those with none of the memory knobs on
+    (autotune.search.levers: 8-bit optimizer states, a fused loss, recomputed activations, expandable
+    segments): what the search gave without them, beside a best that has them."""
+    from autotune.accuracy.gate import accuracy_of, failed
+    from autotune.search.levers import levers_of
+
+    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if not TrialRecord.of(t).unstable and not failed(accuracy_of(study, t))
+            and not levers_of(TrialRecord.of(t).knobs or {})]
+    if not done:
+        return None
+    pick = max if study.direction == optuna.study.StudyDirection.MAXIMIZE else min
+    return pick(done, key=lambda t: t.value)
+
+
 def role_trial(study: optuna.Study, role: str) -> optuna.trial.FrozenTrial | None:
     """The first completed trial of ``role``."""
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):

@@ -1,0 +1,78 @@
+"""Where the best configuration has memory knobs on (8-bit optimizer states, a fused loss, recomputed
+activations, expandable segments: autotune.search.levers), config.json, the terminal and the report
+say what it gives over the best of the same search without them (issue 36).
+
+The study is the committed H200 search of the 1B Llama shape under 24 GiB
+(reports/search-yield/h200-3445a3e/llama-24gib-5m): its best, #13, has 8-bit states, a fused linear
+cross-entropy and every block checkpointed (50.9 samples/s); the best without any memory knob is the
+plain recipe, #1 (33.5 samples/s)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import optuna
+import pytest
+import torch
+from rich.console import Console
+
+from autotune import terminal
+from autotune.report.format import memory_knobs_line
+from autotune.search.trials import best_trial, best_without_memory_knobs
+from conftest import ROOT
+
+SOURCE = ROOT / "reports" / "search-yield" / "h200-3445a3e" / "llama-24gib-5m"
+
+
+def _study() -> optuna.Study:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.load_study(study_name=None, storage=f"sqlite:///{SOURCE / 'study.db'}")
+
+
+def _export(study: optuna.Study, out: Path) -> dict:
+    from autotune.deploy.space import SearchSpace
+    from autotune.report.export import export
+    from autotune.trial.measure import MeasureSettings
+    from autotune.workload.models import WorkloadSpec
+
+    attrs = study.user_attrs
+    config = SimpleNamespace(storage=None, command="autotune search --model hf:llama", input_on_device=False,
+                             data=None, workload=WorkloadSpec.from_dict(attrs["workload"]),
+                             measure=MeasureSettings.for_device("cuda"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_available", lambda: True)
+        mp.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
+        files = export(study, out, config=config, space=SearchSpace.from_dict(attrs["space"]),
+                       probe={"provenance": attrs["provenance"]})
+    return json.loads(files["config.json"].read_text())
+
+
+def test_the_best_without_memory_knobs_is_the_fastest_trial_with_none_on():
+    study = _study()
+    assert best_trial(study).number == 13
+    assert best_without_memory_knobs(study).number == 1
+
+
+def test_config_json_the_terminal_and_the_report_give_the_memory_knobs_speed_up(tmp_path, monkeypatch):
+    study = _study()
+    data = _export(study, tmp_path)
+    assert data["memory_knobs"] == ["8-bit optimizer states (bitsandbytes)", "fused linear CE", "checkpointing every block"]
+    assert data["without_memory_knobs"]["trial_number"] == 1
+    ratio = study.trials[13].value / study.trials[1].value
+    assert data["speedup_vs_without_memory_knobs"] == pytest.approx(ratio)
+    line = memory_knobs_line(data)
+    assert line.startswith("memory knobs (8-bit optimizer states (bitsandbytes), fused linear CE, checkpointing")
+    assert f"{ratio:.2f}x the best without them" in line and "34,259 tokens/s" in line
+    buffer = io.StringIO()
+    monkeypatch.setattr(terminal, "console", Console(file=buffer, width=400, color_system=None))
+    assert terminal.print_summary(tmp_path)
+    assert line in " ".join(buffer.getvalue().split())
+    from autotune.report.render import write_report
+
+    report = write_report(study, tmp_path, data)["report.md"].read_text()
+    assert f"{ratio:.2f}x the best without them" in report
+    # a best without memory knobs says nothing of them
+    assert memory_knobs_line({**data, "memory_knobs": None}) is None
