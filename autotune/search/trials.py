@@ -3,6 +3,8 @@ objective and accuracy gate, and the FP32 baseline."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import optuna
 from optuna.trial import TrialState
 
@@ -48,13 +50,16 @@ def search_cost(study: optuna.Study) -> dict:
             "warmup_s": total("warmup_s"), "measure_s": total("measure_s"), "trial_wall_s": total("wall_s")}
 
 
-def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
+def best_trial(study: optuna.Study, where: Callable[[TrialRecord], bool] | None = None
+               ) -> optuna.trial.FrozenTrial | None:
     """The best completed trial under the study's objective (its direction: the fastest, or the
-    least energy or memory) that is neither unstable nor failed its accuracy check."""
+    least energy or memory) that is neither unstable nor failed its accuracy check; among those whose
+    record ``where`` accepts, where given."""
     from autotune.accuracy.gate import accuracy_of, failed
 
     done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            if not TrialRecord.of(t).unstable and not failed(accuracy_of(study, t))]
+            if not TrialRecord.of(t).unstable and not failed(accuracy_of(study, t))
+            and (where is None or where(TrialRecord.of(t)))]
     if not done:
         return None
     pick = max if study.direction == optuna.study.StudyDirection.MAXIMIZE else min
@@ -65,16 +70,9 @@ def best_without_memory_knobs(study: optuna.Study) -> optuna.trial.FrozenTrial |
     """The best trial as best_trial picks it, among those with none of the memory knobs on
     (autotune.search.levers: 8-bit optimizer states, a fused loss, recomputed activations, expandable
     segments): what the search gave without them, beside a best that has them."""
-    from autotune.accuracy.gate import accuracy_of, failed
     from autotune.search.levers import levers_of
 
-    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            if not TrialRecord.of(t).unstable and not failed(accuracy_of(study, t))
-            and not levers_of(TrialRecord.of(t).knobs or {})]
-    if not done:
-        return None
-    pick = max if study.direction == optuna.study.StudyDirection.MAXIMIZE else min
-    return pick(done, key=lambda t: t.value)
+    return best_trial(study, where=lambda record: not levers_of(record.knobs or {}))
 
 
 def role_trial(study: optuna.Study, role: str) -> optuna.trial.FrozenTrial | None:
