@@ -211,9 +211,8 @@ class _FirstGradients:
 def tensor_sums(g, r, *, scale=None, chunk: int = SUMS_CHUNK) -> tuple[float, float, float, float]:
     """(|g-r|^2, |r|^2, |g|^2, g.r) in FP64 of a gradient ``g`` (on its device; divided by the
     GradScaler's ``scale`` where given) against the reference's ``r`` (CPU), ``chunk`` elements at a
-    time: whole, a 1B Llama's embedding gradient
-    (262M elements) took 2 GB a copy in FP64, four copies on a card its FP32 step had filled to 23.9
-    of 24 GiB."""
+    time: whole, a 1B Llama's embedding gradient (262M elements) took 2 GB a copy in FP64, four
+    copies on a card its FP32 step had filled to 23.9 of 24 GiB."""
     import torch
 
     g, r = g.reshape(-1), r.reshape(-1)
@@ -240,12 +239,14 @@ def _one_run(spec, recipe, settings: ParitySettings, data, *, steps: int, refere
     from autotune.workload.data import batch_order, collate
 
     started = time.perf_counter()
-    if recipe.device == "cuda":  # the run before's model and states, returned to the card (--memory-limit)
+    workload = seeded_workload(spec, settings.seed, init_device=recipe.device)
+    if recipe.device == "cuda":
+        # the run before's model and states, and what building on the GPU freed, back to the card (as
+        # the trial worker does after its build): under --memory-limit they stayed reserved in blocks
         import gc
 
         gc.collect()
         torch.cuda.empty_cache()
-    workload = seeded_workload(spec, settings.seed, init_device=recipe.device)
     names = {id(p): n for n, p in workload.model.named_parameters()}
     if perturb:
         perturb_weights(workload.model, settings.seed)

@@ -124,8 +124,8 @@ class Neighbours:
         """Under a memory cap that holds the plain recipe below MAX_BATCH_FACTOR x the base batch: for
         each LEVER_SETS combination offered, the plain recipe with it at the largest batch the memory
         model predicts to fit (MemoryModel.lever_predict: the plain recipe's measured peaks less what
-        the knobs save; for expandable segments, less the gap it reserved above its allocated peak), where that is larger than the bar's; at most one per batch, the cheapest in
-        speed first."""
+        the knobs save; for expandable segments, less the gap it reserved above its allocated peak),
+        where that is larger than the bar's; at most one per batch, the cheapest in speed first."""
         from autotune.search.memory import BACKOFF_FILL, MemoryModel
 
         if not self.limit_bytes:
