@@ -95,3 +95,13 @@ def test_the_memory_probe_under_a_limit_stops_at_the_first_batch_that_does_not_f
     predicted = model.predict(fp32, 64)
     measured = _trial(64)["figures"]["peak_memory_bytes"]
     assert abs(predicted - measured) / measured < 0.25, (predicted / GiB, measured / GiB)
+
+    # a probe that fits one batch only (asked for one here) measures what its forward keeps at that
+    # batch and twice it: their difference is a sample's, as the line through the peaks says
+    one = run_worker({**probe, "batches": [1], "memory_limit_bytes": 8 * GiB}, timeout_s=300)
+    held = {int(b): v for b, v in one["forward_held"].items()}
+    assert sorted(held) == [1, 2] and held[2] > held[1] > 0, one
+    line = model.line(family(knobs))[1]
+    print(f"\nResNet-50 bf16 eager: a sample keeps {(held[2] - held[1]) / 2**20:.0f} MiB in its forward; "
+          f"the probe's line {line / 2**20:.0f} MiB")
+    assert 0.4 * line < held[2] - held[1] < 1.5 * line

@@ -191,6 +191,53 @@ def test_under_a_cap_the_levers_queue_the_largest_batch_the_memory_model_says_fi
 
 
 
+def _one_batch_study(space, forward_held=None):
+    """The 1B Llama under 24 GiB as the H200 measured it in the search of 3445a3e: the eager probe fits
+    batch 1 (22.6 GiB) and not 2; the compiled plain recipe ran at batch 1 only (23.2 GiB)."""
+    study = _study()
+    sizes = {"num_parameters": 1.236e9, "tokens_per_sample": 1024, "vocab_size": 128256}
+    eager = _knobs(space, {**plain_recipe.params(space, 1), "compile.mode": "off"})
+    study.set_user_attr(PROBE_ATTR, {"family": family(eager), "peaks": {"1": 22.6 * GIB}, "does_not_fit_at": 2,
+                                     "sizes": sizes, "forward_held": forward_held or {}})
+    params = plain_recipe.params(space, 1)
+    _measured(study, space, params, 33.0, role=plain_recipe.ROLE, status="ok", knobs=_knobs(space, params),
+              figures={"peak_memory_bytes": 23.2 * GIB})
+    return study
+
+
+def test_a_sample_measured_by_the_probes_forward_keeps_8_bit_states_from_a_batch_that_does_not_fit():
+    """With one batch fitting, a sample was taken to hold what was left under the cap (1.4 GiB eager,
+    0.7 compiled), and 8-bit states were queued at batch 8: on the H200 that ran out of memory. The
+    probe's forward at batches 1 and 2 measures a sample's activations (3.1 GiB eager here, about the
+    1.57 GiB a compiled sample held in the hand-written loop): batch 4 is queued instead."""
+    space = _capped_space()
+    bounded = _one_batch_study(space)
+    Neighbours(space, limit_bytes=24 * GIB)(bounded, bounded.trials[-1])
+    states = {t.system_attrs["fixed_params"].get("optimizer_state.state"): t.system_attrs["fixed_params"]
+              for t in _queued(bounded)}
+    assert states["8bit-bnb"]["batch_size.batch_size"] == 8  # what ran out of memory
+    measured = _one_batch_study(space, forward_held={"1": 5.4 * GIB, "2": 8.5 * GIB})
+    Neighbours(space, limit_bytes=24 * GIB)(measured, measured.trials[-1])
+    states = {t.system_attrs["fixed_params"].get("optimizer_state.state"): t.system_attrs["fixed_params"]
+              for t in _queued(measured)}
+    assert states["8bit-bnb"]["batch_size.batch_size"] == 4  # 23.2 - 6.9 + 3 x 1.55 = 21.0 GiB
+    model = MemoryModel.from_study(measured, 24 * GIB)
+    assert model.prior[2] == pytest.approx(3.1 * GIB)
+
+
+def test_a_memory_knob_configuration_that_ran_out_of_memory_backs_off_by_what_its_knobs_save():
+    """After 8-bit states ran out of memory at batch 8, the back-off predicted the configuration as the
+    probe's eager step with nothing saved (nothing fits) and queued batch 1 on the H200; with the knobs'
+    savings it is at most half the batch that failed, where predicted to fit."""
+    space = _capped_space()
+    study = _one_batch_study(space)
+    params = {**plain_recipe.params(space, 8), "optimizer_state.state": "8bit-bnb"}
+    _measured(study, space, params, float("nan"), role="steered", status="oom", knobs=_knobs(space, params))
+    model = MemoryModel.from_study(study, 24 * GIB)
+    assert model.backoff_batch(_knobs(space, params), space.batch_sizes) == 4
+    plain = plain_recipe.params(space, 2)  # without the knobs: nothing predicted to fit, the smallest
+    assert model.backoff_batch(_knobs(space, plain), space.batch_sizes) == 1
+
 
 def test_a_max_autotune_compile_is_costed_at_three_default_compiles_and_regional_below_one():
     study = _study()

@@ -71,7 +71,8 @@ def probe_fit(config: SearchConfig, device: str, space: SearchSpace, info: dict[
     sizes = {key: info.get(key) for key in ("num_parameters", "tokens_per_sample", "vocab_size", "optimizer_class")
              if info.get(key)}
     probed = {"family": family(knobs), "peaks": result.get("peaks") or {}, "sizes": sizes,
-              "does_not_fit_at": result.get("does_not_fit_at"), "seconds": result.get("seconds")}
+              "does_not_fit_at": result.get("does_not_fit_at"), "forward_held": result.get("forward_held") or {},
+              "seconds": result.get("seconds")}
     fit = Fit(probed=probed, limit_bytes=float(cap), base_fits=True)
     return dataclasses.replace(fit, base_fits=fit.fits(knobs, space.base_batch_size))
 

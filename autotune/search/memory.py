@@ -155,10 +155,11 @@ class MemoryModel:
         if fitted is not None:
             self.prior = (fam, *fitted)
         elif points and self.limit_bytes and probed.get("does_not_fit_at"):
-            # one batch fitted and the next did not: each sample holds at least what was left
+            # one batch fitted and the next did not: each sample holds at least what was left, and
+            # what its forward was measured to keep for the backward where the probe measured that
             (b, p), over = points[0], int(probed["does_not_fit_at"])
-            self.prior = (fam, p - b * max(0.0, self.limit_bytes - p) / (over - b),
-                          max(0.0, self.limit_bytes - p) / (over - b))
+            per_sample = max(max(0.0, self.limit_bytes - p) / (over - b), held_per_sample(probed))
+            self.prior = (fam, p - b * per_sample, per_sample)
 
     def prior_predict(self, knobs: Mapping[str, Mapping[str, Any]], batch: int | None = None) -> float | None:
         """Predicted peak bytes of a family with no line of its own: the probe's bytes per sample,
@@ -329,9 +330,13 @@ class MemoryModel:
             fitting = [c for c in below if self.predict(knobs, c) <= self.limit_bytes * BACKOFF_FILL]
             return max(fitting) if fitting else None
         if self.limit_bytes and self.prior is not None:
-            # sized by the memory probe; where it predicts nothing fits, the smallest is measured (an
-            # out-of-memory there is a result: the search then says the model does not fit)
-            fitting = [c for c in below if self.prior_predict(knobs, c) <= self.limit_bytes * BACKOFF_FILL]
+            # sized by the memory probe, with what its memory knobs save (predict); where it predicts
+            # nothing fits, the smallest is measured (an out-of-memory there is a result: the search
+            # then says the model does not fit). After one ran out of memory where it was predicted to
+            # fit, the prediction is short: at most half that batch
+            fitting = [c for c in below if self.predict(knobs, c) <= self.limit_bytes * BACKOFF_FILL]
+            if self.ooms.get(fam):
+                fitting = [c for c in fitting if c <= ceiling // 2]
             return max(fitting) if fitting else min(below)
         half = max((c for c in below if c <= ceiling // 2), default=min(below))
         borrowed = self.borrowed_per_sample(knobs)
@@ -352,6 +357,19 @@ class MemoryModel:
         rates = [peak / batch for fam, peaks in self.peaks.items() if fam != own and _kind(fam) == _kind(own)
                  for batch, peak in peaks.items() if batch > 0]
         return max(rates, default=None)
+
+
+def held_per_sample(probed: Mapping[str, Any]) -> float:
+    """Bytes per sample between the two batches whose forward the memory probe measured
+    (autotune.trial.memory_fit.forward_held): a sample's activations and logits, without the batch's
+    fixed part (the autocast copies of the weights). 0 where it measured fewer than two. On the H200
+    under 24 GiB the 1B Llama's step fits one sequence only; what was left above it (1.3 GB, halved
+    compiled) had 8-bit states predicted to fit 8 sequences, which ran out of memory there."""
+    held = sorted((int(b), float(v)) for b, v in (probed.get("forward_held") or {}).items())
+    if len(held) < 2:
+        return 0.0
+    (b0, h0), (b1, h1) = held[0], held[-1]
+    return max(0.0, (h1 - h0) / (b1 - b0))
 
 
 def _kind(fam: str) -> tuple[str, str]:

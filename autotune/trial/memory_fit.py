@@ -3,6 +3,7 @@ the largest batch that still fits after a step ran out (the search's memory mode
 
 from __future__ import annotations
 
+import gc
 import itertools
 from typing import Any
 
@@ -41,8 +42,6 @@ def cap_memory(limit_bytes: int) -> None:
 def peak_at(step, workload, cfg: TunedConfig, batch: int, seed: int) -> int | None:
     """Peak device bytes of two steps of ``step`` at ``batch`` (at least one optimizer step, and its
     state), from a clean allocator; None when they run out of memory."""
-    import gc
-
     device = cfg.device
     gc.collect()
     if device == "cuda":
@@ -59,6 +58,37 @@ def peak_at(step, workload, cfg: TunedConfig, batch: int, seed: int) -> int | No
             return None
         raise
     return memory_figures(device)["peak_memory_bytes"]
+
+
+def forward_held(step, workload, cfg: TunedConfig, batches: list[int], seed: int) -> dict[str, int]:
+    """Bytes a forward and its loss keep for the backward at each of ``batches`` (the activations, the
+    logits, the autocast copies of the weights): what they add to what was allocated before. The
+    optimizer's state and the gradients are let go first, so that batches whose whole step does not fit
+    still run; the slope between two batches is a sample's activations, measured rather than bounded
+    (autotune.search.memory.MemoryModel.add_probe). The last thing a memory probe does: its optimizer
+    is spent. Empty on a CPU; a batch that runs out of memory ends it."""
+    if cfg.device != "cuda":
+        return {}
+    step.optimizer.state.clear()
+    step.optimizer.zero_grad(set_to_none=True)
+    held: dict[str, int] = {}
+    for batch in batches:
+        gc.collect()
+        torch.cuda.empty_cache()
+        x, y = next(iter(cfg.loader(iter(input_batches(workload, batch, cfg.device, False, seed)))))
+        before = torch.cuda.memory_allocated()
+        try:
+            with cfg.autocast():
+                loss = step.forward_loss(x, y)
+            held[str(batch)] = max(0, torch.cuda.memory_allocated() - before)
+            del loss
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                break
+            raise
+        finally:
+            x = y = None
+    return held
 
 
 def largest_fit(step, workload, cfg: TunedConfig, candidates: list[int], seed: int) -> dict[str, Any]:

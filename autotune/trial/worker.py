@@ -35,7 +35,7 @@ from autotune.trial.batches import input_batches  # noqa: E402
 from autotune.trial.instruments import compile_cache, compiled_graphs, nvml_monitor, profile_window  # noqa: E402
 from autotune.trial.loader_feed import LoaderFeed  # noqa: E402
 from autotune.trial.measure import Measurement, MeasureSettings, TooSlow, measure, memory_figures  # noqa: E402
-from autotune.trial.memory_fit import cap_memory, is_out_of_memory, largest_fit, peak_at  # noqa: E402
+from autotune.trial.memory_fit import cap_memory, forward_held, is_out_of_memory, largest_fit, peak_at  # noqa: E402
 from autotune.trial.process import PRELOAD_CUDA, PRELOAD_IMPORTS  # noqa: E402
 from autotune.trial import progress  # noqa: E402
 from autotune.trial.request import read_request  # noqa: E402
@@ -333,7 +333,12 @@ def probe_memory(request: dict[str, Any]) -> dict[str, Any]:
             does_not_fit_at = batch
             break
         peaks[str(batch)] = peak
-    return {"status": "ok", "peaks": peaks, "does_not_fit_at": does_not_fit_at, "seconds": time.perf_counter() - t0}
+    result = {"status": "ok", "peaks": peaks, "does_not_fit_at": does_not_fit_at}
+    if len(peaks) == 1:
+        # one batch fits: no line through the peaks, so a sample's activations are measured apart
+        only = int(next(iter(peaks)))
+        result["forward_held"] = forward_held(run.step, run.workload, cfg, [only, 2 * only], seed)
+    return {**result, "seconds": time.perf_counter() - t0}
 
 
 def _give_up(request: dict[str, Any], cfg: TunedConfig, run: _Steps):
