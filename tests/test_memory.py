@@ -135,6 +135,39 @@ def test_a_configuration_known_not_to_fit_is_pruned_uncounted_and_queued_lower(t
         [({"batch_size.batch_size": 128}, "baseline")]  # half of 256, the family's ceiling; its role kept
 
 
+def test_the_fp32_baseline_at_the_smallest_batch_is_measured_whatever_the_prediction(tmp_path):
+    """On the H200 a 1B Llama's FP32 baseline at batch 1 was predicted at 30 GiB of 24 and pruned: the
+    search had no baseline. It had peaked at 23.9. At the smallest batch it now runs (out of memory
+    there is a result); any other role, or a larger batch, is still pruned by the prediction."""
+    import strategies
+    from autotune.search.memory import PROBE_ATTR
+
+    space = SearchSpace(device="cuda", precisions=["fp32", "bf16"], batch_sizes=[1, 2, 4], base_batch_size=4)
+    objective = Objective(space=space, workload={"model": "not-built"}, measure={}, input_on_device=False, seed=0,
+                          trial_timeout_s=60, log_dir=tmp_path, memory_limit_bytes=24 * GiB)
+    study = optuna.create_study(direction="maximize")
+    probe_knobs = strategies.knobs_to_dict(strategies.sample(optuna.trial.FixedTrial(
+        {"precision.mode": "bf16", "batch_size.batch_size": 1}), space))
+    study.set_user_attr(PROBE_ATTR, {"family": family(probe_knobs), "peaks": {"1": 23 * GiB, "2": 28 * GiB}})
+
+    def outcome(role: str, batch: int) -> str:
+        study.enqueue_trial({"precision.mode": "fp32", "batch_size.batch_size": batch}, user_attrs={"role": role})
+        trial = study.ask()
+        trial.set_user_attr("knobs", strategies.knobs_to_dict(strategies.sample(trial, space)))
+        try:
+            objective._prune_if_it_cannot_fit(trial)
+        except optuna.TrialPruned as pruned:
+            study.tell(trial, state=TrialState.PRUNED)
+            return str(pruned)
+        study.tell(trial, 1.0)
+        return "run"
+
+    # fp32 at batch 1: 18 + 2 x 5 = 28 GiB predicted, over 24 x 1.1
+    assert outcome("baseline", 1) == "run"
+    assert outcome("steered", 1).startswith("predicted not to fit")
+    assert outcome("baseline", 2).startswith("predicted not to fit")
+
+
 def _record_oom(trial, objective: Objective) -> float:
     import strategies
 

@@ -78,6 +78,12 @@ def test_the_checks_batch_is_cut_where_the_fp32_baselines_memory_says_it_would_n
     # a 1B language model under 24 GiB: FP32 fits one sequence, and the check runs at one
     llama = {**MEASURED, "peak_memory_bytes": 22 * gib, "batch_size": 1, "limit_bytes": 24 * gib}
     assert parity_plan(ParitySettings(), budget_s=300, share=DEFAULT_SHARE, measured=llama)["batch_size"] == 1
+    # no FP32 baseline measured, only a bf16 trial at batch 2 (23.9 GiB, the H200's): FP32 is taken at
+    # twice its bytes a sample, and the check runs at one sequence, not its default 16 (out of memory)
+    bf16 = {**MEASURED, "baseline": False, "peak_memory_bytes": 23.92 * gib, "batch_size": 2, "limit_bytes": 24 * gib}
+    assert parity_plan(ParitySettings(), budget_s=300, share=DEFAULT_SHARE, measured=bf16)["batch_size"] == 1
+    assert "batch_size" not in parity_plan(ParitySettings(), budget_s=300, share=DEFAULT_SHARE,
+                                           measured={**bf16, "limit_bytes": 141 * gib, "batch_size": 128})
 
 
 def test_the_check_worker_runs_under_the_searchs_memory_limit(tmp_path, monkeypatch):

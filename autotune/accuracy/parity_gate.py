@@ -60,11 +60,15 @@ it for each run (autotune.accuracy.check.seeded_workload); the second is the dat
 
 def fitting_batch(batch_size: int, measured: Mapping[str, Any]) -> int:
     """The check's batch: ``batch_size``, or less where the FP32 baseline's peak over its batch says an
-    FP32 step of it would not fit in CHECK_FILL of the memory limit."""
+    FP32 step of it would not fit in CHECK_FILL of the memory limit. Without a baseline, the measured
+    trial's peak over its batch, twice (FP32 keeps the same weights and states, and its activations are
+    at most twice a 16-bit step's): on the H200 under 24 GiB a 1B Llama's search measured no baseline,
+    and its check's FP32 reference ran out of memory at the default batch."""
     peak, batch, limit = measured.get("peak_memory_bytes"), measured.get("batch_size"), measured.get("limit_bytes")
-    if not (measured.get("baseline") and peak and batch and limit):
+    if not (peak and batch and limit):
         return batch_size
-    return max(1, min(batch_size, int(CHECK_FILL * limit * batch / peak)))
+    per_sample = peak / batch if measured.get("baseline") else 2 * peak / batch
+    return max(1, min(batch_size, int(CHECK_FILL * limit / per_sample)))
 
 
 def parity_plan(settings: ParitySettings, *, budget_s: float, share: float, measured: Mapping[str, Any]) -> dict[str, Any]:

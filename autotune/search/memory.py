@@ -114,6 +114,8 @@ class MemoryModel:
     sizes: dict[str, float] = field(default_factory=dict)
     """The workload's sizes the memory knobs' savings follow from (num_parameters, tokens_per_sample,
     vocab_size: the probe's), kept with the memory probe's findings."""
+    probed: dict[str, Any] = field(default_factory=dict)
+    """The memory probe's findings as the study keeps them (PROBE_ATTR)."""
     gaps: dict[str, dict[int, float]] = field(default_factory=lambda: defaultdict(dict))
     """family -> batch -> bytes the caching allocator reserved above its allocated peak (a measured
     trial's peak_reserved_bytes - peak_allocated_bytes): what expandable segments may save there."""
@@ -144,6 +146,7 @@ class MemoryModel:
         """Take the memory probe's peaks as its family's, and its line as every family's prior."""
         if not probed or not probed.get("family"):
             return
+        self.probed = dict(probed)
         self.sizes = dict(probed.get("sizes") or {})
         fam = probed["family"]
         for batch, peak in (probed.get("peaks") or {}).items():
@@ -175,7 +178,10 @@ class MemoryModel:
         if measured:
             b, peak = measured[-1]
             return peak + per_sample * (batch - b)
-        return fixed + per_sample * batch + self.foreach_bytes(knobs)
+        resident = fixed - held_fixed(self.probed)  # without autocast's 16-bit copies of the weights
+        forward = (resident if mode in ACTIVATION_FACTOR else fixed) + per_sample * batch
+        # a foreach step's temporaries come after the backward has let the activations and copies go
+        return max(forward, resident + self.foreach_bytes(knobs))
 
     def foreach_bytes(self, knobs: Mapping[str, Mapping[str, Any]]) -> float:
         """What a foreach Adam/AdamW step holds on top of the probe's fused one: a new FP32 tensor a
@@ -370,6 +376,17 @@ def held_per_sample(probed: Mapping[str, Any]) -> float:
         return 0.0
     (b0, h0), (b1, h1) = held[0], held[-1]
     return max(0.0, (h1 - h0) / (b1 - b0))
+
+
+def held_fixed(probed: Mapping[str, Any]) -> float:
+    """Bytes the memory probe's forward kept whatever the batch (the line through its two measured
+    batches at batch 0): autocast's 16-bit copies of the weights, 2.3 GiB for the 1B Llama. An FP32
+    step makes none, and an optimizer step comes after the backward let them go. 0 unmeasured."""
+    held = sorted((int(b), float(v)) for b, v in (probed.get("forward_held") or {}).items())
+    if len(held) < 2:
+        return 0.0
+    b0, h0 = held[0]
+    return max(0.0, h0 - b0 * held_per_sample(probed))
 
 
 def _kind(fam: str) -> tuple[str, str]:
