@@ -179,7 +179,7 @@ def test_the_search_side_of_the_memory_probe_asks_for_the_plain_recipes_eager_st
     info = {"provenance": {"gpu_memory_bytes": 141 * GIB}}
     fit = fit_module.probe_fit(config, "cuda", LM, info, 24 * GIB)
     (request,) = asked
-    assert request["mode"] == "memory" and request["batches"] == [1, 2, 4, 8]
+    assert request["mode"] == "memory" and request["batches"] == [1, 8]
     assert request["memory_limit_bytes"] == 24 * GIB
     assert request["knobs"]["compile"]["mode"] == "off" and request["knobs"]["precision"]["mode"] == "bf16"
     assert fit.limit_bytes == 24 * GIB and not fit.base_fits

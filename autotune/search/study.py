@@ -159,6 +159,8 @@ def _set_up(config: SearchConfig, device: str, info: dict[str, Any], study: optu
     study.set_user_attr("provenance", info["provenance"])
     study.set_user_attr(MACHINE_ATTR, machine)
     study.set_user_attr("memory_limit_bytes", limit)
+    if info.get("seconds"):  # where the probe's time went: building the model, its forwards, the compile check
+        study.set_user_attr("probe_seconds", {k: round(v, 2) for k, v in info["seconds"].items() if v is not None})
     # what one sample is (a language model's tokens per sample): the report's tokens/s
     units = Units.from_dict(info)
     study.set_user_attr(UNITS_ATTR, units.to_dict())

@@ -152,8 +152,13 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
         result["nvml"] = {"available": available, "reason": reason}
     else:
         result["precisions"] = supported_modes("cpu")
-    workload = build(WorkloadSpec.from_dict(request["workload"]))
+    started = time.perf_counter()
+    # an hf: model is built on the GPU, as its trials build it: the 1B Llama shape's 1.24B parameters
+    # took 17-26 s to initialise on the H200 machine's CPU, and the probe took 47 s of a 5 min budget
+    workload = build(WorkloadSpec.from_dict(request["workload"]), init_device=device)
     x, _ = workload.batch(2, torch.Generator().manual_seed(0))
+    x = on_device_of(workload.model, x)
+    seconds = {"build": time.perf_counter() - started}
     result["input_dim"] = x.dim() if isinstance(x, torch.Tensor) else None
     result["input_shape"] = list(workload.input_shape)
     result["num_parameters"] = sum(p.numel() for p in workload.model.parameters())
@@ -174,11 +179,29 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     result["vocab_size"] = vocab_size(workload.model)  # language models' knobs
     result["checkpoint_blocks"] = num_blocks(workload.model)  # activation checkpointing's repeated blocks
     result["optimizer_class"] = class_name(workload.optimizer(workload.model))  # 8-bit states for Adam/AdamW only
+    seconds["forward"] = time.perf_counter() - started - seconds["build"]
     if request.get("check_compile"):
         from strategies.compile import check_compile
 
         result["compile"] = check_compile(device)
+        seconds["compile_check"] = result["compile"].get("seconds")
+    result["seconds"] = seconds  # where the probe's time went (the search's "probe" phase)
     return result
+
+
+def on_device_of(model: torch.nn.Module, inputs: Any) -> Any:
+    """``inputs`` (a tensor, or tensors in lists, tuples and dicts) on the device of ``model``'s first
+    parameter: the probe's forwards run where its model was built."""
+    param = next(model.parameters(), None)
+    if param is None or param.device.type == "cpu":
+        return inputs
+    if isinstance(inputs, torch.Tensor):
+        return inputs.to(param.device)
+    if isinstance(inputs, (list, tuple)):
+        return type(inputs)(on_device_of(model, i) for i in inputs)
+    if isinstance(inputs, dict):
+        return {k: on_device_of(model, v) for k, v in inputs.items()}
+    return inputs
 
 
 class _Steps:
@@ -304,8 +327,8 @@ def run_trial(request: dict[str, Any]) -> dict[str, Any]:
 
 def probe_memory(request: dict[str, Any]) -> dict[str, Any]:
     """What a configuration needs at a few small batches, before any trial: two eager steps at each
-    of the request's ``batches`` (ascending; the first that runs out of memory ends it), under the
-    memory limit. Their peaks put a line through the fixed part (weights, gradients, optimizer state,
+    of the request's ``batches`` (ascending; the first that runs out of memory ends it, after the powers
+    of two between it and the last that fit), under the memory limit. Their peaks put a line through the fixed part (weights, gradients, optimizer state,
     the CUDA context) and the per-sample part, which the search's memory model sizes every trial by
     (autotune.search.memory)."""
     t0 = time.perf_counter()
@@ -333,6 +356,15 @@ def probe_memory(request: dict[str, Any]) -> dict[str, Any]:
             does_not_fit_at = batch
             break
         peaks[str(batch)] = peak
+    if peaks and does_not_fit_at is not None:
+        # the powers of two between the last that fit and the first that did not, up to the next
+        # that does not either: where the base batch does not fit, the batch that does is what counts
+        for batch in (b for b in (2 ** k for k in range(1, 12)) if max(map(int, peaks)) < b < does_not_fit_at):
+            peak = peak_at(run.step, run.workload, cfg, batch, seed)
+            if peak is None:
+                does_not_fit_at = batch
+                break
+            peaks[str(batch)] = peak
     result = {"status": "ok", "peaks": peaks, "does_not_fit_at": does_not_fit_at}
     if len(peaks) == 1:
         # one batch fits: no line through the peaks, so a sample's activations are measured apart
