@@ -37,6 +37,10 @@ class Lever:
     saves_gap: bool = False
     """It saves the allocator's fragmentation as measured (peak reserved minus peak allocated) instead
     of bytes from the probe's sizes: the memory model predicts it from a measured configuration."""
+    step_s_per_param: float = 0.0
+    """Seconds it adds to every optimizer step per parameter (an optimizer's own kernels), whatever the
+    batch: the planner's cost of it where the model's size is known (step_costs); ``speed`` is the
+    ratio taken where it is not."""
 
 
 def _adam_states(probe: dict[str, Any]) -> float:
@@ -52,11 +56,15 @@ def _logits(probe: dict[str, Any]) -> float:
 
 
 LEVERS: tuple[Lever, ...] = (
-    # bitsandbytes' 8-bit AdamW: one fused kernel a parameter, as fused AdamW's
-    Lever("optimizer_state.state", "8bit-bnb", 0.97, _adam_states, 1.0, lambda probe: 0.0),
+    # bitsandbytes' 8-bit AdamW: on the H200 (b092e42) the compiled 1B Llama stepped in 101.4 ms at
+    # batch 4 with it, and in 73.5 ms with fused AdamW (its hand-written loop, over 24 GiB): 27.9 ms a
+    # step more for 1,235,814,400 parameters, whatever the batch. As a ratio, 0.72 at batch 4
+    Lever("optimizer_state.state", "8bit-bnb", 0.72, _adam_states, 1.0, lambda probe: 0.0,
+          step_s_per_param=27.9e-3 / 1.2358e9),
     # torchao's 8-bit AdamW stepped the 1B Llama's parameters in 122 ms against fused AdamW's 11 on the
     # H200: for a step of about 75 ms, about half the speed at the same batch
-    Lever("optimizer_state.state", "8bit", 0.5, _adam_states, 1.0, lambda probe: 0.0),
+    Lever("optimizer_state.state", "8bit", 0.5, _adam_states, 1.0, lambda probe: 0.0,
+          step_s_per_param=(122e-3 - 11e-3) / 1.2358e9),
     # liger's loss took 25 ms against the compiled loss's 11 ms for 4 x 1,024 tokens of the 1B Llama
     Lever("loss_kernel.kernel", "fused_linear", 0.85, lambda probe: 0.0, 1.0, _logits),
     # recomputing every other block's forward in backward: about a sixth more compute. A checkpointed
@@ -94,6 +102,16 @@ def without_levers(knobs: dict[str, Any], levers: tuple[Lever, ...] = LEVERS) ->
         if name in out:
             out[name] = strategies.BY_NAME[name].to_dict(strategies.BY_NAME[name].default())
     return out
+
+
+def step_costs(sizes: dict[str, Any]) -> dict[tuple[str, Any], float]:
+    """(param, value) -> seconds a step, of the levers whose cost is per optimizer step, for a model of
+    ``sizes["num_parameters"]``; empty where that is unknown (a search without a memory probe)."""
+    params = float(sizes.get("num_parameters") or 0)
+    if not params:
+        return {}
+    return {(lever.param, lever.value): lever.step_s_per_param * params for lever in LEVERS
+            if lever.step_s_per_param}
 
 
 GAP_LEVERS = tuple(lever for lever in LEVERS if lever.saves_gap)

@@ -36,6 +36,7 @@ import optuna
 from optuna.trial import TrialState
 
 from autotune.deploy.space import SearchSpace
+from autotune.search.levers import step_costs
 from autotune.search.neighbours import prior_factor
 from autotune.search.trials import planned_params
 from autotune.search.walls import expected_wall
@@ -109,6 +110,9 @@ class Planner:
         self.deadline = deadline
         self.unit = unit
         self.queue_order = queue_order
+        self.step_costs: dict[tuple[str, Any], float] = {}
+        """(param, value) -> seconds a step of the memory knobs costing that much whatever the batch,
+        for this model (levers.step_costs; set by ``plans``)."""
         """Run the queue in its order once the sized-down, urgent and repeated ones are out (--replay:
         an earlier search's configurations in the order it ran them)."""
 
@@ -129,6 +133,7 @@ class Planner:
         seen = self._seen_values(done)
         gains = self.compile_gains(study)
         gains["batch half"] = _batch_half(study)
+        self.step_costs = step_costs(memory.sizes) if self.maximize else {}
         context = (done, best, memory, seen, [p for _, p, _ in done], gains)
         plans = [self._plan(t, *context) for t in waiting]
         if self.queue_order:
@@ -280,6 +285,9 @@ class Planner:
             for key in sorted(set(params) | set(measured)):
                 if key.startswith(_IGNORED) or params.get(key) == measured.get(key):
                     continue
+                if key in {param for param, _ in self.step_costs}:
+                    known += 1  # a cost a step, added below
+                    continue
                 f = self._factor(key, measured, params, gains)
                 if f is None:  # what this knob gives is not known: the analog is that much further off
                     apart += 1
@@ -289,11 +297,24 @@ class Planner:
                     factor *= f
                     notes.append(f"{key.split('.')[0]} x{f:.2f}")
             value = t.value * factor if self.maximize else t.value / factor
+            value, notes = self._with_step_costs(value, params, measured, notes)
             words = f"#{t.number}" + (f" {' '.join(notes)}" if notes else "")
             rank = (apart, known, -value if self.maximize else value)
             if best is None or rank < best[0]:
                 best = (rank, value, words)
         return (None, "") if best is None else (best[1], best[2])
+
+    def _with_step_costs(self, value: float, params: dict[str, Any], measured: dict[str, Any],
+                         notes: list[str]) -> tuple[float, list[str]]:
+        """``value`` (samples/s at ``params``' batch, without the per-step costs ``measured`` lacks) with
+        them: each optimizer step takes that much longer whatever the batch (levers.step_costs)."""
+        delta = sum(cost * ((params.get(param) == value_) - (measured.get(param) == value_))
+                    for (param, value_), cost in self.step_costs.items())
+        batch = params.get("batch_size.batch_size")
+        if not delta or not batch or value <= 0:
+            return value, notes
+        step_s = max(1e-9, float(batch) / value + delta)
+        return float(batch) / step_s, notes + [f"step {delta * 1e3:+.0f} ms"]
 
     @staticmethod
     def _factor(key: str, before: dict[str, Any], after: dict[str, Any], gains: dict[str, float]) -> float | None:
