@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import shlex
-import statistics
 import sys
 import time
 import warnings
@@ -141,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="PARAM=VALUE,...",
                    help="also measure the config with these Optuna parameters changed (e.g. "
                         "vocab_padding.multiple=1), alternating with it as exported: what a knob buys here")
+    p.add_argument("--memory-knobs", action="store_true",
+                   help="also measure the config with each memory knob it has on (8-bit optimizer states, fused "
+                        "loss, activation checkpointing, expandable segments) turned off in turn, at the same "
+                        "batch: what each bought in speed and peak memory (written to memory-knob-pairs.json)")
     p = sub.add_parser("report", help="(re)write report.html, report.md and trials.csv of a search")
     p.add_argument("folder", type=Path, nargs="?", help="the search's output folder (holds study.db)")
     p.add_argument("--storage", help="an Optuna storage URL instead of FOLDER/study.db")
@@ -266,49 +269,25 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    import tempfile
+    from rich.markup import escape
 
-    from autotune.deploy.config import load, variant
-    from autotune.trial.runner import run_worker
+    from autotune.deploy.config import load
+    from autotune.search.verify import verify
     from autotune.workload.hub import parse_assignments
     from autotune.workload.units import Units
 
-    cfg = load(args.config)
-    path = args.config / "config.json" if args.config.is_dir() else args.config
-    recorded = cfg.info["figures"]["samples_per_s"]
-    units = Units.from_dict(cfg.info.get("units"))
+    units = Units.from_dict(load(args.config).info.get("units"))
 
     def rate(samples_per_s: float) -> str:  # a language model's tokens/s beside its samples/s
         tokens = f" ({units.tokens_per_s(samples_per_s):,.0f} tokens/s)" if units.has_tokens else ""
         return f"{samples_per_s:,.0f} samples/s{tokens}"
 
-    arms = {"exported": path.resolve()}
     changes = parse_assignments(",".join(args.set), option="--set", example="vocab_padding.multiple=1")
-    if changes:
-        arms["variant"] = Path(tempfile.mkdtemp(prefix="autotune-verify-")) / "config.json"
-        arms["variant"].write_text(json.dumps(variant(path, changes), indent=2, default=str) + "\n")
-    rates: dict[str, list[float]] = {arm: [] for arm in arms}
-    for i in range(args.repeat):
-        for arm, config_path in arms.items():  # alternating: drift on the machine hits both alike
-            result = run_worker({"mode": "trial", "config_path": str(config_path), "seed": 0}, timeout_s=900)
-            if result["status"] != "ok":
-                console.print(f"[red]re-measurement failed[/] ({arm}): {result.get('reason')}")
-                return 1
-            rates[arm].append(result["figures"]["samples_per_s"])
-            label = "" if arm == "exported" else f" with {', '.join(args.set)}"
-            console.print(f"re-measured {rate(rates[arm][-1])}{label} "
-                          f"(worker start {result.get('worker_start_s', 0):.1f}s)")
-    med = statistics.median(rates["exported"])
-    diff = (med - recorded) / recorded
-    console.print(f"config.json says {rate(recorded)}; re-measured median {rate(med)} ({diff:+.1%})")
-    out = {"recorded": recorded, "remeasured": rates["exported"], "median": med, "relative_difference": diff}
-    if changes:
-        other = statistics.median(rates["variant"])
-        console.print(f"with {', '.join(args.set)}: median {rate(other)}, {other / med:.3f}x the config "
-                      "as exported (measured alternately)")
-        out["variant"] = {"set": changes, "remeasured": rates["variant"], "median": other, "ratio": other / med}
-    print(json.dumps(out))
-    return 0
+    status, out = verify(args.config, repeat=args.repeat, sets=changes, memory_knobs=args.memory_knobs,
+                         say=lambda line: console.print(escape(line)), rate=rate)
+    if status == 0:
+        print(json.dumps(out))
+    return status
 
 
 def cmd_report(args: argparse.Namespace) -> int:

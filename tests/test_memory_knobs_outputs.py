@@ -76,3 +76,21 @@ def test_config_json_the_terminal_and_the_report_give_the_memory_knobs_speed_up(
     assert f"{ratio:.2f}x the best without them" in report
     # a best without memory knobs says nothing of them
     assert memory_knobs_line({**data, "memory_knobs": None}) is None
+
+
+def test_the_report_shows_each_memory_knob_paired_where_verify_measured_them(tmp_path):
+    """`autotune verify --memory-knobs` writes its pairs beside config.json (autotune.search.verify); the
+    report's summary then gives them, and says nothing of pairs where none were measured."""
+    from autotune.report.format import MEMORY_KNOB_PAIRS
+    from autotune.report.render import write_report
+
+    study = _study()
+    data = _export(study, tmp_path)
+    assert "Each memory knob, paired" not in write_report(study, tmp_path, data)["report.md"].read_text()
+    lines = ["checkpointing: 0.862x the speed of the same configuration without it; peak 18.00 GiB against 31.00 GiB "
+             "without it (over the search's --memory-limit of 24.0 GiB)"]
+    (tmp_path / MEMORY_KNOB_PAIRS).write_text(json.dumps({"lines": lines, "repeat": 3}))
+    report = write_report(study, tmp_path, data)
+    md, html = report["report.md"].read_text(), report["report.html"].read_text()
+    assert "Each memory knob, paired" in md and lines[0] in md and "median of 3 re-measurements each" in md
+    assert "0.862x the speed of the same configuration without it" in html

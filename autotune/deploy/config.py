@@ -287,13 +287,14 @@ def load(path: str | Path) -> TunedConfig:
     return TunedConfig.load(path)
 
 
-def variant(path: str | Path, changes: Mapping[str, Any]) -> dict[str, Any]:
+def variant(path: str | Path, changes: Mapping[str, Any], *, new_params: bool = False) -> dict[str, Any]:
     """The config.json at ``path`` with ``changes`` to its Optuna parameters, replayed through the
     strategies (its knobs and notes follow), as data to write (``autotune verify --set``: what one
-    knob buys on this configuration). A parameter it does not have, or a value its search space
-    does not offer, is refused with the ones it has."""
+    knob buys on this configuration). A parameter it does not have (unless ``new_params``: one that a
+    change brings back, as turning 8-bit states off brings back the optimizer's implementation), or a
+    value its search space does not offer, is refused with the ones it has."""
     cfg = TunedConfig.load(path, here=False)
-    unknown = sorted(set(changes) - set(cfg.params))
+    unknown = [] if new_params else sorted(set(changes) - set(cfg.params))
     if unknown:
         raise ConfigError(f"--set {unknown[0]}: this config has no such parameter; it has "
                           f"{', '.join(sorted(cfg.params))}")

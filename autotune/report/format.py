@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 from typing import Any
 
 from strategies.precision import MODES
@@ -152,6 +153,26 @@ def trial_counts(cost: dict[str, Any], early: str = "") -> str:
         parts = ([f"{oom} out of memory"] if oom else []) + ([f"{failed} failed"] if failed else [])
         text += f"; {oom + failed} run without a figure: {', '.join(parts)}"
     return text
+
+
+MEMORY_KNOB_PAIRS = "memory-knob-pairs.json"
+"""Beside config.json: what ``autotune verify --memory-knobs`` measured of it (autotune.search.verify)."""
+
+
+def memory_knob_pairs_text(folder: Path) -> str | None:
+    """Each memory knob of the recommendation against the same configuration without it, as
+    ``autotune verify --memory-knobs`` measured them (MEMORY_KNOB_PAIRS in ``folder``); None without."""
+    import json
+
+    path = Path(folder) / MEMORY_KNOB_PAIRS
+    if not path.exists():
+        return None
+    pairs = json.loads(path.read_text())
+    if not pairs.get("lines"):
+        return None
+    repeat = pairs.get("repeat") or 1
+    return ("; ".join(pairs["lines"]) + f" (autotune verify --memory-knobs: median of {repeat} "
+            f"re-measurement{'s' if repeat != 1 else ''} each, alternating)")
 
 
 def memory_knobs_line(data: dict[str, Any]) -> str | None:

@@ -16,6 +16,7 @@ from autotune.report.format import (
     fmt_rate,
     fmt_ratio,
     fmt_s,
+    memory_knob_pairs_text,
     memory_knobs_line,
     repeats_of,
     trials_text,
@@ -140,6 +141,8 @@ def summary_items(d: ReportData) -> list[dict[str, str]]:
             items.append({"label": "Speed-up over the plain recipe", "text": plain})
         if (memory := memory_knobs_line(cfg)) is not None:
             items.append({"label": "Memory knobs", "text": memory})
+        if (pairs := memory_knob_pairs_text(d.out_dir)) is not None:
+            items.append({"label": "Each memory knob, paired", "text": pairs})
         items.append({"label": "Peak memory", "text": _memory_text(best, base)})
         note = (cfg.get("baseline") or {}).get("note")
         if note:

@@ -114,6 +114,14 @@ def step_costs(sizes: dict[str, Any]) -> dict[tuple[str, Any], float]:
             if lever.step_s_per_param}
 
 
+def untuned(param: str) -> Any:
+    """A knob's untuned value (its strategy's default) for an Optuna parameter name, "strategy.field";
+    None for a name no strategy has."""
+    name, _, attr = param.partition(".")
+    strategy = strategies.BY_NAME.get(name)
+    return getattr(strategy.Config(), attr, None) if strategy is not None else None
+
+
 GAP_LEVERS = tuple(lever for lever in LEVERS if lever.saves_gap)
 """The levers whose saving is a measured gap between reserved and allocated memory."""
 

@@ -30,7 +30,7 @@ from optuna.trial import TrialState
 import strategies
 from autotune.deploy.space import SearchSpace
 from autotune.search import plain_recipe
-from autotune.search.levers import LEVER_SETS, LEVERS
+from autotune.search.levers import LEVER_SETS, LEVERS, untuned
 from autotune.search.steering import complete_params
 from autotune.search.trials import planned_params
 from autotune.trial.record import TrialRecord, queue_attrs
@@ -160,7 +160,7 @@ def prior_factor(key: str, before: dict[str, Any], after: dict[str, Any]) -> flo
     """The planner's factor for one knob from PRIORS: ``after``'s value against ``before``'s, where
     one of them is a move's or lever's value and the other the knob's untuned one; None otherwise."""
     was, now = before.get(key), after.get(key)
-    default = _untuned(key)
+    default = untuned(key)
     if (key, now) in PRIORS and was in (None, default):
         return PRIORS[(key, now)]
     if (key, was) in PRIORS and now in (None, default):
@@ -168,7 +168,3 @@ def prior_factor(key: str, before: dict[str, Any], after: dict[str, Any]) -> flo
     return None
 
 
-def _untuned(key: str) -> Any:
-    name, _, field = key.partition(".")
-    strategy = strategies.BY_NAME.get(name)
-    return getattr(strategy.Config(), field, None) if strategy is not None else None
