@@ -288,3 +288,27 @@ def test_a_max_autotune_compile_is_costed_at_three_default_compiles_and_regional
     for params in (slow, fast):
         study.enqueue_trial(params, user_attrs={"role": "steered", "steered_by": {"rule": RULE}})
     assert planner.plans(study)[0].number == study.trials[-1].number
+
+
+def test_one_compile_mode_is_predicted_from_another_by_the_moves_priors():
+    """On the H200 (b092e42) ResNet-50's regional compile was predicted at the default mode's 6,888 img/s
+    (two compile modes were 'not known' apart, so only its novelty counted), ran 68 s of a 5 min budget
+    and measured 6,068. The moves' priors are against the default mode: regional is 0.77 of it."""
+    import dataclasses
+
+    space = dataclasses.replace(LM_SPACE, compile_modes=["off", "default", "regional", "max-autotune-no-cudagraphs"])
+    study = _study()
+    bar = _measured(study, space, plain_recipe.params(space, 16), 6888.0, role=plain_recipe.ROLE)
+    for mode in ("regional", "max-autotune-no-cudagraphs"):
+        study.enqueue_trial(complete_params({**bar.params, "compile.mode": mode}, space),
+                            user_attrs={"role": "steered", "steered_by": {"rule": RULE}})
+    plans = {p.number: p for p in Planner(space, walls=[(10.0, False), (70.0, True)]).plans(study)}
+    regional, autotuned = plans[1], plans[2]
+    assert regional.predicted == pytest.approx(6888.0 * 0.77) and regional.gain_per_s == 0.0
+    assert autotuned.predicted == pytest.approx(6888.0 * 1.02) and autotuned.gain_per_s > 0
+    # and back: a regional analog predicts the default mode at 1 / 0.77 of it
+    from autotune.search.neighbours import compile_mode_factor
+
+    assert compile_mode_factor("regional", "default") == pytest.approx(1 / 0.77)
+    assert compile_mode_factor("regional", "max-autotune-no-cudagraphs") == pytest.approx(1.02 / 0.77)
+    assert compile_mode_factor("default", "some-new-mode") is None

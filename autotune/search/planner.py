@@ -37,7 +37,7 @@ from optuna.trial import TrialState
 
 from autotune.deploy.space import SearchSpace
 from autotune.search.levers import step_costs
-from autotune.search.neighbours import prior_factor
+from autotune.search.neighbours import compile_mode_factor, prior_factor
 from autotune.search.trials import planned_params
 from autotune.search.walls import expected_wall
 from autotune.trial.record import TrialRecord
@@ -323,7 +323,7 @@ class Planner:
         if key == "compile.mode":
             was, now = before.get(key, "off"), after.get(key, "off")
             if (was == "off") == (now == "off"):
-                return None  # one compile mode against another
+                return compile_mode_factor(was, now)  # one compile mode against another
             mode = after.get("precision.mode") if now != "off" else before.get("precision.mode")
             gain = gains.get(mode, COMPILE_GAIN_PRIOR)
             return gain if was == "off" else 1.0 / gain
