@@ -70,7 +70,11 @@ def test_a_sure_out_of_memory_is_pruned_with_its_reason_and_a_likely_fit_is_not(
     assert said == ("predicted not to fit: needs about 53 GiB of 24 (batch 1024; fitted from the peaks "
                     "measured at batch 32, 64)")
     assert model.verdict(_knobs(384)) is None  # truly 20.75 GiB: fits
-    assert model.verdict(_knobs(460)) is None  # truly 24.5 GiB: within the margin, so measured
+    # truly 24.5 GiB: over the limit by its own family's line (on the H200 the 1B Llama's plain recipe,
+    # predicted at 26.0 GiB of 24 from its batches 1 and 2, ran within the old 10% margin, and ran out of
+    # memory); a prediction from the memory probe's prior keeps the margin
+    assert model.verdict(_knobs(460)).startswith("predicted not to fit: needs about 25 GiB of 24 (batch 460")
+    assert model.verdict(_knobs(420)) is None  # truly 22.5 GiB
     assert _model(limit=None).verdict(_knobs(4096)) is None  # a CPU: no limit to predict against
 
 
