@@ -312,3 +312,29 @@ def test_one_compile_mode_is_predicted_from_another_by_the_moves_priors():
     assert compile_mode_factor("regional", "default") == pytest.approx(1 / 0.77)
     assert compile_mode_factor("regional", "max-autotune-no-cudagraphs") == pytest.approx(1.02 / 0.77)
     assert compile_mode_factor("default", "some-new-mode") is None
+
+
+def test_the_memory_knobs_speeds_predict_the_h200s_checkpointed_trials_from_the_plain_recipe():
+    """The 24 GiB Llama search at 3445a3e measured 8-bit states, the fused loss and every 2nd block
+    checkpointed at batch 16 (50.6 sequences/s), and every block at 24 (50.9); from the plain recipe at
+    batch 2 (47.5, b092e42) the planner predicts both within 5%."""
+    from autotune.workload.units import ATTR
+
+    space = SearchSpace(device="cuda", precisions=["fp32", "bf16"], batch_sizes=[1, 2, 4, 8, 16, 24],
+                        base_batch_size=16, memory_formats=["contiguous"], compile_modes=["off", "default"],
+                        optimizer_implementations=["foreach", "fused"], cuda_graphs=[False], stream_counts=[1],
+                        choices={"optimizer_state": ["full", "8bit-bnb"], "activation_checkpointing": [0, 1, 2],
+                                 "loss_kernel": ["framework", "fused_linear"]})
+    study = _one_batch_study(space)
+    study.set_user_attr(ATTR, {"sample_unit": "sequence", "tokens_per_sample": 1024})
+    params = plain_recipe.params(space, 2)
+    _measured(study, space, params, 47.5, role=plain_recipe.ROLE, status="ok", knobs=_knobs(space, params),
+              figures={"peak_memory_bytes": 23.9 * GIB})
+    for batch, every in ((16, 2), (24, 1)):
+        levered = complete_params({**params, "batch_size.batch_size": batch, "optimizer_state.state": "8bit-bnb",
+                                   "loss_kernel.kernel": "fused_linear", "activation_checkpointing.every": every},
+                                  space)
+        study.enqueue_trial(levered, user_attrs={"role": "steered", "steered_by": {"rule": RULE}})
+    plans = {p.number: p for p in Planner(space, walls=[(20.0, False), (70.0, True)]).plans(study)}
+    assert plans[2].predicted == pytest.approx(50.6, rel=0.05)
+    assert plans[3].predicted == pytest.approx(50.9, rel=0.05)
