@@ -24,6 +24,7 @@ from strategies.dataloader import DataLoaderStrategy
 from strategies.ddp import DDP
 from strategies.fp32_layers import FP32Layers
 from strategies.grad_scaler import GradScalerStrategy
+from strategies.llm_kernels import LLMKernels
 from strategies.loss_kernel import LossKernel
 from strategies.memory_format import MemoryFormat
 from strategies.optimizer import Optimizer
@@ -40,6 +41,9 @@ REGISTRY: list[Strategy] = [
     # before channel padding: the padded LM head is no plain nn.Linear, so channel padding leaves it
     VocabPadding(),
     ChannelAlignment(),
+    # liger-kernel's kernels bound on a transformers LLM's layers: before fp32_layers, whose wrapper
+    # (the class's forward, in FP32) then holds on a layer both touch
+    LLMKernels(),
     FP32Layers(),  # after padding: it wraps the forward of the (possibly padded) layers
     # the loss: after precision and vocab_padding, which rule a fused one out (fp16, a padded head),
     # before cuda_graphs, whose capture its host synchronisation rules out

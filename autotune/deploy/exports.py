@@ -133,6 +133,10 @@ def _common_unsupported(values: dict[str, dict[str, Any]], target: str) -> list[
          f"{target} computes the loss your code computes: make it liger-kernel's fused linear cross-entropy with "
          "loss_fn = strategies.loss_kernel.fused_loss(model, loss_fn) once the model is prepared (Lightning: in "
          "setup); the model then returns its LM head's input in training mode, which that loss_fn takes"),
+        ("llm_kernels.kernels", values["llm_kernels"]["kernels"], values["llm_kernels"]["kernels"] != "framework",
+         f"{target} runs the model's layers as transformers writes them: bind liger-kernel's RMSNorm, RoPE and SwiGLU "
+         "kernels with strategies.llm_kernels.apply_liger(model) before training (liger's "
+         "apply_liger_kernel_to_<model type>(model=model), its losses off)"),
         ("activation_checkpointing.every", values["activation_checkpointing"]["every"],
          values["activation_checkpointing"]["every"] > 0,
          f"{target} has no activation-checkpointing option: call "
@@ -195,7 +199,7 @@ def hf_training_args(cfg: Any) -> HFExport:
     if args["torch_compile"]:
         args.update(torch_compile_backend="inductor", torch_compile_mode=compile_mode)
     out = unsupported(cfg, "TrainingArguments", expressed={"optimizer_state.state", "loss_kernel.kernel",
-                                                           "activation_checkpointing.every"})
+                                                           "llm_kernels.kernels", "activation_checkpointing.every"})
     implementation = values["optimizer"]["implementation"]
     optim = hf_optimizer(implementation, cfg.device)
     state = values["optimizer_state"]["state"]
@@ -212,7 +216,7 @@ def hf_training_args(cfg: Any) -> HFExport:
     args.update(checkpointing_args)  # what the Trainer passes to the model's activation_checkpointing_enable
     if why:
         out.append(item("activation_checkpointing.every", values["activation_checkpointing"]["every"], why))
-    out += hf_loss_kernel(cfg, values["loss_kernel"]["kernel"], args)
+    out += hf_liger(cfg, values, args)
     scaler = tuned_scaler(values)
     if scaler:
         out.append(item("grad_scaler", scaler, "the Trainer's fp16 loss scaling uses torch's GradScaler defaults: "
@@ -226,22 +230,32 @@ def hf_training_args(cfg: Any) -> HFExport:
     return HFExport(args, out)
 
 
-def hf_loss_kernel(cfg: Any, kernel: str, args: dict[str, Any]) -> list[dict[str, Any]]:
-    """A fused loss kernel as liger-kernel's transformers patch, which the Trainer applies with
-    ``use_liger_kernel`` (into ``args``); what it cannot express: a model type liger does not patch."""
+def hf_liger(cfg: Any, values: dict[str, dict[str, Any]], args: dict[str, Any]) -> list[dict[str, Any]]:
+    """liger-kernel's transformers patch for the llm_kernels and loss_kernel knobs, which the Trainer
+    applies with ``use_liger_kernel`` and one ``liger_kernel_config`` holding both knobs' switches
+    (into ``args``); what it cannot express: a model type liger does not patch."""
+    from strategies.llm_kernels import hf_switches
     from strategies.loss_kernel import hf_liger_config, liger_patches
 
-    if kernel == "framework":
+    kernels, loss = values["llm_kernels"]["kernels"], values["loss_kernel"]["kernel"]
+    if kernels == "framework" and loss == "framework":
         return []
-    args.update(use_liger_kernel=True, liger_kernel_config=hf_liger_config(kernel, args.get("liger_kernel_config")))
     model = str((cfg.info.get("workload") or {}).get("model") or "")
     model_type = model.split(":", 1)[1] if model.startswith("hf:") else None
+    args.update(use_liger_kernel=True, liger_kernel_config=hf_liger_config(loss, hf_switches(kernels, model_type)))
     if model_type is None or liger_patches(model_type) is not False:
         return []
-    return [item("loss_kernel.kernel", kernel,
-                 f"liger-kernel has no transformers patch for {model_type} models, so TrainingArguments("
-                 "use_liger_kernel=True) leaves their loss as it is: train with cfg.train_step, or a loop of your own "
-                 "with loss_fn = strategies.loss_kernel.fused_loss(model, loss_fn)")]
+    out = []
+    if loss != "framework":
+        out.append(item("loss_kernel.kernel", loss,
+                        f"liger-kernel has no transformers patch for {model_type} models, so TrainingArguments("
+                        "use_liger_kernel=True) leaves their loss as it is: train with cfg.train_step, or a loop of "
+                        "your own with loss_fn = strategies.loss_kernel.fused_loss(model, loss_fn)"))
+    if kernels != "framework":
+        out.append(item("llm_kernels.kernels", kernels, f"liger-kernel has no transformers patch for {model_type} "
+                                                        "models: TrainingArguments(use_liger_kernel=True) leaves "
+                                                        "their layers as they are"))
+    return out
 
 
 # accelerate --------------------------------------------------------------------------------------
@@ -308,7 +322,7 @@ LIGHTNING_PRECISION = {"fp32": "32-true", "tf32": "32-true", "fp16": "16-mixed",
 # is no gap of the Lightning export; cudnn.benchmark is also the Trainer's own benchmark flag
 LIGHTNING_CALLBACK_SETTINGS = {"memory_format.format", "channel_alignment.multiple", "fp32_layers.layers",
                                "cudnn.benchmark", "threads.num_threads", "precision.mode",
-                               "activation_checkpointing.every", "compile.mode"}
+                               "activation_checkpointing.every", "compile.mode", "llm_kernels.kernels"}
 
 
 def lightning_settings(cfg: Any) -> dict[str, Any]:
@@ -331,6 +345,7 @@ def lightning_settings(cfg: Any) -> dict[str, Any]:
                "compile.mode": values["compile"]["mode"],
                "optimizer.implementation": values["optimizer"]["implementation"],
                "activation_checkpointing.every": values["activation_checkpointing"]["every"],
+               "llm_kernels.kernels": values["llm_kernels"]["kernels"],
                "grad_scaler": dict(recipe.grad_scaler) if recipe.grad_scaler is not None else None}
     return {"precision": trainer["precision"], "trainer": trainer,
             "strategy": {"class": "lightning.pytorch.strategies.DDPStrategy", "kwargs": ddp} if ddp else None,

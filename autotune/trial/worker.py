@@ -179,6 +179,7 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     result["vocab_size"] = vocab_size(workload.model)  # language models' knobs
     result["checkpoint_blocks"] = num_blocks(workload.model)  # activation checkpointing's repeated blocks
     result["optimizer_class"] = class_name(workload.optimizer(workload.model))  # 8-bit states for Adam/AdamW only
+    result["llm_kernels"] = strategies.llm_kernels.probe(workload.model, device=device)  # liger's model types
     seconds["forward"] = time.perf_counter() - started - seconds["build"]
     if request.get("check_compile"):
         from strategies.compile import check_compile
