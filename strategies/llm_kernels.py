@@ -221,6 +221,7 @@ class LLMKernels(Strategy):
 
     def apply(self, config: Config, recipe: Recipe) -> None:
         if config.kernels == "liger":
+            recipe.llm_kernels = "liger"  # its first step compiles the kernels (TrainStep.num_setup_steps)
             recipe.model_transforms.append(apply_liger)
             recipe.notes.append(f"cfg.prepare applies liger-kernel's RMSNorm, RoPE and SwiGLU kernels to your "
                                 f"transformers model ({MEMORY_EXTRA}); liger's RoPE is set in transformers' module, "

@@ -310,3 +310,26 @@ def test_a_tiny_llama_trains_on_the_gpu_with_liger_s_kernels_as_without(mode, co
     liger = _gpu_losses("liger", mode=mode, compile_mode=compile_mode, graphs=graphs)
     assert liger == pytest.approx(framework, abs=tolerance), (liger, framework)
     assert liger[-1] < liger[0]
+
+
+def test_liger_kernels_are_checked_for_accuracy_apart_and_their_first_step_is_setup():
+    """They change the arithmetic (their own RMSNorm, RoPE and SwiGLU), so a configuration with them
+    shares no accuracy check with one without; their Triton kernels compile in the first step that calls
+    them, which is compile time, not step time."""
+    import torch
+
+    from autotune.accuracy.settings import describe_numerics, numerics_key
+    from autotune.deploy.recipe import Recipe
+    from autotune.deploy.runtime import TrainStep
+
+    on = {"precision": {"mode": "bf16"}, "llm_kernels": {"kernels": "liger"}}
+    off = {"precision": {"mode": "bf16"}, "llm_kernels": {"kernels": "framework"}}
+    assert numerics_key(on) != numerics_key(off) == numerics_key({"precision": {"mode": "bf16"}})
+    assert describe_numerics(on) == "bf16, liger kernels"
+    recipe = Recipe(device="cpu")
+    strategies.BY_NAME["llm_kernels"].apply(strategies.BY_NAME["llm_kernels"].Config(kernels="liger"), recipe)
+    model = torch.nn.Linear(2, 2)
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss, recipe)
+    assert recipe.llm_kernels == "liger" and step.num_setup_steps == 1
+    assert TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                     Recipe(device="cpu")).num_setup_steps == 0

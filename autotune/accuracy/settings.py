@@ -8,7 +8,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
-NUMERICS_KNOBS = ("precision", "grad_scaler", "fp32_layers", "loss_kernel", "optimizer_state")
+NUMERICS_KNOBS = ("precision", "grad_scaler", "fp32_layers", "loss_kernel", "optimizer_state", "llm_kernels")
 """The knobs that change the arithmetic; every other knob only changes speed and memory."""
 NEAR_FRONTIER = 0.9
 """A trial at or above this fraction of the fastest throughput so far is checked."""
@@ -115,4 +115,6 @@ def describe_numerics(knobs: Mapping[str, Mapping[str, Any]]) -> str:
         parts.append("fused linear CE")
     if knobs.get("optimizer_state", {}).get("state", "full") != "full":
         parts.append("8-bit optimizer states")
+    if knobs.get("llm_kernels", {}).get("kernels", "framework") != "framework":
+        parts.append("liger kernels")
     return ", ".join(parts)

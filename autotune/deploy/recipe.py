@@ -110,6 +110,9 @@ class Recipe:
     loss_kernel: str = "framework"
     """What computes the step's loss: "framework" (the user's loss on the model's logits) or
     "fused_linear" (a fused linear cross-entropy from the LM head's input: strategies.loss_kernel)."""
+    llm_kernels: str = "framework"
+    """"liger": a transformers LLM's layers run liger-kernel's Triton kernels (strategies.llm_kernels,
+    applied by a model transform), which compile in the first step that calls them."""
     backend_flags: dict[str, Any] = field(default_factory=dict)
     """Process-global switches (see BACKEND_FLAGS)."""
     step_contexts: list[Callable[[], contextlib.AbstractContextManager[Any]]] = field(default_factory=list)

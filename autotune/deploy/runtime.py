@@ -254,7 +254,7 @@ class TrainStep:
             n = 3 if self.recipe.compile_mode in CUDAGRAPH_MODES else 1
         if self.recipe.cuda_graphs:
             n = max(n, GRAPH_WARMUP_STEPS + 1)
-        if self.recipe.loss_kernel != "framework":
+        if self.recipe.loss_kernel != "framework" or self.recipe.llm_kernels != "framework":
             n = max(n, 1)  # liger's Triton kernels compile in the first step that calls them
         if self.recipe.optimizer_state != "full":
             n = max(n, 1)  # torchao's 8-bit Adam compiles its update (once a parameter shape) in the first step
