@@ -110,11 +110,11 @@ class Planner:
         self.deadline = deadline
         self.unit = unit
         self.queue_order = queue_order
+        """Run the queue in its order once the sized-down, urgent and repeated ones are out (--replay:
+        an earlier search's configurations in the order it ran them)."""
         self.step_costs: dict[tuple[str, Any], float] = {}
         """(param, value) -> seconds a step of the memory knobs costing that much whatever the batch,
         for this model (levers.step_costs; set by ``plans``)."""
-        """Run the queue in its order once the sized-down, urgent and repeated ones are out (--replay:
-        an earlier search's configurations in the order it ran them)."""
 
     # -- the plan ------------------------------------------------------------------------------------
 
