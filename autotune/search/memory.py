@@ -165,7 +165,7 @@ class MemoryModel:
             # one batch fitted and the next did not: each sample holds at least what was left, and
             # what its forward was measured to keep for the backward where the probe measured that
             (b, p), over = points[0], int(probed["does_not_fit_at"])
-            per_sample = max(max(0.0, self.limit_bytes - p) / (over - b), held_per_sample(probed))
+            per_sample = max(max(0.0, self.limit_bytes - p) / (over - b), held_line(probed)[1])
             self.prior = (fam, p - b * per_sample, per_sample)
 
     def prior_predict(self, knobs: Mapping[str, Mapping[str, Any]], batch: int | None = None) -> float | None:
@@ -182,7 +182,7 @@ class MemoryModel:
         if measured:
             b, peak = measured[-1]
             return peak + per_sample * (batch - b)
-        resident = fixed - held_fixed(self.probed)  # without autocast's 16-bit copies of the weights
+        resident = fixed - held_line(self.probed)[0]  # without autocast's 16-bit copies of the weights
         forward = (resident if mode in ACTIVATION_FACTOR else fixed) + per_sample * batch
         # a foreach step's temporaries come after the backward has let the activations and copies go
         return max(forward, resident + self.foreach_bytes(knobs))
@@ -337,15 +337,14 @@ class MemoryModel:
         below = [c for c in candidates if c < ceiling]
         if not below:
             return None
-        if self.limit_bytes and self.line(fam) is not None:
+        if self.limit_bytes and (self.line(fam) is not None or self.prior is not None):
             fitting = [c for c in below if self.predict(knobs, c) <= self.limit_bytes * BACKOFF_FILL]
-            return max(fitting) if fitting else None
-        if self.limit_bytes and self.prior is not None:
+            if self.line(fam) is not None:
+                return max(fitting) if fitting else None
             # sized by the memory probe, with what its memory knobs save (predict); where it predicts
             # nothing fits, the smallest is measured (an out-of-memory there is a result: the search
             # then says the model does not fit). After one ran out of memory where it was predicted to
             # fit, the prediction is short: at most half that batch
-            fitting = [c for c in below if self.predict(knobs, c) <= self.limit_bytes * BACKOFF_FILL]
             if self.ooms.get(fam):
                 fitting = [c for c in fitting if c <= ceiling // 2]
             return max(fitting) if fitting else min(below)
@@ -370,28 +369,19 @@ class MemoryModel:
         return max(rates, default=None)
 
 
-def held_per_sample(probed: Mapping[str, Any]) -> float:
-    """Bytes per sample between the two batches whose forward the memory probe measured
-    (autotune.trial.memory_fit.forward_held): a sample's activations and logits, without the batch's
-    fixed part (the autocast copies of the weights). 0 where it measured fewer than two. On the H200
-    under 24 GiB the 1B Llama's step fits one sequence only; what was left above it (1.3 GB, halved
-    compiled) had 8-bit states predicted to fit 8 sequences, which ran out of memory there."""
+def held_line(probed: Mapping[str, Any]) -> tuple[float, float]:
+    """(bytes whatever the batch, bytes per sample) of what the memory probe's forward kept at its two
+    measured batches (autotune.trial.memory_fit.forward_held); (0, 0) where it measured fewer than two.
+    Per sample: a sample's activations and logits. Whatever the batch: autocast's 16-bit copies of the
+    weights, 2.3 GiB for the 1B Llama, which an FP32 step never makes and an optimizer step comes after.
+    On the H200 under 24 GiB that Llama's step fits one sequence only; what was left above it (1.3 GB,
+    halved compiled) had 8-bit states predicted to fit 8 sequences, which ran out of memory there."""
     held = sorted((int(b), float(v)) for b, v in (probed.get("forward_held") or {}).items())
     if len(held) < 2:
-        return 0.0
+        return 0.0, 0.0
     (b0, h0), (b1, h1) = held[0], held[-1]
-    return max(0.0, (h1 - h0) / (b1 - b0))
-
-
-def held_fixed(probed: Mapping[str, Any]) -> float:
-    """Bytes the memory probe's forward kept whatever the batch (the line through its two measured
-    batches at batch 0): autocast's 16-bit copies of the weights, 2.3 GiB for the 1B Llama. An FP32
-    step makes none, and an optimizer step comes after the backward let them go. 0 unmeasured."""
-    held = sorted((int(b), float(v)) for b, v in (probed.get("forward_held") or {}).items())
-    if len(held) < 2:
-        return 0.0
-    b0, h0 = held[0]
-    return max(0.0, h0 - b0 * held_per_sample(probed))
+    per_sample = max(0.0, (h1 - h0) / (b1 - b0))
+    return max(0.0, h0 - b0 * per_sample), per_sample
 
 
 def _kind(fam: str) -> tuple[str, str]:
