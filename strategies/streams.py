@@ -47,16 +47,19 @@ class Streams(Strategy):
         recipe.num_streams = config.num_streams
 
 
-def _to_device(batch: Any, device: torch.device, memory_format: torch.memory_format) -> Any:
+def to_device(batch: Any, device: torch.device | str,
+              memory_format: torch.memory_format = torch.contiguous_format) -> Any:
+    """``batch`` (a tensor, or tensors in lists, tuples and dicts) on ``device``, a 4-D tensor in
+    ``memory_format``."""
     if isinstance(batch, torch.Tensor):
         out = batch.to(device, non_blocking=True)
         if out.dim() == 4 and memory_format is not torch.contiguous_format:
             out = out.contiguous(memory_format=memory_format)
         return out
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(b, device, memory_format) for b in batch)
+        return type(batch)(to_device(b, device, memory_format) for b in batch)
     if isinstance(batch, dict):
-        return {k: _to_device(v, device, memory_format) for k, v in batch.items()}
+        return {k: to_device(v, device, memory_format) for k, v in batch.items()}
     return batch
 
 
@@ -84,14 +87,14 @@ def device_batches(batches: Iterable[Any], device: str | torch.device, *, num_st
     device = torch.device(device)
     if device.type != "cuda" or num_streams < 2:
         for batch in batches:
-            yield _to_device(batch, device, memory_format)
+            yield to_device(batch, device, memory_format)
         return
     side = torch.cuda.Stream(device=device)
     iterator = iter(batches)
 
     def load(batch: Any) -> Any:
         with torch.cuda.stream(side):
-            return _to_device(batch, device, memory_format)
+            return to_device(batch, device, memory_format)
 
     try:
         ahead = load(next(iterator))

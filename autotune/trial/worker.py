@@ -193,16 +193,10 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
 def on_device_of(model: torch.nn.Module, inputs: Any) -> Any:
     """``inputs`` (a tensor, or tensors in lists, tuples and dicts) on the device of ``model``'s first
     parameter: the probe's forwards run where its model was built."""
+    from strategies.streams import to_device
+
     param = next(model.parameters(), None)
-    if param is None or param.device.type == "cpu":
-        return inputs
-    if isinstance(inputs, torch.Tensor):
-        return inputs.to(param.device)
-    if isinstance(inputs, (list, tuple)):
-        return type(inputs)(on_device_of(model, i) for i in inputs)
-    if isinstance(inputs, dict):
-        return {k: on_device_of(model, v) for k, v in inputs.items()}
-    return inputs
+    return inputs if param is None or param.device.type == "cpu" else to_device(inputs, param.device)
 
 
 class _Steps:
@@ -329,9 +323,9 @@ def run_trial(request: dict[str, Any]) -> dict[str, Any]:
 def probe_memory(request: dict[str, Any]) -> dict[str, Any]:
     """What a configuration needs at a few small batches, before any trial: two eager steps at each
     of the request's ``batches`` (ascending; the first that runs out of memory ends it, after the powers
-    of two between it and the last that fit), under the memory limit. Their peaks put a line through the fixed part (weights, gradients, optimizer state,
-    the CUDA context) and the per-sample part, which the search's memory model sizes every trial by
-    (autotune.search.memory)."""
+    of two between it and the last that fit), under the memory limit. Their peaks put a line through
+    the fixed part (weights, gradients, optimizer state, the CUDA context) and the per-sample part,
+    which the search's memory model sizes every trial by (autotune.search.memory)."""
     t0 = time.perf_counter()
     trial = read_request(request)
     cfg = trial.cfg
@@ -342,7 +336,6 @@ def probe_memory(request: dict[str, Any]) -> dict[str, Any]:
     seed = int(request.get("seed", 0))
     batches = [int(b) for b in request["batches"]]
     peaks: dict[str, int] = {}
-    does_not_fit_at = None
     try:
         run = _Steps(cfg, trial.spec, data_spec=None, input_on_device=False, seed=seed)
     except Exception as exc:
@@ -351,21 +344,23 @@ def probe_memory(request: dict[str, Any]) -> dict[str, Any]:
         return {"status": "ok", "peaks": {}, "does_not_fit_at": batches[0], "build_oom": True,
                 "seconds": time.perf_counter() - t0}
     run.drop_batches()
-    for batch in batches:
-        peak = peak_at(run.step, run.workload, cfg, batch, seed)
-        if peak is None:
-            does_not_fit_at = batch
-            break
-        peaks[str(batch)] = peak
+
+    def step_up(sizes) -> int | None:
+        """Peaks at ``sizes`` into ``peaks``, ascending; the first that does not fit ends it (returned)."""
+        for batch in sizes:
+            peak = peak_at(run.step, run.workload, cfg, batch, seed)
+            if peak is None:
+                return batch
+            peaks[str(batch)] = peak
+        return None
+
+    does_not_fit_at = step_up(batches)
     if peaks and does_not_fit_at is not None:
         # the powers of two between the last that fit and the first that did not, up to the next
         # that does not either: where the base batch does not fit, the batch that does is what counts
-        for batch in (b for b in (2 ** k for k in range(1, 12)) if max(map(int, peaks)) < b < does_not_fit_at):
-            peak = peak_at(run.step, run.workload, cfg, batch, seed)
-            if peak is None:
-                does_not_fit_at = batch
-                break
-            peaks[str(batch)] = peak
+        last = max(map(int, peaks))
+        does_not_fit_at = step_up([b for b in (2 ** k for k in range(1, 12)) if last < b < does_not_fit_at]) \
+            or does_not_fit_at
     result = {"status": "ok", "peaks": peaks, "does_not_fit_at": does_not_fit_at}
     if len(peaks) == 1:
         # one batch fits: no line through the peaks, so a sample's activations are measured apart
