@@ -10,6 +10,7 @@ import pytest
 
 from autotune.deploy.config import TunedConfig
 from autotune.deploy.space import SearchSpace
+from autotune.report.format import MEMORY_KNOB_PAIRS
 from autotune.search import plain_recipe, verify
 from autotune.search.steering import complete_params
 
@@ -69,7 +70,7 @@ def test_the_pairs_say_speed_and_memory_with_and_without_each_knob_and_are_kept_
     assert lines[1] == ("activation_checkpointing.every=1: 0.862x the speed of the same configuration without it; "
                         "peak 18.00 GiB against 31.00 GiB without it (over the search's --memory-limit of 24.0 GiB)")
     assert all(line in said for line in lines)
-    kept = json.loads((tmp_path / verify.PAIRS_FILE).read_text())
+    kept = json.loads((tmp_path / MEMORY_KNOB_PAIRS).read_text())
     assert kept["lines"] == lines and kept["exported"]["median"] == 50.0
 
 
@@ -103,4 +104,20 @@ def test_the_cli_measures_a_cpu_config_and_says_it_has_no_memory_knob_to_pair(tm
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["median"] > 0 and result["memory_knobs"]["lines"] == [] and result["peak_memory_bytes"] > 0
     assert "nothing to pair" in " ".join(proc.stderr.split())
-    assert (tmp_path / verify.PAIRS_FILE).exists()
+    assert (tmp_path / MEMORY_KNOB_PAIRS).exists()
+
+
+def test_a_variant_whose_worker_gives_no_reason_is_recorded_not_a_crash(tmp_path, monkeypatch):
+    path = _config(tmp_path, **{"activation_checkpointing.every": 1})
+
+    def worker(request, *, timeout_s):
+        params = json.loads(open(request["config_path"]).read())["params"]
+        if params.get("activation_checkpointing.every"):
+            return {"status": "ok", "figures": {"samples_per_s": 50.0, "peak_memory_bytes": 18 * GIB}}
+        return {"status": "crashed"}
+
+    monkeypatch.setattr(verify, "run_worker", worker)
+    status, out = verify.verify(path, repeat=1, sets={}, memory_knobs=True, say=lambda line: None, rate=str)
+    assert status == 0
+    assert out["memory_knobs"]["lines"] == ["activation_checkpointing.every=1: without it the configuration did not "
+                                            "run (crashed: )"]

@@ -8,7 +8,7 @@ alone or alternating with variants of it (drift on the machine then hits every a
   read off the search's trials as a marginal. A knob whose absence does not fit the card is a result
   ("out of memory"), not a failure; one whose absence fits the card but not the search's
   --memory-limit is measured and flagged. The pairs are written beside config.json
-  (PAIRS_FILE), where ``autotune report`` shows them.
+  (autotune.report.format.MEMORY_KNOB_PAIRS), where ``autotune report`` shows them.
 """
 
 from __future__ import annotations
@@ -26,10 +26,6 @@ from autotune.search import plain_recipe
 from autotune.search.levers import LEVERS, untuned
 from autotune.trial.runner import run_worker
 
-PAIRS_FILE = MEMORY_KNOB_PAIRS
-"""Beside config.json: the last ``autotune verify --memory-knobs`` of that configuration."""
-
-
 @dataclass
 class Arm:
     """One configuration re-measured: the one exported, or a variant of it."""
@@ -41,6 +37,8 @@ class Arm:
     peaks: list[float] = field(default_factory=list)
     failed: str | None = None
     """Why a variant did not run (its worker's status and reason: out of memory, say)."""
+    knob: str | None = None
+    """The memory knob this variant turns off ("optimizer_state.state=8bit-bnb"); None for the others."""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"label": self.label, "set": self.changes}
@@ -74,13 +72,15 @@ def arms_for(path: Path, cfg: TunedConfig, sets: dict[str, Any], memory_knobs: b
     """The exported configuration, then its ``--set`` variant, then each memory knob off."""
     arms = [Arm("exported", {}, path.resolve())]
     folder = Path(tempfile.mkdtemp(prefix="autotune-verify-"))
-    wanted = ([("with " + ", ".join(f"{k}={v}" for k, v in sets.items()), sets, False)] if sets else [])
+    wanted = ([("with " + ", ".join(f"{k}={v}" for k, v in sets.items()), sets, None)] if sets else [])
     if memory_knobs:
-        wanted += [(f"without {knob}", changes, True) for knob, changes in memory_knob_changes(cfg)]
-    for i, (label, changes, new_params) in enumerate(wanted):
+        wanted += [(f"without {knob}", changes, knob) for knob, changes in memory_knob_changes(cfg)]
+    for i, (label, changes, knob) in enumerate(wanted):
         target = folder / f"variant-{i}.json"
-        target.write_text(json.dumps(variant(path, changes, new_params=new_params), indent=2, default=str) + "\n")
-        arms.append(Arm(label, changes, target))
+        # turning a memory knob off may bring back a parameter (the optimizer's implementation)
+        target.write_text(json.dumps(variant(path, changes, new_params=knob is not None), indent=2,
+                                     default=str) + "\n")
+        arms.append(Arm(label, changes, target, knob=knob))
     return arms
 
 
@@ -93,7 +93,8 @@ def measure(arms: list[Arm], repeat: int, say: Callable[[str], None], rate: Call
                 continue
             result = run_worker({"mode": "trial", "config_path": str(arm.path), "seed": 0}, timeout_s=900)
             if result["status"] != "ok":
-                why = f"{result['status']}: {str(result.get('reason') or '').splitlines()[0][:200]}"
+                first = (str(result.get("reason") or "").splitlines() or [""])[0]
+                why = f"{result['status']}: {first[:200]}"
                 if arm.label == "exported":
                     return why
                 arm.failed = why
@@ -101,10 +102,10 @@ def measure(arms: list[Arm], repeat: int, say: Callable[[str], None], rate: Call
                 continue
             figures = result["figures"]
             arm.rates.append(figures["samples_per_s"])
-            if figures.get("peak_memory_bytes"):
-                arm.peaks.append(float(figures["peak_memory_bytes"]))
-            label = "" if arm.label == "exported" else f" {arm.label}"
             peak = figures.get("peak_memory_bytes")
+            if peak:
+                arm.peaks.append(float(peak))
+            label = "" if arm.label == "exported" else f" {arm.label}"
             say(f"re-measured {rate(figures['samples_per_s'])}{label}"
                 + (f", peak {peak / 2**30:.2f} GiB" if peak else "")
                 + f" (worker start {result.get('worker_start_s', 0):.1f}s)")
@@ -117,9 +118,9 @@ def pair_lines(arms: list[Arm], limit_bytes: float | None) -> list[str]:
     med, peak = statistics.median(exported.rates), max(exported.peaks, default=None)
     lines = []
     for arm in arms[1:]:
-        if not arm.label.startswith("without "):
+        if arm.knob is None:
             continue
-        knob = arm.label.removeprefix("without ")
+        knob = arm.knob
         if arm.failed:
             lines.append(f"{knob}: without it the configuration did not run ({arm.failed})")
             continue
@@ -141,7 +142,7 @@ def verify(config: Path, *, repeat: int, sets: dict[str, Any], memory_knobs: boo
     cfg = TunedConfig.load(path, here=False)  # the workers load it where it runs (the caller checked here)
     recorded = cfg.info["figures"]["samples_per_s"]
     arms = arms_for(path, cfg, sets, memory_knobs)
-    if memory_knobs and len(arms) == 1 + bool(sets):
+    if memory_knobs and not any(arm.knob for arm in arms):
         say("this configuration has no memory knob on: nothing to pair")
     failed = measure(arms, repeat, say, rate)
     if failed:
@@ -161,8 +162,8 @@ def verify(config: Path, *, repeat: int, sets: dict[str, Any], memory_knobs: boo
         lines = pair_lines(arms, limit)
         for line in lines:
             say(line)
-        out["memory_knobs"] = {"arms": [a.to_dict() for a in arms if a.label.startswith("without ")],
+        out["memory_knobs"] = {"arms": [a.to_dict() for a in arms if a.knob is not None],
                                "exported": arms[0].to_dict(), "lines": lines, "repeat": repeat,
                                "limit_bytes": limit}
-        (path.parent / PAIRS_FILE).write_text(json.dumps(out["memory_knobs"], indent=2, default=str) + "\n")
+        (path.parent / MEMORY_KNOB_PAIRS).write_text(json.dumps(out["memory_knobs"], indent=2, default=str) + "\n")
     return 0, out
