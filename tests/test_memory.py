@@ -386,3 +386,23 @@ def test_a_family_without_a_line_backs_off_by_what_a_sibling_holds_a_sample():
     tight = MemoryModel(limit)
     tight.add(family(measured), 64, 139 * GiB * 8)
     assert tight.backoff_batch(hungrier, candidates) == 16
+
+
+def test_a_family_recorded_before_a_knob_existed_is_the_family_with_that_knob_untuned():
+    """The 24 GiB Llama study of b092e42 was recorded before llm_kernels existed: replayed by a newer
+    autotune, none of its trials nor its memory probe matched a configuration sampled now (every
+    prediction fell back to the probe's prior, and no memory knob was queued). A knob or field a
+    configuration does not record is taken at its untuned value, in trials and in the probe's string."""
+    import strategies
+    from autotune.search.memory import normalized_family
+
+    space = SearchSpace(device="cuda", precisions=["bf16"], batch_sizes=[1, 2], memory_formats=["contiguous"],
+                        compile_modes=["off", "default"], optimizer_implementations=["fused"])
+    now = strategies.knobs_of({"precision.mode": "bf16", "batch_size.batch_size": 2, "compile.mode": "default"}, space)
+    then = {name: values for name, values in now.items() if name != "llm_kernels"}
+    assert "llm_kernels" in now and family(then) == family(now)
+    older = ",".join(part for part in family(now).split(",") if not part.startswith("llm_kernels."))
+    assert older != family(now) and normalized_family(older) == family(now)
+    assert normalized_family("eager") == "eager"  # a name, not a recorded family
+    changed = {**now, "compile": {"mode": "off"}}
+    assert family(changed) != family(now)

@@ -338,3 +338,27 @@ def test_the_memory_knobs_speeds_predict_the_h200s_checkpointed_trials_from_the_
     plans = {p.number: p for p in Planner(space, walls=[(20.0, False), (70.0, True)]).plans(study)}
     assert plans[2].predicted == pytest.approx(50.6, rel=0.05)
     assert plans[3].predicted == pytest.approx(50.9, rel=0.05)
+
+
+def test_a_cost_a_step_is_taken_off_a_measured_rate_before_its_batch_is_scaled():
+    """From 8-bit states measured at batch 4 (39.4 sequences/s, 27.9 ms of each step theirs), batch 16 is
+    the rate without them scaled by the batch, with them added back: not the whole rate scaled, which
+    carried the small batch's share of the cost to the large one."""
+    from autotune.workload.units import ATTR
+
+    space = _capped_space()
+    study = _one_batch_study(space)
+    study.set_user_attr(ATTR, {"sample_unit": "sequence", "tokens_per_sample": 1024})
+    base = plain_recipe.params(space, 4)
+    levered = complete_params({**base, "optimizer_state.state": "8bit-bnb"}, space)
+    _measured(study, space, levered, 39.4, role="steered", status="ok", knobs=_knobs(space, levered),
+              figures={"peak_memory_bytes": 18.0 * GIB})
+    at_16 = complete_params({**levered, "batch_size.batch_size": 16}, space)
+    study.enqueue_trial(at_16, user_attrs={"role": "steered", "steered_by": {"rule": RULE}})
+    plan = Planner(space, walls=[(20.0, False), (70.0, True)]).plans(study)[0]
+    cost = 27.9e-3 / 1.2358e9 * 1.236e9
+    without = 4 / (4 / 39.4 - cost)
+    half = 1024 / 1024  # BATCH_HALF's tokens over a sample's
+    expected = 16 / (16 / (without * (16 / (16 + half)) / (4 / (4 + half))) + cost)
+    assert plan.predicted == pytest.approx(expected, rel=1e-6)
+    assert plan.predicted > 39.4 * (16 / 17) / (4 / 5)  # the whole rate scaled: the cost kept at 4's share

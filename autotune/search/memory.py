@@ -92,10 +92,40 @@ def gib(n: float) -> str:
 
 
 def family(knobs: Mapping[str, Mapping[str, Any]]) -> str:
-    """The configuration without its batch size (and the knobs that do not change memory)."""
-    parts = [f"{name}.{key}={value}" for name, values in sorted(knobs.items()) if name not in _NOT_MEMORY
-             for key, value in sorted(values.items())]
+    """The configuration without its batch size (and the knobs that do not change memory). A knob or a
+    field the configuration does not record takes its untuned value: a trial recorded before a knob
+    existed ran without it, so it is in the same family as one that records the knob off (a study
+    resumed by a newer autotune; its memory probe's family, kept as this string, alike)."""
+    values = {name: dict(fields) for name, fields in _untuned_knobs().items()}
+    for name, fields in knobs.items():
+        values.setdefault(name, {}).update(fields)
+    parts = [f"{name}.{key}={value}" for name, fields in sorted(values.items()) if name not in _NOT_MEMORY
+             for key, value in sorted(fields.items())]
     return ",".join(parts)
+
+
+def normalized_family(fam: str) -> str:
+    """A family as an earlier autotune wrote it (missing the knobs added since), as :func:`family`
+    writes it now; a name that is no family string (no "knob.field=value" part) as it is."""
+    knobs: dict[str, dict[str, str]] = {}
+    for part in fam.split(","):
+        key, sep, value = part.partition("=")
+        name, dot, field_ = key.partition(".")
+        if not sep or not dot:
+            return fam
+        knobs.setdefault(name, {})[field_] = value
+    return family(knobs)
+
+
+_UNTUNED: dict[str, dict[str, Any]] = {}
+
+
+def _untuned_knobs() -> dict[str, dict[str, Any]]:
+    if not _UNTUNED:
+        import strategies
+
+        _UNTUNED.update({s.name: s.to_dict(s.default()) for s in strategies.REGISTRY})
+    return _UNTUNED
 
 
 def batch_of(knobs: Mapping[str, Mapping[str, Any]]) -> int:
@@ -152,7 +182,7 @@ class MemoryModel:
             return
         self.probed = dict(probed)
         self.sizes = dict(probed.get("sizes") or {})
-        fam = probed["family"]
+        fam = normalized_family(probed["family"])
         for batch, peak in (probed.get("peaks") or {}).items():
             self.add(fam, int(batch), float(peak))
         if probed.get("does_not_fit_at"):
