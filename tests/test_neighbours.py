@@ -340,6 +340,91 @@ def test_the_memory_knobs_speeds_predict_the_h200s_checkpointed_trials_from_the_
     assert plans[3].predicted == pytest.approx(50.9, rel=0.05)
 
 
+def test_fp8s_prior_is_the_measured_llama_by_amdahl_and_width():
+    """reports/llama-fp8-h200: a 2-layer Llama of hidden size 4,096 (80% of its parameters in eligible
+    Linear layers) ran 1.51x bf16 compiled on the H200; narrower layers are expected to give less."""
+    from autotune.search.neighbours import fp8_speed
+
+    assert fp8_speed({"fp8_eligible_share": 0.803, "fp8_width": 4096.0}) == pytest.approx(1.51, abs=0.01)
+    llama_1b = fp8_speed({"fp8_eligible_share": 1.0, "fp8_width": 2006.0})
+    vit = fp8_speed({"fp8_eligible_share": 0.736, "fp8_width": 768.0})
+    assert 1.3 < llama_1b < 1.4 and 1.05 < vit < 1.15
+    assert fp8_speed({"fp8_eligible_share": 0.5, "fp8_width": 8192.0}) == pytest.approx(1 / (0.5 + 0.5 / 1.73))
+    assert fp8_speed({}) is None and fp8_speed({"fp8_eligible_share": 0.9}) is None
+
+
+def test_fp8_width_weighs_each_eligible_layers_narrower_side_by_its_parameters():
+    from torch import nn
+
+    from strategies.precision import fp8_eligible_share, fp8_width
+
+    model = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 32), nn.Linear(30, 10))  # the last is not eligible
+    assert fp8_width(model) == pytest.approx((64 * 256 * 64 + 256 * 32 * 32) / (64 * 256 + 256 * 32))
+    assert 0 < fp8_eligible_share(model) < 1
+    assert fp8_width(nn.Sequential(nn.Linear(30, 10))) == 0.0
+
+
+FP8_SIZES = {"num_parameters": 1.236e9, "tokens_per_sample": 1024, "vocab_size": 128256,
+             "fp8_eligible_share": 1.0, "fp8_width": 2006.0}
+
+
+def test_fp8_is_a_neighbour_of_a_bf16_bar_ranked_by_its_prior_where_the_probe_sized_the_model():
+    import dataclasses
+
+    from autotune.search.neighbours import fp8_speed
+
+    space = dataclasses.replace(LM_SPACE, precisions=["fp32", "fp16", "bf16", "fp8"])
+    study = _study()
+    study.set_user_attr(PROBE_ATTR, {"family": "eager", "peaks": {"1": 2 * GIB, "2": 3 * GIB}, "sizes": FP8_SIZES})
+    bar = _measured(study, space, plain_recipe.params(space, 16), 450.0, role=plain_recipe.ROLE)
+    Neighbours(space, limit_bytes=None)(study, bar)
+    fp8 = [t for t in _queued(study) if t.system_attrs["fixed_params"]["precision.mode"] == "fp8"]
+    assert len(fp8) == 1 and fp8[0].system_attrs["fixed_params"]["compile.mode"] == "default"
+    plans = Planner(space, walls=[(10.0, False), (60.0, True)]).plans(study)
+    assert plans[0].number == fp8[0].number  # 1.36x predicted: above every other move
+    assert plans[0].predicted == pytest.approx(450.0 * fp8_speed(FP8_SIZES))
+    # without the probe's sizes fp8 is not known against bf16: its novelty alone
+    study.set_user_attr(PROBE_ATTR, {})
+    plans = {p.number: p for p in Planner(space, walls=[(10.0, False), (60.0, True)]).plans(study)}
+    assert plans[fp8[0].number].predicted == pytest.approx(450.0)
+
+
+def test_under_a_cap_the_memory_knobs_are_queued_on_the_fp8_twin_too_and_it_is_sized_as_bf16():
+    """fp8 keeps bf16 autocast and the FP32 master weights: an fp8 configuration not yet measured is
+    predicted as its bf16 twin, so the 1B Llama's fp8 plain recipe at batch 2 fits where bf16's did,
+    and the memory knobs go on fp8 at the batches they take on bf16, ranked above them by fp8's prior."""
+    import dataclasses
+
+    from autotune.workload.units import ATTR
+
+    space = dataclasses.replace(_capped_space(), precisions=["fp32", "bf16", "fp8"])
+    study = _capped_study(space)
+    study.set_user_attr(PROBE_ATTR, {**study.user_attrs[PROBE_ATTR], "sizes": FP8_SIZES})
+    study.set_user_attr(ATTR, {"sample_unit": "sequence", "tokens_per_sample": 1024})
+    model = MemoryModel.from_study(study, 24 * GIB)
+    bar = plain_recipe.params(space, 2)
+    fp8 = complete_params({**bar, "precision.mode": "fp8"}, space)
+    assert model.predict(_knobs(space, fp8)) == pytest.approx(model.predict(_knobs(space, bar)))
+    assert model.verdict(_knobs(space, fp8)) is None
+    Neighbours(space, limit_bytes=24 * GIB)(study, study.trials[-1])
+    levered = {}
+    for t in _queued(study):
+        fixed = t.system_attrs["fixed_params"]
+        if fixed.get("optimizer_state.state") == "8bit-bnb":
+            levered[fixed["precision.mode"]] = fixed
+    assert set(levered) == {"bf16", "fp8"}
+    assert levered["fp8"]["batch_size.batch_size"] == levered["bf16"]["batch_size.batch_size"] == 8
+    assert any(t.user_attrs["steered_by"]["why"].startswith("fp8 + optimizer_state 8bit-bnb: batch 8")
+               for t in _queued(study))
+    plans = Planner(space, walls=[(20.0, False), (70.0, True)]).plans(study)
+    first = study.trials[plans[0].number].system_attrs["fixed_params"]
+    assert first["precision.mode"] == "fp8"
+    # once fp8 ran, its own peak says what it needs
+    _measured(study, space, fp8, 60.0, role="steered", status="ok", knobs=_knobs(space, fp8),
+              figures={"peak_memory_bytes": 22.0 * GIB})
+    assert MemoryModel.from_study(study, 24 * GIB).predict(_knobs(space, fp8)) == pytest.approx(22.0 * GIB)
+
+
 def test_a_cost_a_step_is_taken_off_a_measured_rate_before_its_batch_is_scaled():
     """From 8-bit states measured at batch 4 (39.4 sequences/s, 27.9 ms of each step theirs), batch 16 is
     the rate without them scaled by the batch, with them added back: not the whole rate scaled, which

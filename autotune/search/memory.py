@@ -321,8 +321,14 @@ class MemoryModel:
         return None
 
     def predict(self, knobs: Mapping[str, Mapping[str, Any]], batch: int | None = None) -> float | None:
-        """Predicted peak bytes of ``knobs`` (at ``batch`` instead of its own, if given)."""
+        """Predicted peak bytes of ``knobs`` (at ``batch`` instead of its own, if given). An fp8
+        configuration not measured yet is predicted as its bf16 twin: fp8 is bf16 autocast with the
+        eligible Linear layers' matmuls in float8, whose copies of the weights (1 byte a parameter) take
+        the place of autocast's bf16 ones (2), on the same FP32 master weights and optimizer state."""
         fitted = self.line(family(knobs))
+        if fitted is None and (knobs.get("precision") or {}).get("mode") == "fp8" and not self.peaks.get(family(knobs)):
+            twin = {**knobs, "precision": {**knobs["precision"], "mode": "bf16"}}
+            return self.predict(twin, batch if batch is not None else batch_of(knobs))
         if fitted is None:
             batch = batch if batch is not None else batch_of(knobs)
             levered = self.lever_predict(knobs, batch)

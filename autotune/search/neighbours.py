@@ -54,6 +54,9 @@ MOVES: tuple[Move, ...] = (
          "a vocabulary padded to a multiple of 64 (nanoGPT's 50,304 for GPT-2's 50,257)"),
     Move("compile.mode", "max-autotune-no-cudagraphs", 1.02, "Inductor's autotuned GEMM and Triton configurations"),
     Move("precision.mode", "fp16", 1.01, "fp16 beat bf16 for ResNet-50 on the H200 (7,346 img/s at batch 1,024)"),
+    # the planner's prior for it is fp8_speed, from the model's sizes; 1.0 where they are not known
+    Move("precision.mode", "fp8", 1.0, "the Linear layers in float8 (torchao): 1.51x bf16 for a 2-layer Llama "
+                                       "of hidden size 4,096 on the H200"),
     Move("cuda_graphs.enabled", True, 1.02, "the whole step in one CUDA graph: no launch gaps"),
     Move("compile.mode", "reduce-overhead", 1.02, "compiled with CUDA graphs (cudagraph trees)"),
     Move("optimizer.set_to_none", False, 1.0, "gradients zeroed in place"),
@@ -71,6 +74,29 @@ factor for a knob it has no measured pair for (autotune.search.planner)."""
 # liger-kernel's README claims up to 20% more throughput for its kernels together (its fused loss among
 # them) on HF LLMs; a modest share of that for the layer kernels alone, a claim, not measured here
 PRIORS[("llm_kernels.kernels", "liger")] = 1.05
+
+
+FP8_GEMM_GAIN = 1.73
+"""fp8's speed over bf16 for a model all of whose parameters are in eligible Linear layers of width
+FP8_FULL_WIDTH and more, compiled: on the H200 (reports/llama-fp8-h200) a 2-layer Llama of hidden size
+4,096 (80% of its parameters in such layers, the rest its embedding) ran 1.51x bf16 at batch 64, which
+is 1.73x on those layers' share by Amdahl's law."""
+FP8_FULL_WIDTH = 4096
+"""The width from which fp8's matmuls are taken to give FP8_GEMM_GAIN; narrower ones give a share of it,
+in proportion (an assumption: float8's casts and scales cost about the same per element whatever the
+width, while a matmul's work grows with it)."""
+
+
+def fp8_speed(sizes: dict[str, Any]) -> float | None:
+    """Expected speed of fp8 over bf16 for a model of ``sizes`` (the probe's fp8_eligible_share and
+    fp8_width): Amdahl's law over the share of its parameters fp8 runs, at FP8_GEMM_GAIN scaled by the
+    layers' width. None where the probe did not size them. For the 1B Llama shape (every parameter in
+    layers of mean width 2,006: its tied head is a Linear) about 1.36; ViT-B/16 (74% at 768) 1.10."""
+    share, width = float(sizes.get("fp8_eligible_share") or 0), float(sizes.get("fp8_width") or 0)
+    if not share or not width:
+        return None
+    gemm = 1.0 + (FP8_GEMM_GAIN - 1.0) * min(1.0, width / FP8_FULL_WIDTH)
+    return 1.0 / ((1.0 - share) + share / gemm)
 
 
 def offered(space: SearchSpace, params: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any] | None:
@@ -139,24 +165,39 @@ class Neighbours:
         if not larger:
             return []
         model = MemoryModel.from_study(study, self.limit_bytes)
-        out, batches = [], set()
-        for combo in LEVER_SETS:
-            levers = tuple(LEVERS[i] for i in combo)
-            params = offered(self.space, bar.params, {lever.param: lever.value for lever in levers})
-            if params is None:
-                continue
-            knobs = strategies.knobs_of(params, self.space)
-            # the memory model's prediction, which also sizes the trial before it runs
-            fits = [b for b in larger if (need := model.predict(knobs, b)) is not None
-                    and need <= self.limit_bytes * BACKOFF_FILL]
-            if not fits or max(fits) in batches:
-                continue
-            target = max(fits)
-            batches.add(target)
-            words = " + ".join(f"{lever.param.split('.')[0]} {lever.value}" for lever in levers)
-            out.append((offered(self.space, params, {"batch_size.batch_size": target}) or params,
-                        f"{words}: batch {target} predicted to fit where the plain recipe's {batch} is the largest"))
+        out = []
+        for start in self._lever_starts(bar):
+            batches: set[int] = set()
+            for combo in LEVER_SETS:
+                levers = tuple(LEVERS[i] for i in combo)
+                params = offered(self.space, start, {lever.param: lever.value for lever in levers})
+                if params is None:
+                    continue
+                knobs = strategies.knobs_of(params, self.space)
+                # the memory model's prediction, which also sizes the trial before it runs
+                fits = [b for b in larger if (need := model.predict(knobs, b)) is not None
+                        and need <= self.limit_bytes * BACKOFF_FILL]
+                if not fits or max(fits) in batches:
+                    continue
+                target = max(fits)
+                batches.add(target)
+                words = " + ".join(f"{lever.param.split('.')[0]} {lever.value}" for lever in levers)
+                if start is not bar.params:
+                    words = f"fp8 + {words}"
+                out.append((offered(self.space, params, {"batch_size.batch_size": target}) or params,
+                            f"{words}: batch {target} predicted to fit where the plain recipe's {batch} is the largest"))
         return out
+
+    def _lever_starts(self, bar: optuna.trial.FrozenTrial) -> list[dict[str, Any]]:
+        """What the memory knobs are added to: the plain recipe, and its fp8 twin where the space offers
+        fp8 beside a bf16 bar (fp8 keeps bf16 autocast and FP32 master weights, so it needs what the bar
+        needs: the memory model predicts it from the bar's peaks; the planner ranks it by fp8_speed)."""
+        starts = [bar.params]
+        if bar.params.get("precision.mode") == "bf16" and "fp8" in self.space.precisions:
+            twin = offered(self.space, bar.params, {"precision.mode": "fp8"})
+            if twin is not None:
+                starts.append(twin)
+        return starts
 
 
 def compile_mode_factor(was: str, now: str) -> float | None:

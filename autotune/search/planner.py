@@ -37,7 +37,7 @@ from optuna.trial import TrialState
 
 from autotune.deploy.space import SearchSpace
 from autotune.search.levers import step_costs
-from autotune.search.neighbours import compile_mode_factor, prior_factor
+from autotune.search.neighbours import compile_mode_factor, fp8_speed, prior_factor
 from autotune.search.trials import planned_params
 from autotune.search.walls import expected_wall
 from autotune.trial.record import TrialRecord
@@ -133,6 +133,8 @@ class Planner:
         seen = self._seen_values(done)
         gains = self.compile_gains(study)
         gains["batch half"] = _batch_half(study)
+        if (fp8 := fp8_speed(memory.sizes)) is not None:
+            gains["fp8 speed"] = fp8
         self.step_costs = step_costs(memory.sizes) if self.maximize else {}
         context = (done, best, memory, seen, [p for _, p, _ in done], gains)
         plans = [self._plan(t, *context) for t in waiting]
@@ -340,7 +342,7 @@ class Planner:
             gain = gains.get(mode, COMPILE_GAIN_PRIOR)
             return gain if was == "off" else 1.0 / gain
         if key == "precision.mode":
-            return _precision_factor(before.get(key, "fp32"), after.get(key, "fp32"))
+            return _precision_factor(before.get(key, "fp32"), after.get(key, "fp32"), gains.get("fp8 speed"))
         if key == "batch_size.batch_size" and before.get(key) and after.get(key):
             half = gains["batch half"]
             was, now = int(before[key]), int(after[key])
@@ -382,10 +384,14 @@ def _batch_half(study: optuna.Study) -> float:
     return BATCH_HALF["tokens"] / tokens if tokens else BATCH_HALF["samples"]
 
 
-def _precision_factor(before: str, after: str) -> float | None:
+def _precision_factor(before: str, after: str, fp8: float | None = None) -> float | None:
+    """One precision mode's speed over another's, from the priors; ``fp8``: fp8's over the other 16-bit
+    modes for this model (neighbours.fp8_speed), None where its sizes are not known."""
     group = {m: ("16" if m in _SIXTEEN else m) for m in (before, after)}
     a, b = group[before], group[after]
     if a == b:
+        if fp8 is not None and (before == "fp8") != (after == "fp8"):
+            return fp8 if after == "fp8" else 1.0 / fp8
         return None  # fp16 against bf16, say: measured, not assumed
     if (a, b) in AUTOCAST_GAIN_PRIOR:
         return AUTOCAST_GAIN_PRIOR[(a, b)]

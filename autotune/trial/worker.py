@@ -133,7 +133,7 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     from strategies.fp32_layers import kinds_present
     from strategies.loss_kernel import probe as lm_head
     from strategies.optimizer_state import class_name
-    from strategies.precision import fp8_eligible_share, supported_modes
+    from strategies.precision import fp8_eligible_share, fp8_width, supported_modes
     from strategies.vocab_padding import vocab_size
 
     device = request["device"]
@@ -172,6 +172,7 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     result["misaligned"] = {str(m): misaligned_layers(workload.model, m) for m in (8, 16)}
     result["fp32_layer_kinds"] = kinds_present(workload.model)
     result["fp8_eligible_share"] = fp8_eligible_share(workload.model)
+    result["fp8_width"] = fp8_width(workload.model)  # with the share, the planner's prior on fp8's speed
     if request.get("forward", True):  # off when a first probe's forward killed its process
         result.update(sdpa_calls(workload.model, x))  # the attention knob's question
     # the fused loss's: an LM head whose logits the model returns as they are, the loss its cross-entropy
