@@ -275,6 +275,35 @@ def count_trials(study) -> dict[str, Any]:
     }
 
 
+MEMORY_KNOBS = ("optimizer_state", "loss_kernel", "activation_checkpointing", "llm_kernels", "allocator")
+"""The knobs that buy memory (issue 36): a row also gives its search's best with all of them off."""
+
+
+def best_without_memory_knobs(study) -> dict[str, Any] | None:
+    """The search's best measured configuration with every MEMORY_KNOBS knob at its untuned value (a
+    field a trial does not record taken as untuned): what the same search gives without them. None
+    where no such trial completed."""
+    import optuna
+
+    import strategies
+    from autotune.search.trials import counted_trials
+    from autotune.trial.record import TrialRecord
+
+    maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
+    best = None
+    for t in counted_trials(study):
+        record = TrialRecord.of(t)
+        if not record.measured or record.duplicate_of is not None or t.value is None:
+            continue
+        untuned = all((record.knobs.get(name) or {}).get(field, value) == value for name in MEMORY_KNOBS
+                      for field, value in strategies.BY_NAME[name].to_dict(strategies.BY_NAME[name].default()).items())
+        if untuned and (best is None or (t.value > best.value if maximize else t.value < best.value)):
+            best = t
+    if best is None:
+        return None
+    return {"value": best.value, "trial": best.number, "config": strategies.describe(TrialRecord.of(best).knobs)}
+
+
 def accuracy_training_s(study) -> float:
     """Seconds the accuracy checks trained, from the study's cached check results: each FP32
     reference and its reshuffled twin, and each numerics class checked against it."""
@@ -353,6 +382,7 @@ def summarize_run(out_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
         return run
     study = load_study(out_dir)
     run.update(count_trials(study))
+    run["without_memory_knobs"] = best_without_memory_knobs(study)
     run["phases"] = phase_times(study, record)
     run["cli_phases"] = cli_phases(record.get("console", []))
     config = json.loads((out_dir / "config.json").read_text()) if (out_dir / "config.json").exists() else None
@@ -458,6 +488,12 @@ def aggregate(name: str, budget: str, runs: list[dict[str, Any]], reference: dic
     row["verified_ratio"] = median([r.get("verified_ratio") for r in done])
     row["errors"] = "; ".join(sorted({r["error"] for r in runs if r.get("error")})) or None
     row.update(plain_figures(row, plain))
+    off = [r["without_memory_knobs"] for r in done if r.get("without_memory_knobs")]
+    row["without_memory_knobs_value"] = median([o["value"] for o in off])
+    row["without_memory_knobs_config"] = max(off, key=lambda o: o["value"])["config"] if off else None
+    speed = row.get("plain_samples_per_s")
+    row["without_memory_knobs_plain_ratio"] = (round(row["without_memory_knobs_value"] / speed, 4)
+                                               if off and speed and row.get("unit") in (None, "samples/s") else None)
     return row
 
 
@@ -564,6 +600,12 @@ def plain_section(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]
             "compiled" if p.get("compile") else "eager")
         lines.append(f"- {model}: {fmt(p['samples_per_s'])} samples/s{tokens} at batch {p['batch']} "
                      f"(base {p.get('base_batch')}{tried}){peak}{cap}; {how}, {p.get('optimizer')}")
+    for r in rows:
+        if r.get("without_memory_knobs_value") is not None and r["without_memory_knobs_value"] != r["best_value"]:
+            ratio = r.get("without_memory_knobs_plain_ratio")
+            lines.append(f"- {r['model']} ({r['budget']}), the same search's best with the memory knobs off: "
+                         f"{fmt(r['without_memory_knobs_value'])}" + (f" ({ratio:.1%} of the plain recipe)" if ratio else "")
+                         + f": {r['without_memory_knobs_config']}")
     median_ratio = meta.get("plain_median_ratio")
     if median_ratio is not None:
         n = sum(1 for r in rows if r.get("plain_ratio") is not None)

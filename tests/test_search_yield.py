@@ -338,3 +338,22 @@ def test_the_plain_recipe_runs_once_per_model_and_is_reused(tmp_path, monkeypatc
         command, 1, stdout="", stderr="Traceback ...\nRuntimeError: CUDA error: an illegal memory access"))
     result = search_yield.plain_recipe("vit_b_16", args)
     assert result["error"] == "the plain recipe's loop exited 1: RuntimeError: CUDA error: an illegal memory access"
+
+
+def test_a_row_gives_the_same_searchs_best_with_the_memory_knobs_off(tmp_path):
+    """Issue 36 asks, beside the recommendation, the best of the same search with the new knobs off."""
+    folder = tmp_path / "odd_mlp_tiny-30s"
+    study = plant_run(folder, best=300.0)
+    levered = {"precision": {"mode": "bf16"}, "batch_size": {"batch_size": 64}, "optimizer_state": {"state": "8bit-bnb"},
+               "activation_checkpointing": {"every": 1}}
+    study.add_trial(_trial(40, 5, 360.0, role="steered", status="ok", timing=_timing(5.0), knobs=levered))
+    off = search_yield.best_without_memory_knobs(study)
+    assert off["value"] == 300.0 and off["trial"] == 3  # the levered one is faster, and left out
+    run = search_yield.summarize_run(folder, json.loads((folder / search_yield.MARKER).read_text()))
+    run["best_value"] = 360.0  # as config.json would say for the levered recommendation
+    row = search_yield.aggregate("odd_mlp_tiny", "30s", [run], {}, {**PLAIN, "samples_per_s": 250.0})
+    assert row["without_memory_knobs_value"] == 300.0 and row["without_memory_knobs_plain_ratio"] == 1.2
+    meta = {"where": "H200", "torch": "2.x", "command": "x", "checkouts": ["abc"], "references": {}, "repeats": 1,
+            "plain_recipes": {"odd_mlp_tiny": PLAIN}, "plain_median_ratio": None}
+    assert ("- odd_mlp_tiny (30s), the same search's best with the memory knobs off: 300 (120.0% of the plain "
+            "recipe)") in search_yield.markdown([row], meta, [])
