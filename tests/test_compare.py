@@ -76,6 +76,7 @@ def test_side_by_side_shows_each_runs_recorded_figures(cpu_runs, tmp_path):
         assert rows["peak memory GiB"][i] == f"{f['peak_memory_bytes'] / 2**30:.2f}"
         assert rows["speed-up over own FP32 baseline"][i] == f"{data['speedup_vs_baseline']:.2f}x"
         assert rows["torch"][i] == data["provenance"]["torch"]
+        assert data["optimizer"]["class"] == "torch.optim.sgd.SGD"  # the workload's, as the trials stepped it
         assert rows["device"][i] == f"CPU ({data['provenance']['num_cpus']} cores)"
         assert rows["CUDA"][i] == rows["driver"][i] == "-"  # a CPU run has none: not invented
         assert rows["joules per sample"][i] == "not measured"

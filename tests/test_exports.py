@@ -310,3 +310,20 @@ def test_a_gpu_config_exports_on_a_machine_without_a_gpu(tmp_path: Path, cli_mai
     assert exported["training_args"]["fp16"] is (recorded["precision"]["mode"] == "fp16")
     assert exported["training_args"]["per_device_train_batch_size"] == recorded["batch_size"]["batch_size"]
     assert {u["setting"] for u in exported["unsupported"]} >= {"memory_format.format"}
+
+
+def test_hf_export_keeps_the_optimizer_class_that_was_measured(gpu_cfg: TunedConfig) -> None:
+    """Issue 36: a search measured with SGD exported optim='adamw_torch_fused', and the change was not
+    listed among what TrainingArguments cannot express. config.json records the class the trials
+    stepped; an AdamW keeps its optim name, any other class is listed with how to keep it."""
+    sgd = TunedConfig.from_params(GPU_PARAMS, GPU_SPACE, info={"optimizer": {"class": "torch.optim.sgd.SGD"}})
+    kwargs, unsupported = sgd.hf_training_args()
+    assert "optim" not in kwargs
+    entry = next(u for u in unsupported if u["setting"] == "optimizer.class")
+    assert entry["value"] == "torch.optim.sgd.SGD"
+    assert "Trainer(optimizers=(optimizer, None))" in entry["why"] and "fused=True" in entry["why"]
+    adamw = TunedConfig.from_params(GPU_PARAMS, GPU_SPACE, info={"optimizer": {"class": "torch.optim.adamw.AdamW"}})
+    kwargs, unsupported = adamw.hf_training_args()
+    assert kwargs["optim"] == "adamw_torch_fused" and "optimizer.class" not in unsupported_settings(unsupported)
+    # a config.json from before the class was recorded: as before
+    assert gpu_cfg.hf_training_args()[0]["optim"] == "adamw_torch_fused"

@@ -163,6 +163,17 @@ def unsupported(cfg: Any, target: str, expressed: set[str]) -> list[dict[str, An
 # Hugging Face ------------------------------------------------------------------------------------
 
 
+HF_OPTIMIZER_CLASS = "torch.optim.adamw.AdamW"
+"""The optimizer class TrainingArguments(optim=...) names build (its adamw_* variants), as the probe
+names classes (strategies.optimizer_state.class_name)."""
+
+
+def optimizer_words(implementation: str) -> str:
+    """How to build an optimizer of a tuned implementation, in words: "fused=True"."""
+    return {"fused": "fused=True", "foreach": "foreach=True", "plain": "foreach=False, fused=False"}.get(
+        implementation, "PyTorch's default implementation")
+
+
 def hf_optimizer(implementation: str, device: str) -> str | None:
     """TrainingArguments(optim=...) for an optimizer implementation; None where no name says it.
 
@@ -206,7 +217,16 @@ def hf_training_args(cfg: Any) -> HFExport:
     if state != "full":  # its implementation is then "default": nothing else to say
         # the Trainer's torchao.optim.AdamW8bit (block size 256, as measured), or bitsandbytes' AdamW8bit
         optim = "adamw_bnb_8bit" if state == "8bit-bnb" else "adamw_torch_8bit"
-    if optim is not None:
+    measured = (cfg.info.get("optimizer") or {}).get("class")
+    if measured is not None and measured != HF_OPTIMIZER_CLASS:
+        # optim names the Trainer's AdamW variants: one for another class would change what was measured
+        name = measured.rsplit(".", 1)[-1]
+        how = (f"then optimizer = strategies.optimizer_state.rebuild(optimizer, {state!r}) for its 8-bit states"
+               if state != "full" else f"built with {optimizer_words(implementation)}")
+        out.append(item("optimizer.class", measured,
+                        f"the search measured {name} and TrainingArguments(optim=...) builds an AdamW: pass your "
+                        f"{name} with Trainer(optimizers=(optimizer, None)), {how}"))
+    elif optim is not None:
         args["optim"] = optim
     else:
         out.append(item("optimizer.implementation", implementation,

@@ -183,6 +183,9 @@ def _config_info(study: optuna.Study, out_dir: Path, best: optuna.trial.FrozenTr
         "memory": {"limit_bytes": study.user_attrs.get("memory_limit_bytes"),
                    "device_total_bytes": probe["provenance"].get("gpu_memory_bytes")},
         "provenance": probe["provenance"],
+        # the optimizer class the trials stepped (the workload's: SGD for an image classifier, AdamW for a
+        # language model); the optimizer knob tuned its implementation, and the exports keep it
+        "optimizer": {"class": probe.get("optimizer_class")},
         "study": {"storage": url, "study_name": study.study_name, "trial_number": best.number},
         "search": search_cost(study),
     }
