@@ -582,3 +582,17 @@ def test_on_a_gpu_compiled_checkpointing_trains_and_keeps_less(mode: str):
           "checkpointed")
     assert peaks["checkpointed"] < 0.8 * peaks["plain"]
     torch._dynamo.reset()
+
+
+def test_checkpointing_has_its_own_accuracy_check():
+    """Issue 36, item 3: recomputed activations go through the FP32-referenced gate as a precision does,
+    so a checkpointed configuration does not share its precision's verdict; off, it keys as before."""
+    from autotune.accuracy.settings import describe_numerics, numerics_key
+
+    bf16 = {"precision": {"mode": "bf16"}}
+    every = {**bf16, "activation_checkpointing": {"every": 1}}
+    second = {**bf16, "activation_checkpointing": {"every": 2}}
+    assert len({numerics_key(bf16), numerics_key(every), numerics_key(second)}) == 3
+    assert numerics_key({**bf16, "activation_checkpointing": {"every": 0}}) == numerics_key(bf16)
+    assert describe_numerics(every) == "bf16, checkpointing every block"
+    assert describe_numerics(second) == "bf16, checkpointing every 2 blocks"

@@ -8,8 +8,11 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
-NUMERICS_KNOBS = ("precision", "grad_scaler", "fp32_layers", "loss_kernel", "optimizer_state", "llm_kernels")
-"""The knobs that change the arithmetic; every other knob only changes speed and memory."""
+NUMERICS_KNOBS = ("precision", "grad_scaler", "fp32_layers", "loss_kernel", "optimizer_state", "llm_kernels",
+                  "activation_checkpointing")
+"""The knobs that change the arithmetic; every other knob only changes speed and memory. Recomputed
+activations are among them (issue 36): the recompute runs the forward again, which a compiled step
+partitions and fuses apart from the first, and non-deterministic kernels need not repeat themselves."""
 NEAR_FRONTIER = 0.9
 """A trial at or above this fraction of the fastest throughput so far is checked."""
 UNSTABLE_CONSTRAINT = 100.0
@@ -117,4 +120,7 @@ def describe_numerics(knobs: Mapping[str, Mapping[str, Any]]) -> str:
         parts.append("8-bit optimizer states")
     if knobs.get("llm_kernels", {}).get("kernels", "framework") != "framework":
         parts.append("liger kernels")
+    every = knobs.get("activation_checkpointing", {}).get("every", 0)
+    if every:
+        parts.append("checkpointing every block" if every == 1 else f"checkpointing every {every} blocks")
     return ", ".join(parts)
