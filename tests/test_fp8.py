@@ -147,3 +147,35 @@ def test_fp8_is_not_offered_for_a_model_with_no_linear_it_can_run(monkeypatch):
     some = {"precisions": offered, "fp8_eligible_share": precision.fp8_eligible_share(mlp16())}
     assert 0.5 < some["fp8_eligible_share"] < 1
     assert p.offer(SimpleNamespace(precisions=None), "cuda", some, {})["precisions"] == offered
+
+
+@pytest.mark.parametrize("compile_mode", ["off", pytest.param("default", marks=pytest.mark.slow)])
+def test_fp8_trains_with_the_memory_knobs_the_planner_puts_on_its_twin(monkeypatch, compile_mode):
+    """Under a memory cap the planner queues the fp8 twin of the plain recipe with the fused loss and
+    every block checkpointed first (a 1B Llama under 24 GiB): the three compose in one training step,
+    the tied head handing its hidden states to the loss while its Linear layers run in float8
+    (emulated on a CPU; liger's kernel replaced by the reference of tests/test_loss_kernel.py)."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from autotune.workload.models import WorkloadSpec, build
+    from strategies import loss_kernel
+    from test_loss_kernel import reference
+
+    monkeypatch.setitem(loss_kernel.IMPLEMENTATIONS, "fused_linear", reference)
+    space = SearchSpace(device="cpu", precisions=["fp32", "bf16", "fp8"], batch_sizes=[4], base_batch_size=4,
+                        compile_modes=["off", "default"],
+                        choices={"loss_kernel": ["framework", "fused_linear"], "activation_checkpointing": [0, 1, 2]})
+    cfg = TunedConfig.from_params({"precision.mode": "fp8", "batch_size.batch_size": 4, "compile.mode": compile_mode,
+                                   "loss_kernel.kernel": "fused_linear", "activation_checkpointing.every": 1}, space)
+    torch.manual_seed(0)
+    workload = build(WorkloadSpec(model="hf:llama", seq_len=32, model_config={
+        "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 1024, "tie_word_embeddings": True}))
+    model, optimizer = cfg.prepare(workload.model, workload.optimizer(workload.model))
+    step = cfg.train_step(model, optimizer, workload.loss_fn)
+    x, y = workload.batch(4, torch.Generator().manual_seed(1))
+    losses = [float(step(x, y)) for _ in range(6)]
+    assert isinstance(model.lm_head, Float8Linear) and model.lm_head.weight is model.model.embed_tokens.weight
+    assert sum(isinstance(m, Float8Linear) for m in model.modules()) == 2 * 7 + 1
+    assert getattr(model.model, "is_activation_checkpointing", None) or model.model.is_gradient_checkpointing
+    assert all(map(lambda v: v == v, losses)) and losses[-1] < losses[0] - 0.2  # it learns the batch
