@@ -147,8 +147,9 @@ def test_the_checks_batch_fits_where_the_fp32_baseline_says_the_default_would_no
     roomy = {**measured, "peak_memory_bytes": 25 * GiB, "batch_size": 256}
     assert fitting_batch(64, roomy) == 64 and "batch_size" not in plan(settings, budget_s=420, share=0.25,
                                                                         measured=roomy)
-    # a trial that is not the FP32 baseline, or a CPU (no device memory), says nothing of FP32's memory
-    assert fitting_batch(64, {**measured, "baseline": False}) == 64
+    # a 16-bit trial, not the FP32 baseline, bounds FP32's bytes a sample at twice its own; a CPU (no
+    # device memory) says nothing
+    assert fitting_batch(64, {**measured, "baseline": False}) == 16
     assert fitting_batch(64, {**measured, "limit_bytes": None}) == 64
     # the gate checks at the planned batch, and a resume keeps it
     gate = AccuracyGate(settings=settings, space=SPACE, workload=TINY, timeout_s=300, budget_s=420,

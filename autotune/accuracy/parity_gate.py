@@ -39,7 +39,7 @@ from autotune.accuracy.gate import (
 )
 from autotune.accuracy.parity import ParityResult, ParitySettings
 from autotune.accuracy.parity_verdict import METHOD, evidence, reference_evidence
-from autotune.accuracy.plan import CHECK_FILL, duration
+from autotune.accuracy.plan import duration, fitting_batch
 from autotune.accuracy.settings import numerics_key, numerics_knobs
 from autotune.trial.record import TrialRecord
 
@@ -58,19 +58,6 @@ BUILDS = 2
 it for each run (autotune.accuracy.check.seeded_workload); the second is the data and the copies."""
 
 
-def fitting_batch(batch_size: int, measured: Mapping[str, Any]) -> int:
-    """The check's batch: ``batch_size``, or less where the FP32 baseline's peak over its batch says an
-    FP32 step of it would not fit in CHECK_FILL of the memory limit. Without a baseline, the measured
-    trial's peak over its batch, twice (FP32 keeps the same weights and states, and its activations are
-    at most twice a 16-bit step's): on the H200 under 24 GiB a 1B Llama's search measured no baseline,
-    and its check's FP32 reference ran out of memory at the default batch."""
-    peak, batch, limit = measured.get("peak_memory_bytes"), measured.get("batch_size"), measured.get("limit_bytes")
-    if not (peak and batch and limit):
-        return batch_size
-    per_sample = peak / batch if measured.get("baseline") else 2 * peak / batch
-    return max(1, min(batch_size, int(CHECK_FILL * limit / per_sample)))
-
-
 def parity_plan(settings: ParitySettings, *, budget_s: float, share: float, measured: Mapping[str, Any]) -> dict[str, Any]:
     """The parity checks' steps and batch for a search of ``budget_s`` whose checks may spend ``share``
     of it, from autotune.accuracy.plan.step_time's figures: the largest batch (``settings.batch_size``,
@@ -78,7 +65,7 @@ def parity_plan(settings: ParitySettings, *, budget_s: float, share: float, meas
     ``fits`` False where none does (``needed_budget_s`` says what budget would, at the smallest). On
     a 2-core CPU with bf16 matrix units (AMX) ResNet-50's FP32 baseline ran 1.4 samples/s: the
     reference's and the calibration's FP32 steps at batch 16 took 137 s of a 90 s share."""
-    largest = fitting_batch(settings.batch_size, measured)
+    largest = fitting_batch(settings.batch_size, measured, bytes_factor=1.0, minimum=1, multiple=1)
     options = [_sized(settings, largest, budget_s=budget_s, share=share, measured=measured)]
     while options[-1]["batch"] // 2 >= MIN_BATCH:
         options.append(_sized(settings, options[-1]["batch"] // 2, budget_s=budget_s, share=share, measured=measured))

@@ -12,7 +12,7 @@ every check compares) and recorded, so the summary can say how it was chosen.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Mapping
 
 from autotune.accuracy.settings import MIN_STEPS, AccuracySettings
 from autotune.trial.record import TrialRecord
@@ -83,19 +83,25 @@ def check_build_s(record: TrialRecord) -> float:
     return record.timing.get("build_s") or 0.0
 
 
-def fitting_batch(batch_size: int, measured: dict[str, Any]) -> int:
-    """The check's batch: ``batch_size`` (the default), or less where the FP32 baseline's measured
-    peak says its FP64 step would not fit. The baseline's peak over its batch bounds FP32's memory
-    per sample from above (the fixed part counted in), so the check's FP32 runs fit too. On the
+def fitting_batch(batch_size: int, measured: Mapping[str, Any], *, bytes_factor: float = FP64_FACTOR,
+                  minimum: int = 2, multiple: int = 8) -> int:
+    """The check's batch: ``batch_size`` (the default), or less where an FP32 step of it would not fit
+    in CHECK_FILL of the memory limit, times ``bytes_factor`` (the held-out check's FP64 step holds
+    about twice an FP32 step; parity's runs are FP32 only: 1), rounded down to a ``multiple`` (from 8
+    up) and at least ``minimum``. The FP32 baseline's peak over its batch bounds FP32's bytes per
+    sample from above (the fixed part counted in); without a baseline, the measured trial's, twice
+    (FP32 keeps the same weights and states, its activations at most twice a 16-bit step's). On the
     H200 hf:gpt2 at 1,024 tokens peaked at 115.9 GiB for an FP32 batch of 64, and its check at the
-    default 64 ran out of memory: the recommendation went unchecked."""
+    default 64 ran out of memory; under 24 GiB a 1B Llama's search measured no baseline, and its
+    check's FP32 reference ran out of memory at the default batch."""
     peak, batch, limit = measured.get("peak_memory_bytes"), measured.get("batch_size"), measured.get("limit_bytes")
-    if not (measured.get("baseline") and peak and batch and limit):
+    if not (peak and batch and limit):
         return batch_size
-    most = int(CHECK_FILL * limit * batch / (FP64_FACTOR * peak))
+    per_sample = (1 if measured.get("baseline") else 2) * bytes_factor * peak / batch
+    most = int(CHECK_FILL * limit / per_sample)
     if most >= 8:
-        most -= most % 8  # a multiple of 8, as the search's batches
-    return max(2, min(batch_size, most))
+        most -= most % multiple
+    return max(minimum, min(batch_size, most))
 
 
 def plan(settings: AccuracySettings, *, budget_s: float, share: float, measured: dict[str, Any],
