@@ -447,3 +447,49 @@ def test_a_cost_a_step_is_taken_off_a_measured_rate_before_its_batch_is_scaled()
     expected = 16 / (16 / (without * (16 / (16 + half)) / (4 / (4 + half))) + cost)
     assert plan.predicted == pytest.approx(expected, rel=1e-6)
     assert plan.predicted > 39.4 * (16 / 17) / (4 / 5)  # the whole rate scaled: the cost kept at 4's share
+
+
+def test_a_candidate_holding_the_knob_values_of_failed_trials_goes_last():
+    """A compiled trial of a 1B Llama is a minute of a 5-minute budget: after fp8 with the memory knobs
+    failed at one batch, its siblings at other batches would fail as it did, and after two failures
+    that share fp8, fp8 is the suspect. Out of memory is no failure of the knobs: it sizes, not blames."""
+    import dataclasses
+
+    space = dataclasses.replace(_capped_space(), precisions=["fp32", "bf16", "fp8"],
+                                choices={"optimizer_state": ["full", "8bit-bnb"], "activation_checkpointing": [0, 1, 2]})
+    study = _capped_study(space)
+    study.set_user_attr(PROBE_ATTR, {**study.user_attrs[PROBE_ATTR], "sizes": FP8_SIZES})
+    bar = plain_recipe.params(space, 2)
+
+    def failed(changes, status="error"):
+        params = complete_params({**bar, **changes}, space)
+        distributions = {k: optuna.distributions.CategoricalDistribution([v]) for k, v in params.items()}
+        study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState.FAIL, params=params,
+                                                  distributions=distributions,
+                                                  user_attrs={"role": "steered", "status": status,
+                                                              "reason": "RuntimeError: boom"}))
+
+    def queue(changes):
+        study.enqueue_trial(complete_params({**bar, **changes}, space),
+                            user_attrs={"role": "steered", "steered_by": {"rule": RULE}})
+        return study.trials[-1].number
+
+    levered = {"precision.mode": "fp8", "optimizer_state.state": "8bit-bnb", "activation_checkpointing.every": 1}
+    failed({**levered, "batch_size.batch_size": 16})
+    sibling = queue({**levered, "batch_size.batch_size": 8})
+    fp8 = queue({"precision.mode": "fp8", "batch_size.batch_size": 2})
+    bf16 = queue({"optimizer_state.state": "8bit-bnb", "activation_checkpointing.every": 2, "batch_size.batch_size": 8})
+    planner = Planner(space, walls=[(20.0, False), (70.0, True)])
+    plans = {p.number: p for p in planner.plans(study)}
+    assert plans[sibling].gain == 0.0 and f"#{sibling - 1} failed with the same knob values" in plans[sibling].why
+    assert plans[fp8].gain > 0 and plans[bf16].gain > 0
+    failed({"precision.mode": "fp8", "activation_checkpointing.every": 2, "batch_size.batch_size": 4})
+    plans = {p.number: p for p in planner.plans(study)}
+    assert plans[fp8].gain == 0.0 and " and #" in plans[fp8].why  # fp8, shared by both failures
+    assert plans[bf16].gain > 0
+    # an out-of-memory trial blames nothing
+    from autotune.search.planner import suspects
+
+    before = suspects(study.trials)
+    failed({"optimizer_state.state": "8bit-bnb", "batch_size.batch_size": 16}, status="oom")
+    assert suspects(study.trials) == before

@@ -136,7 +136,7 @@ class Planner:
         if (fp8 := fp8_speed(memory.sizes)) is not None:
             gains["fp8 speed"] = fp8
         self.step_costs = step_costs(memory.sizes) if self.maximize else {}
-        context = (done, best, memory, seen, [p for _, p, _ in done], gains)
+        context = (done, best, memory, seen, [p for _, p, _ in done], gains, suspects(trials))
         plans = [self._plan(t, *context) for t in waiting]
         if self.queue_order:
             return sorted(plans, key=lambda p: (min(p.rank, 3), p.number))
@@ -145,7 +145,8 @@ class Planner:
         return sorted(plans, key=lambda p: (p.rank, -p.gain_per_s if p.rank == 5 else 0.0, p.number))
 
     def _plan(self, t: optuna.trial.FrozenTrial, done, best, memory, seen: dict[str, set],
-              measured_params: list[dict], gains: dict[str, float]) -> Plan:
+              measured_params: list[dict], gains: dict[str, float],
+              suspected: list[tuple[str, frozenset]] = ()) -> Plan:
         """One queued trial's plan: its predictions, its rank among the fixed roles, its words."""
         from autotune.search.steering import complete_params
 
@@ -165,6 +166,9 @@ class Planner:
             gain = max(0.0, (hope - best.value) if self.maximize else (best.value - hope))
         elif best is not None and novel:
             gain = NOVELTY * abs(best.value)
+        failed = next((which for which, values in suspected if values <= set(params.items())), None)
+        if failed is not None:
+            gain = 0.0  # it would fail as they did: last, after everything that may gain
         role = record.role or "search"
         if record.urgent:
             rank, why = 0, "the FP32 baseline at a batch that fits: every figure is compared with it"
@@ -178,6 +182,8 @@ class Planner:
             rank, why = 4, "the plain recipe: the bar every recommendation must clear"
         else:
             rank, why = 5, self._words(predicted, source, best, cost, gain, novel)
+            if failed is not None:
+                why += f"; last: {failed} failed with the same knob values"
         return Plan(number=t.number, trial_id=t._trial_id, role=role, predicted=predicted, cost_s=cost,
                     peak_bytes=peak, gain=gain, rank=rank, why=why)
 
@@ -374,6 +380,26 @@ class Planner:
             text += f"; measures {', '.join(novel[:2])} for the first time"
         return text + f"; about {cost:.0f} s" + (f", {gain / max(cost, 1e-3):,.3g} {self.unit} gained a second"
                                                  if gain > 0 else "")
+
+
+def suspects(trials: list[optuna.trial.FrozenTrial]) -> list[tuple[str, frozenset]]:
+    """Knob values that a failed trial (crashed, an error, a timeout: not out of memory) had and no
+    completed trial has: each failed trial's, and those two failed trials share. A candidate holding
+    all of one such set is expected to fail as they did (on the GPU a compile of fp8 with three memory
+    knobs is a minute of a 5-minute budget: its siblings at other batches should not each spend one),
+    and two failures that share values point at those. The batch is never a suspect. ("#7", values)."""
+    from autotune.search.outcome import FAILED_STATUSES
+
+    completed = {(k, v) for t in trials if t.state == TrialState.COMPLETE for k, v in t.params.items()}
+    failed = []
+    for t in trials:
+        if TrialRecord.of(t).status in FAILED_STATUSES:
+            values = frozenset((k, v) for k, v in t.params.items()
+                               if (k, v) not in completed and k != "batch_size.batch_size")
+            if values:
+                failed.append((f"#{t.number}", values))
+    shared = [(f"{a} and {b}", x & y) for i, (a, x) in enumerate(failed) for b, y in failed[i + 1:] if x & y]
+    return failed + shared
 
 
 def _batch_half(study: optuna.Study) -> float:
