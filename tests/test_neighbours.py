@@ -406,6 +406,9 @@ def test_under_a_cap_the_memory_knobs_are_queued_on_the_fp8_twin_too_and_it_is_s
     fp8 = complete_params({**bar, "precision.mode": "fp8"}, space)
     assert model.predict(_knobs(space, fp8)) == pytest.approx(model.predict(_knobs(space, bar)))
     assert model.verdict(_knobs(space, fp8)) is None
+    # and held to its twin's line as the twin is: bf16 at 4 is predicted over 24 GiB from its batches 1 and 2
+    at_4 = _knobs(space, complete_params({**fp8, "batch_size.batch_size": 4}, space))
+    assert model.verdict(at_4) is not None and "of its bf16 twin measured at batch 1, 2" in model.verdict(at_4)
     Neighbours(space, limit_bytes=24 * GIB)(study, study.trials[-1])
     levered = {}
     for t in _queued(study):

@@ -321,14 +321,10 @@ class MemoryModel:
         return None
 
     def predict(self, knobs: Mapping[str, Mapping[str, Any]], batch: int | None = None) -> float | None:
-        """Predicted peak bytes of ``knobs`` (at ``batch`` instead of its own, if given). An fp8
-        configuration not measured yet is predicted as its bf16 twin: fp8 is bf16 autocast with the
-        eligible Linear layers' matmuls in float8, whose copies of the weights (1 byte a parameter) take
-        the place of autocast's bf16 ones (2), on the same FP32 master weights and optimizer state."""
+        """Predicted peak bytes of ``knobs`` (at ``batch`` instead of its own, if given), as its
+        :meth:`analog`."""
+        knobs = self.analog(knobs)
         fitted = self.line(family(knobs))
-        if fitted is None and (knobs.get("precision") or {}).get("mode") == "fp8" and not self.peaks.get(family(knobs)):
-            twin = {**knobs, "precision": {**knobs["precision"], "mode": "bf16"}}
-            return self.predict(twin, batch if batch is not None else batch_of(knobs))
         if fitted is None:
             batch = batch if batch is not None else batch_of(knobs)
             levered = self.lever_predict(knobs, batch)
@@ -337,6 +333,15 @@ class MemoryModel:
             return self.anchored(knobs, batch, levered)
         fixed, per_sample = fitted
         return fixed + per_sample * (batch if batch is not None else batch_of(knobs))
+
+    def analog(self, knobs: Mapping[str, Mapping[str, Any]]) -> Mapping[str, Mapping[str, Any]]:
+        """What ``knobs`` is predicted as: an fp8 configuration not measured yet as its bf16 twin (fp8
+        is bf16 autocast with the eligible Linear layers' matmuls in float8, whose weight copies of 1
+        byte a parameter take the place of autocast's bf16 ones of 2, on the same FP32 master weights
+        and optimizer state); any other as it is."""
+        if (knobs.get("precision") or {}).get("mode") == "fp8" and not self.peaks.get(family(knobs)):
+            return {**knobs, "precision": {**knobs["precision"], "mode": "bf16"}}
+        return knobs
 
     def verdict(self, knobs: Mapping[str, Mapping[str, Any]]) -> str | None:
         """Why ``knobs`` surely does not fit, or None when it may."""
@@ -347,9 +352,13 @@ class MemoryModel:
             where = "in the memory probe" if n < 0 else f"(#{n})"
             return f"does not fit: the same configuration ran out of memory at batch {b} {where}"
         predicted = self.predict(knobs)
+        analog = self.analog(knobs)
+        fam = family(analog)  # the line its prediction came from, if one
         margin = LINE_MARGIN if self.line(fam) is not None else PREDICT_MARGIN
         if self.limit_bytes and predicted is not None and predicted > self.limit_bytes * margin:
-            source = (f"fitted from the peaks measured at batch {', '.join(str(b) for b in sorted(self.peaks[fam]))}"
+            twin = " of its bf16 twin" if analog is not knobs else ""
+            source = (f"fitted from the peaks{twin} measured at batch "
+                      f"{', '.join(str(b) for b in sorted(self.peaks[fam]))}"
                       if self.line(fam) is not None else "from the memory probe's bytes per sample")
             return (f"predicted not to fit: needs about {predicted / 2**30:.0f} GiB of "
                     f"{self.limit_bytes / 2**30:.0f} (batch {batch}; {source})")
