@@ -290,14 +290,14 @@ def best_without_memory_knobs(study) -> dict[str, Any] | None:
     from autotune.trial.record import TrialRecord
 
     maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
+    untuned = strategies.untuned_values()
     best = None
     for t in counted_trials(study):
         record = TrialRecord.of(t)
         if not record.measured or record.duplicate_of is not None or t.value is None:
             continue
-        untuned = all((record.knobs.get(name) or {}).get(field, value) == value for name in MEMORY_KNOBS
-                      for field, value in strategies.BY_NAME[name].to_dict(strategies.BY_NAME[name].default()).items())
-        if untuned and (best is None or (t.value > best.value if maximize else t.value < best.value)):
+        values = strategies.with_untuned(record.knobs)
+        if all(values[name] == untuned[name] for name in MEMORY_KNOBS) and (best is None or (t.value > best.value if maximize else t.value < best.value)):
             best = t
     if best is None:
         return None

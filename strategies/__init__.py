@@ -7,6 +7,7 @@ model transforms compose predictably (channels are padded before the memory form
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping
 
 from autotune.deploy.recipe import Recipe
@@ -149,6 +150,26 @@ def knobs_to_dict(knobs: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     return {name: BY_NAME[name].to_dict(cfg) for name, cfg in knobs.items()}
 
 
+@functools.cache
+def _untuned() -> dict[str, dict[str, Any]]:
+    return {s.name: s.to_dict(s.default()) for s in REGISTRY}
+
+
+def untuned_values() -> dict[str, dict[str, Any]]:
+    """Every knob's untuned values as recorded (name -> field -> value): what a configuration that does
+    not record a knob or a field ran with. A new dict each call (the memory model asks for it per family)."""
+    return {name: dict(fields) for name, fields in _untuned().items()}
+
+
+def with_untuned(values: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Recorded knob values (name -> field -> value) with every knob and field they do not record at its
+    untuned value: a trial or config.json from before a knob existed, read as what ran then."""
+    out = untuned_values()
+    for name, fields in values.items():
+        out.setdefault(name, {}).update(fields)
+    return out
+
+
 def knobs_from_dict(data: Mapping[str, Mapping[str, Any]], *, fill_missing: bool = False) -> dict[str, Any]:
     """Knob configs from their recorded dicts. With ``fill_missing``, a knob added after they were
     recorded (a trial or config.json of an older autotune) takes its untuned default: that is what
@@ -161,4 +182,5 @@ def knobs_from_dict(data: Mapping[str, Mapping[str, Any]], *, fill_missing: bool
 
 
 __all__ = ["REGISTRY", "BY_NAME", "DESCRIBED", "REPORTED", "ReportKnob", "Strategy", "sample", "build_recipe",
-           "knobs_to_dict", "knobs_from_dict", "knobs_of", "offer", "seed_params", "describe", "report_knobs"]
+           "knobs_to_dict", "knobs_from_dict", "untuned_values", "with_untuned", "knobs_of", "offer", "seed_params",
+           "describe", "report_knobs"]

@@ -97,9 +97,9 @@ def numerics_key(knobs: Mapping[str, Mapping[str, Any]]) -> str:
     A knob at its default is left out, so a study from before a knob existed keys the same."""
     import strategies
 
-    present = {}
+    present, untuned = {}, strategies.untuned_values()
     for name, values in numerics_knobs(knobs).items():
-        if values != strategies.BY_NAME[name].to_dict(strategies.BY_NAME[name].default()):
+        if values != untuned[name]:
             present[name] = values
     return json.dumps(present, sort_keys=True)
 

@@ -71,9 +71,7 @@ def require(package: str, module: str | None = None) -> Any:
 
 def knob_values(cfg: Any) -> dict[str, dict[str, Any]]:
     """Every knob's recorded values, untuned defaults filled in for knobs this space lacks."""
-    values = {s.name: s.to_dict(s.default()) for s in strategies.REGISTRY}
-    values.update(strategies.knobs_to_dict(cfg.knobs))
-    return values
+    return strategies.with_untuned(strategies.knobs_to_dict(cfg.knobs))
 
 
 def item(setting: str, value: Any, why: str) -> dict[str, Any]:
@@ -168,10 +166,15 @@ HF_OPTIMIZER_CLASS = "torch.optim.adamw.AdamW"
 names classes (strategies.optimizer_state.class_name)."""
 
 
+def optimizer_kwargs(implementation: str) -> dict[str, bool]:
+    """The keyword arguments that build an optimizer of a tuned implementation ({} for PyTorch's default)."""
+    return {"plain": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}.get(implementation, {})
+
+
 def optimizer_words(implementation: str) -> str:
     """How to build an optimizer of a tuned implementation, in words: "fused=True"."""
-    return {"fused": "fused=True", "foreach": "foreach=True", "plain": "foreach=False, fused=False"}.get(
-        implementation, "PyTorch's default implementation")
+    kwargs = optimizer_kwargs(implementation)
+    return ", ".join(f"{k}={v}" for k, v in kwargs.items()) if kwargs else "PyTorch's default implementation"
 
 
 def hf_optimizer(implementation: str, device: str) -> str | None:
@@ -313,12 +316,10 @@ def accelerate_config(cfg: Any) -> AccelerateExport:
         out.append(item("grad_scaler", scaler, "not in accelerate's config file: pass "
                                                f"Accelerator(kwargs_handlers=[GradScalerKwargs(**{scaler})])"))
     implementation = values["optimizer"]["implementation"]
-    optimizer_kwargs = {"plain": {"foreach": False}, "foreach": {"foreach": True},
-                        "fused": {"fused": True}}.get(implementation, {})
     loader = {"batch_size": cfg.batch_size, **cfg.dataloader_kwargs()}
     text = yaml_text(config, out)
     return AccelerateExport(config, text, {"gradient_accumulation_steps": cfg.accumulation_steps}, ddp, loader,
-                            optimizer_kwargs, out)
+                            optimizer_kwargs(implementation), out)
 
 
 def yaml_text(config: dict[str, Any], unsupported_items: list[dict[str, Any]]) -> str:

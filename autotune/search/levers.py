@@ -102,10 +102,10 @@ def levers_of(knobs: dict[str, Any]) -> tuple[Lever, ...]:
 def without_levers(knobs: dict[str, Any], levers: tuple[Lever, ...] = LEVERS) -> dict[str, Any]:
     """The configuration with every memory knob (of ``levers``: all of them unless given) at its
     untuned value."""
-    out = dict(knobs)
+    out, untuned = dict(knobs), strategies.untuned_values()
     for name in {lever.param.split(".")[0] for lever in levers}:
         if name in out:
-            out[name] = strategies.BY_NAME[name].to_dict(strategies.BY_NAME[name].default())
+            out[name] = untuned[name]
     return out
 
 

@@ -26,6 +26,7 @@ from typing import Any, Mapping
 
 import optuna
 
+import strategies
 from autotune.errors import ConfigError
 from autotune.search.levers import GAP_LEVERS, lever_bytes, levers_of, without_levers
 from autotune.trial.record import TrialRecord
@@ -96,9 +97,7 @@ def family(knobs: Mapping[str, Mapping[str, Any]]) -> str:
     field the configuration does not record takes its untuned value: a trial recorded before a knob
     existed ran without it, so it is in the same family as one that records the knob off (a study
     resumed by a newer autotune; its memory probe's family, kept as this string, alike)."""
-    values = {name: dict(fields) for name, fields in _untuned_knobs().items()}
-    for name, fields in knobs.items():
-        values.setdefault(name, {}).update(fields)
+    values = strategies.with_untuned(knobs)
     parts = [f"{name}.{key}={value}" for name, fields in sorted(values.items()) if name not in _NOT_MEMORY
              for key, value in sorted(fields.items())]
     return ",".join(parts)
@@ -115,17 +114,6 @@ def normalized_family(fam: str) -> str:
             return fam
         knobs.setdefault(name, {})[field_] = value
     return family(knobs)
-
-
-_UNTUNED: dict[str, dict[str, Any]] = {}
-
-
-def _untuned_knobs() -> dict[str, dict[str, Any]]:
-    if not _UNTUNED:
-        import strategies
-
-        _UNTUNED.update({s.name: s.to_dict(s.default()) for s in strategies.REGISTRY})
-    return _UNTUNED
 
 
 def batch_of(knobs: Mapping[str, Mapping[str, Any]]) -> int:

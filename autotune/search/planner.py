@@ -166,7 +166,8 @@ class Planner:
             gain = max(0.0, (hope - best.value) if self.maximize else (best.value - hope))
         elif best is not None and novel:
             gain = NOVELTY * abs(best.value)
-        failed = next((which for which, values in suspected if values <= set(params.items())), None)
+        items = set(params.items()) if suspected else set()
+        failed = next((which for which, values in suspected if values <= items), None)
         if failed is not None:
             gain = 0.0  # it would fail as they did: last, after everything that may gain
         role = record.role or "search"
