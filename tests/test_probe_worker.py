@@ -82,7 +82,24 @@ def test_the_memory_probe_looks_between_the_batch_that_fit_and_the_one_that_did_
         tried.append(batch)
         return None if batch >= 4 else 1000 * batch
 
+    held_at = []
+
+    def forward_held(step, workload, cfg, batches, seed):
+        held_at.append(batches)
+        return {str(b): 10 * b for b in batches}
+
     monkeypatch.setattr(worker, "peak_at", peak_at)
+    monkeypatch.setattr(worker, "forward_held", forward_held)
     result = worker.probe_memory(request)
     assert tried == [1, 8, 2, 4]
     assert result["peaks"] == {"1": 1000, "2": 2000} and result["does_not_fit_at"] == 4
+    # two peaks near the limit: the smaller one's is the optimizer's phase (the 1B Llama's at 1 and 2 under
+    # 24 GiB on the H100 gave 1.42 GiB a sample, where its forward keeps 2.48), so the forward is measured
+    # from the smallest batch to twice the largest that fit
+    assert held_at == [[1, 4]] and result["forward_held"] == {"1": 10, "4": 40}
+
+    # every batch fits: the peaks' line is a sample's, and the forward is not measured apart
+    tried.clear()
+    monkeypatch.setattr(worker, "peak_at", lambda step, workload, cfg, batch, seed: 1000 * batch)
+    result = worker.probe_memory(request)
+    assert result["does_not_fit_at"] is None and "forward_held" not in result and held_at == [[1, 4]]

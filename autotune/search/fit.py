@@ -28,7 +28,9 @@ PROBE_BATCHES = (1, 8)
 their peaks' slope is a sample's activations, not the allocator's rounding. Two: each new batch is
 new shapes, which cudnn.benchmark times afresh for every convolution. On the H200 ResNet-50's probe
 at 1, 2, 4 and 8 took 29.3 s of a 5 min budget (the 1B Llama's, without convolutions, 3.5 s). Where
-the second does not fit, the probe measures what the first's forward keeps (memory_fit.forward_held)."""
+a batch does not fit, the probe also measures what the forward keeps at the smallest batch and at twice
+the largest that fit (memory_fit.forward_held): near the limit the smaller batch's peak is the
+optimizer's phase, and the peaks' slope says too little about a sample."""
 
 
 @dataclass(frozen=True)
