@@ -100,6 +100,33 @@ def test_the_check_worker_runs_under_the_searchs_memory_limit(tmp_path, monkeypa
     gate.evidence(study, BF16, check=True, label="#1")
     assert requests and requests[0]["mode"] == "parity" and requests[0]["memory_limit_bytes"] == 24 * 2 ** 30
 
+def test_each_check_is_kept_with_its_seconds_and_how_it_ended_and_an_unchecked_recommendation_says_so(
+        tmp_path, monkeypatch):
+    """On the H100 a 1B Llama's 54 s share went to the FP32 reference and to a check the share's end cut,
+    and the recommendation only said the budget ran out. Each check is now kept in the study with how it
+    ended, and the unchecked recommendation's reason says where the share went."""
+    import autotune.trial.runner as runner
+    from autotune.accuracy.plan import CHECKS_ATTR, checks_spent
+    from autotune.report.export import _add_objective_and_accuracy
+
+    answers = iter([{"status": "timeout"}, {"status": "error", "reason": "scripted: out of memory"}])
+    monkeypatch.setattr(runner, "run_worker", lambda request, **kw: next(answers))
+    study = _study((100.0, {"precision": {"mode": "fp32"}}, "baseline"), (300.0, BF16, "candidate"))
+    gate = _gate(tmp_path, budget_s=600)
+    gate.attach(study)
+    assert gate.evidence(study, BF16, check=True, label="#1", timeout_s=10) is None  # cut: no verdict
+    info = {}
+    _add_objective_and_accuracy(info, study, study.trials[1], study.trials[0])
+    assert info["accuracy"]["verdict"] == "not checked"
+    assert "against FP32 (the checks took 0 s (#1: cut by the budget after 0 s)):" in info["accuracy"]["reason"]
+    gate.evidence(study, {"precision": {"mode": "fp32"}}, check=True, label="#0")
+    checks = study.user_attrs[CHECKS_ATTR]
+    assert [(c["label"], c["fp32"], c["status"]) for c in checks] == [
+        ("#1", False, "cut by the budget"), ("#0", True, "error")]
+    assert checks[0]["timeout_s"] == 10 and gate.spent_s == pytest.approx(sum(c["seconds"] for c in checks), abs=0.2)
+    assert checks_spent(study).startswith("the checks took 0 s (#1: cut by the budget after 0 s; #0, FP32: error")
+
+
 def test_the_method_and_its_share_are_options_with_clear_errors():
     spec = WorkloadSpec(model="resnet18")
     assert SearchConfig(workload=spec).share_of_budget == 0.15

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from autotune.accuracy.plan import CHECK_RUNS, DEFAULT_SHARE, PLAN_ATTR, step_time
+from autotune.accuracy.plan import CHECK_RUNS, CHECKS_ATTR, DEFAULT_SHARE, PLAN_ATTR, step_time
 from autotune.accuracy.plan import plan as make_plan
 from autotune.accuracy.reference_cache import ReferenceCache, reference_key
 from autotune.accuracy.settings import (
@@ -369,14 +369,14 @@ class AccuracyGate:
         request = {"mode": "accuracy", "workload": self.workload, "space": self.space.to_dict(),
                    "knobs": numerics_knobs(knobs), "settings": self.settings.to_dict(), "reference": reference}
         log = self.log_dir / f"accuracy-{key_hash(key)}.log" if self.log_dir else None
-        started = time.time()
+        started, result = time.time(), None
         try:
             said = None
             if self.on_phase is not None:
                 said = lambda words: self.on_phase(f"accuracy check{' of ' + label if label else ''}: {words}")  # noqa: E731
             result = run_worker(request, timeout_s=timeout_s, log_path=log, on_progress=said, spare=self.prestart)
         finally:
-            self.spent_s += time.time() - started
+            self._spent(study, label, key, started, result, timeout_s)
         if result["status"] == "timeout" and timeout_s < self.timeout_s:
             return None  # cut by the search budget: not the configuration's fault, check again later
         if result["status"] != "ok":
@@ -391,6 +391,19 @@ class AccuracyGate:
             study.set_user_attr(RESULT_ATTR.format(fingerprint=fingerprint, key=key_hash(key)),
                                 {**run, "knobs": numerics_knobs(knobs)})
         return run, reference
+
+    def _spent(self, study, label: str, key: str, started: float, result: Mapping[str, Any] | None,
+               timeout_s: float) -> None:
+        """Count a check's seconds against the share, and keep how it ended in the study (CHECKS_ATTR)."""
+        seconds = time.time() - started
+        self.spent_s += seconds
+        status = (result or {}).get("status", "interrupted")
+        if status == "timeout" and timeout_s < self.timeout_s:
+            status = "cut by the budget"
+        entry = {"label": label or "a check", "fp32": key == numerics_key({}), "seconds": round(seconds, 1),
+                 "timeout_s": round(timeout_s, 1), "status": status}
+        with self._lock:
+            study.set_user_attr(CHECKS_ATTR, [*(study.user_attrs.get(CHECKS_ATTR) or []), entry])
 
     def _failure(self, study, result: Mapping[str, Any], reference: Mapping[str, Any] | None, key: str,
                  check: str) -> dict[str, Any] | None:
@@ -475,3 +488,4 @@ class AccuracyGate:
 
 MIN_CHECK_S = 5.0
 """A check is not started with less of the budget left than this."""
+

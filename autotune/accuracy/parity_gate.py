@@ -249,11 +249,11 @@ class ParityGate(AccuracyGate):
         if self.on_phase is not None:
             self.on_phase(f"accuracy check{' of ' + label if label else ''}: numerics parity against FP32 "
                           f"({self.settings.steps} steps{'' if reference else ', the FP32 reference first'})")
-        started = time.time()
+        started, result = time.time(), None
         try:
             result = run_worker(request, timeout_s=timeout_s, log_path=log, spare=self.prestart)
         finally:
-            self.spent_s += time.time() - started
+            self._spent(study, label, key, started, result, timeout_s)
         return self._recorded(study, result, knobs, reference, timeout_s)
 
     def _recorded(self, study, result: Mapping[str, Any], knobs: Mapping[str, Any], reference: dict | None,

@@ -289,8 +289,12 @@ def _add_objective_and_accuracy(info: dict[str, Any], study: optuna.Study, best:
         info["accuracy"] = {"verdict": "not checked", "reason": no_verdict_notice(study.user_attrs[PLAN_ATTR])}
     elif study.user_attrs.get(SETTINGS_ATTR):
         # the check was on, but the budget ended before this configuration's numerics were checked
+        from autotune.accuracy.plan import checks_spent
+
+        spent = checks_spent(study)
         info["accuracy"] = {"verdict": "not checked", "reason": (
-            "the search budget ran out before this configuration's numerics were checked against FP32: not "
+            "the search budget ran out before this configuration's numerics were checked against FP32"
+            + (f" ({spent})" if spent else "") + ": not "
             "checked within the budget, so it is recommended for its speed alone; give a longer --budget or a "
             "larger --accuracy-share, or check it with `autotune accuracy`")}
     if "accuracy" in info and study.user_attrs.get(PLAN_ATTR):
