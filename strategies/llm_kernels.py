@@ -22,7 +22,8 @@ cross-entropy is the ``loss_kernel`` knob's, with its own checks. For a Llama, l
   becomes liger's RoPE (liger has no RoPE patch of an instance: the attention looks the function up
   when it runs), its RMSNorm and MLP classes liger's (a model of that type built later in the
   process is built with them). A trial runs in a process of its own; in yours, as with the
-  Trainer's ``use_liger_kernel``, every model of that type uses liger's RoPE from then on.
+  Trainer's ``use_liger_kernel``, every model of that type uses liger's RoPE from then on (wrapped
+  for torch.compile: below).
 
 Where it is offered: on CUDA, for a model that holds one transformers model (``PreTrainedModel``)
 whose ``config.model_type`` liger patches (llama, mistral, qwen2/3, gemma, phi3 and others), whose
@@ -33,12 +34,22 @@ Triton, which runs on GPUs. Otherwise, for a language model, one line at search 
 
 How it composes:
 
-* torch.compile: liger's kernels are autograd Functions launching Triton kernels, which Dynamo
-  traces into the compiled graph as user-defined Triton kernels (0.8.5 pins their scalar arguments
-  to FP32 for that path). Inductor fuses the same chains of operations itself, and opaque kernels
-  stop its fusions at their edges: on a B300 a compiled liger SwiGLU was 3.1x slower than Inductor's
-  own (linkedin/Liger-Kernel#1330). So it is sampled with every compile mode and measured; the
-  GPU test of tests/test_llm_kernels.py trains a compiled tiny Llama with it.
+* torch.compile: each of liger's kernels is a graph break: it runs as in eager mode, and the compiled
+  graphs end before it and start after it. Traced by TorchDynamo, liger's autograd Functions (their
+  forwards set attributes on ``ctx`` and write their outputs in place with Triton kernels) failed on
+  an H100 with torch 2.11: its rewritten autograd.Function tracing (pytorch/pytorch#166788) raised an
+  AssertionError (overwrite_tensor_vt_proxy) at the first LigerRMSNorm of a compiled tiny Llama, and
+  the same rewrite computes wrong gradients for forwards that write in place (#180642, fixed in 2.12
+  by #180921). So :func:`apply_liger` wraps each forward it binds, and liger's RoPE in transformers'
+  module (:func:`eager_under_compile`): eager, they run as liger wrote them; traced by TorchDynamo,
+  they call ``torch.compiler.disable``'d forwards. That holds wherever the model is compiled, by
+  ``cfg.prepare`` or by your own ``torch.compile`` after ``apply_liger(model)``. It costs fusion: a
+  Llama decoder layer has four breaks (its two norms, the RoPE, the MLP, whose projections run
+  eagerly around liger's SwiGLU), Inductor fuses nothing across them, and under reduce-overhead each
+  graph between them is a CUDA graph of its own. Inductor fuses the same chains itself (on a B300 a
+  compiled liger SwiGLU was 3.1x slower than Inductor's own: linkedin/Liger-Kernel#1330), so it is
+  sampled with every compile mode and measured; the GPU test of tests/test_llm_kernels.py trains a
+  compiled tiny Llama with it.
 * whole-step CUDA graphs: 0.8.5's RMSNorm, RoPE and SwiGLU neither synchronise with the host nor
   read device values on it, so the step stays capturable (the GPU test captures a tiny Llama's).
 * loss_kernel: independent (the LM head and the loss are left alone); ``autotune export --to hf``
@@ -51,12 +62,15 @@ How it composes:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
+import types
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+import torch
 from torch import nn
 
 from autotune.deploy.recipe import Recipe
@@ -76,6 +90,8 @@ Nemotron's ReLU squared): on, this knob leaves them at liger's defaults, as a Tr
 ACTIVATIONS = {"swiglu": ("silu", "swish"), "geglu": ("gelu_pytorch_tanh", "gelu_new"), "relu_squared": ("relu2",)}
 """The MLP activations (transformers' ACT2FN names) each gated kernel of liger computes."""
 NOT_ON_CPU = "liger's kernels are Triton, which runs on CUDA GPUs"
+GRAPH_BREAK = "_autotune_graph_break"
+"""The attribute that marks a function :func:`eager_under_compile` made (so it is not wrapped twice)."""
 
 
 def transformers_models(model: nn.Module) -> list[nn.Module]:
@@ -129,11 +145,58 @@ def unpatchable(target: nn.Module) -> str | None:
     return _activation_problem(target.config, inspect.signature(apply).parameters)
 
 
+def eager_under_compile(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``func`` as it is in eager mode, and a graph break under torch.compile: traced by TorchDynamo
+    (``torch.compiler.is_compiling()``), it calls ``torch.compiler.disable(func)``, which TorchDynamo
+    does not trace, nor anything it calls: ``func`` runs eagerly between the graphs compiled before and
+    after it (a ``fullgraph=True`` compile refuses it). It keeps ``func``'s name (``__wrapped__`` is
+    ``func``); a function it made is returned as it is."""
+    if getattr(func, GRAPH_BREAK, False):
+        return func
+    disabled = torch.compiler.disable(func)
+
+    @functools.wraps(func)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return disabled(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    setattr(run, GRAPH_BREAK, True)
+    return run
+
+
+def _liger_s(func: Any) -> bool:
+    """Whether ``func`` is a Python function of liger-kernel's (its module is liger_kernel's)."""
+    return isinstance(func, types.FunctionType) and (func.__module__ or "").startswith("liger_kernel.")
+
+
+def break_graphs_at_liger(target: nn.Module) -> list[str]:
+    """Make each of liger's kernels that its patch bound on the transformers model ``target`` a graph
+    break under torch.compile (:func:`eager_under_compile`): the liger forwards bound on its modules, and
+    liger's functions in the modeling modules of its modules' classes (its RoPE, which the attention
+    looks up there). Returns what it wrapped ("model.norm.forward", "modeling_llama.apply_rotary_pos_emb")."""
+    wrapped = []
+    for name, module in target.named_modules():
+        func = getattr(module.__dict__.get("forward"), "__func__", None)
+        if _liger_s(func) and not getattr(func, GRAPH_BREAK, False):
+            module.__dict__["forward"] = types.MethodType(eager_under_compile(func), module)
+            wrapped.append(f"{name or '<model>'}.forward")
+    modeling = {sys.modules.get(type(m).__module__) for m in target.modules()}
+    for namespace in sorted((m for m in modeling if m is not None and m.__name__.startswith("transformers.")),
+                            key=lambda m: m.__name__):
+        for attr, value in list(vars(namespace).items()):
+            if _liger_s(value) and not getattr(value, GRAPH_BREAK, False):
+                setattr(namespace, attr, eager_under_compile(value))
+                wrapped.append(f"{namespace.__name__.rsplit('.', 1)[-1]}.{attr}")
+    return wrapped
+
+
 def apply_liger(model: nn.Module) -> nn.Module:
     """Apply liger-kernel's kernels to the layers of the transformers model in ``model`` (``model``
-    itself, or one inside it), in place, losses off; returns ``model``. What it changes: the module's
-    docstring. ConfigError where it cannot (no transformers model, a type liger does not patch,
-    liger-kernel missing)."""
+    itself, or one inside it), in place, losses off, each kernel a graph break under torch.compile
+    (:func:`break_graphs_at_liger`); returns ``model``. What it changes: the module's docstring.
+    ConfigError where it cannot (no transformers model, a type liger does not patch, liger-kernel
+    missing)."""
     found = transformers_models(model)
     if len(found) != 1:
         raise ConfigError(f"this configuration applies liger-kernel's kernels to a transformers model's layers "
@@ -148,6 +211,7 @@ def apply_liger(model: nn.Module) -> nn.Module:
     assert apply is not None  # unpatchable said so
     parameters = inspect.signature(apply).parameters
     apply(model=target, **{switch: False for switch in LOSS_SWITCHES if switch in parameters})
+    break_graphs_at_liger(target)
     return model
 
 
@@ -225,4 +289,5 @@ class LLMKernels(Strategy):
             recipe.model_transforms.append(apply_liger)
             recipe.notes.append(f"cfg.prepare applies liger-kernel's RMSNorm, RoPE and SwiGLU kernels to your "
                                 f"transformers model ({MEMORY_EXTRA}); liger's RoPE is set in transformers' module, "
-                                "for every model of that type in the process")
+                                "for every model of that type in the process; under torch.compile each kernel is a "
+                                "graph break (it runs eagerly, the compiled graphs end before it and start after it)")

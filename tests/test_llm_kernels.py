@@ -81,7 +81,9 @@ def _cfg(params, device="cpu", **space):
 
 def test_cfg_prepare_binds_liger_s_kernels_on_the_layers_and_leaves_head_loss_and_parameters(
         transformers_modules_restored):
+    from liger_kernel.transformers.rms_norm import LigerRMSNorm
     from liger_kernel.transformers.rope import liger_rotary_pos_emb
+    from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
     from transformers.models.llama import modeling_llama
 
     model = _llama().model
@@ -100,7 +102,11 @@ def test_cfg_prepare_binds_liger_s_kernels_on_the_layers_and_leaves_head_loss_an
                               for n in ("input_layernorm", "post_attention_layernorm")]
     assert _bound(prepared) == {**{n: "LigerRMSNorm.forward" for n in norms},
                                 **{f"model.layers.{i}.mlp": "LigerSwiGLUMLP.forward" for i in range(2)}}
-    assert modeling_llama.apply_rotary_pos_emb is liger_rotary_pos_emb  # liger's RoPE: transformers' module
+    # liger's RoPE in transformers' module; it and each bound forward wrapped as a graph break under compile
+    assert modeling_llama.apply_rotary_pos_emb.__wrapped__ is liger_rotary_pos_emb
+    assert prepared.model.norm.forward.__func__.__wrapped__ is LigerRMSNorm.forward
+    assert prepared.model.layers[1].mlp.forward.__func__.__wrapped__ is LigerSwiGLUMLP.forward
+    assert any("under torch.compile each kernel is a graph break" in note for note in cfg.notes)
     # the losses are loss_kernel's: no fused loss in the model's forward, the LM head untouched
     assert "forward" not in prepared.__dict__ and "forward" not in prepared.lm_head.__dict__
     assert dict(prepared.named_parameters()) == params
@@ -129,6 +135,113 @@ def test_a_transformers_model_inside_a_module_of_the_user_s_is_patched(transform
     wrapper = Wrapper(_llama().model)
     assert llm_kernels.apply_liger(wrapper) is wrapper
     assert _bound(wrapper)["lm.model.norm"] == "LigerRMSNorm.forward"
+
+
+# torch.compile: each of liger's kernels a graph break ----------------------------------------------
+
+
+def test_a_function_made_eager_under_compile_runs_eagerly_between_two_compiled_graphs():
+    seen = []
+
+    def double(x):
+        seen.append(torch.compiler.is_compiling())
+        return x * 2
+
+    wrapped = llm_kernels.eager_under_compile(double)
+    assert wrapped.__wrapped__ is double and wrapped.__name__ == "double"
+    assert llm_kernels.eager_under_compile(wrapped) is wrapped  # not wrapped twice
+    x = torch.randn(4)
+    assert torch.equal(wrapped(x), x * 2) and seen == [False]  # eager: the function as it is
+
+    def step(x):
+        return wrapped(x.sin()).cos()
+
+    torch._dynamo.reset()
+    try:
+        explained = torch._dynamo.explain(step)(x)
+        assert explained.graph_count == 2 and explained.graph_break_count == 1
+        assert "torch.compiler.disable" in str(explained.break_reasons[0].reason)
+        seen.clear()
+        assert torch.allclose(torch.compile(step, backend="eager")(x), step(x))
+        assert seen == [False, False]  # compiled: not traced, run eagerly (then the eager call's)
+    finally:
+        torch._dynamo.reset()
+
+
+def _torch_s_own_as_liger_s(monkeypatch, seen):
+    """Stand in, on a CPU, for liger's Triton forwards (RMSNorm, SwiGLU MLP, RoPE) with transformers'
+    arithmetic, each a function of liger's modules (where its patch looks them up and binds them), that
+    notes whether TorchDynamo traced it."""
+    from liger_kernel.transformers import monkey_patch, rms_norm, swiglu
+    from transformers.models.llama import modeling_llama
+
+    rope, norm = modeling_llama.apply_rotary_pos_emb, modeling_llama.LlamaRMSNorm.forward  # before the patch
+
+    def norm_forward(self, hidden_states):
+        seen.append(("norm", torch.compiler.is_compiling()))
+        return norm(self, hidden_states)
+
+    def mlp_forward(self, x):
+        seen.append(("mlp", torch.compiler.is_compiling()))
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        seen.append(("rope", torch.compiler.is_compiling()))
+        return rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+    for fn, module in ((norm_forward, rms_norm), (mlp_forward, swiglu), (rotary_pos_emb, monkey_patch)):
+        fn.__module__ = module.__name__
+    monkeypatch.setattr(rms_norm.LigerRMSNorm, "forward", norm_forward)
+    monkeypatch.setattr(swiglu.LigerSwiGLUMLP, "forward", mlp_forward)
+    monkeypatch.setattr(monkey_patch, "liger_rotary_pos_emb", rotary_pos_emb)
+
+
+def test_a_compiled_llama_runs_liger_s_kernels_eagerly_and_computes_the_same(transformers_modules_restored,
+                                                                             monkeypatch):
+    seen = []
+    _torch_s_own_as_liger_s(monkeypatch, seen)
+    workload = _llama()
+    model = llm_kernels.apply_liger(workload.model)
+    x, y = workload.batch(2, torch.Generator().manual_seed(1))
+
+    def grads():
+        model.zero_grad()
+        causal_lm_loss(model(x).logits, y).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    eager = grads()
+    per_forward = [("norm", False)] * 5 + [("mlp", False)] * 2 + [("rope", False)] * 2
+    assert sorted(seen) == sorted(per_forward)  # 2 layers: their 2 norms, MLP and RoPE; the final norm
+    torch._dynamo.reset()
+    try:
+        seen.clear()
+        model.compile(backend="aot_eager")  # forward and backward traced, as Inductor's are; no C++ compile
+        compiled = grads()
+        assert sorted(seen) == sorted(per_forward)  # each run eagerly: none traced (that would note True)
+        assert compiled.keys() == eager.keys()
+        assert all(torch.allclose(compiled[n], eager[n], atol=1e-6) for n in eager), "compiled grads differ"
+    finally:
+        torch._dynamo.reset()
+
+
+def test_each_kernel_liger_bound_is_wrapped_once(transformers_modules_restored):
+    from liger_kernel.transformers.rms_norm import LigerRMSNorm
+    from transformers.models.llama import modeling_llama
+
+    model = _llama().model
+    llm_kernels.apply_function("llama")(model=model, fused_linear_cross_entropy=False)
+    norms = ["model.norm"] + [f"model.layers.{i}.{n}" for i in range(2)
+                              for n in ("input_layernorm", "post_attention_layernorm")]
+    mlps = [f"model.layers.{i}.mlp" for i in range(2)]
+    assert sorted(llm_kernels.break_graphs_at_liger(model)) == sorted(
+        [f"{n}.forward" for n in norms + mlps] + ["modeling_llama.apply_rotary_pos_emb"])
+    assert llm_kernels.break_graphs_at_liger(model) == []  # again: nothing left to wrap
+    assert model.model.norm.forward.__func__.__wrapped__ is LigerRMSNorm.forward
+    rope = modeling_llama.apply_rotary_pos_emb
+    llm_kernels.apply_liger(model)  # liger's patch binds its own again; wrapped again, once
+    assert model.model.norm.forward.__func__.__wrapped__ is LigerRMSNorm.forward
+    assert modeling_llama.apply_rotary_pos_emb.__wrapped__ is rope.__wrapped__
+    assert llm_kernels.break_graphs_at_liger(_llama().model) == []  # transformers' own layers: nothing
 
 
 # replay -------------------------------------------------------------------------------------------
