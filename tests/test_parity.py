@@ -253,6 +253,13 @@ def test_the_worker_request_round_trips_through_json():
     assert result.verdict in ("passed", "violated") and result.band.loss > 0
     again = run_parity({**request, "reference": answer["reference"]})
     assert again["result"]["losses"] == answer["result"]["losses"]
+    # each run's seconds by phase come back: the reference, its calibration (perturbed) and the configuration's
+    # run; with a reference given, the FP32 step whose gradients are compared and the configuration's run
+    runs = answer["runs"]
+    assert len(runs) == 3 and [r["compared"] for r in runs] == [False, True, True]
+    assert [r["steps_run"] for r in runs] == [4, 4, 4] and runs[1]["perturb"] >= 0 and runs[0]["perturb"] < 0.01
+    assert all(set(r) >= {"build", "perturb", "first step", "steps"} for r in runs)
+    assert [r["steps_run"] for r in again["runs"]] == [1, 4]
 
 
 

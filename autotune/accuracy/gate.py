@@ -402,6 +402,8 @@ class AccuracyGate:
             status = "cut by the budget"
         entry = {"label": label or "a check", "fp32": key == numerics_key({}), "seconds": round(seconds, 1),
                  "timeout_s": round(timeout_s, 1), "status": status}
+        if (result or {}).get("runs"):
+            entry["runs"] = result["runs"]  # a parity worker's runs, each one's seconds by phase
         with self._lock:
             study.set_user_attr(CHECKS_ATTR, [*(study.user_attrs.get(CHECKS_ATTR) or []), entry])
 
