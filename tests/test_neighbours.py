@@ -536,3 +536,20 @@ def test_a_candidate_holding_the_knob_values_of_failed_trials_goes_last():
     before = suspects(study.trials)
     failed({"optimizer_state.state": "8bit-bnb", "batch_size.batch_size": 16}, status="oom")
     assert suspects(study.trials) == before
+
+
+def test_a_compiled_family_measured_once_holds_what_its_peak_says_where_activations_set_it():
+    """The H100's ConvNeXt-T: the eager probe held 1.16 GiB and 0.0706 a sample; the compiled plain recipe
+    peaked at 43.38 GiB at batch 768, 0.055 a sample (0.78 of the eager one, not COMPILED_SHARE's 0.65).
+    A 1B Llama's compiled step at batch 1 peaks where its fixed part does (the optimizer's phase): there
+    the probe's sample, by COMPILED_SHARE, is what a sample holds."""
+    from autotune.search.memory import COMPILED_SHARE
+
+    model = MemoryModel(16 * GIB)
+    model.prior = ("eager", 1.16 * GIB, 0.0706 * GIB)
+    compiled = {"precision": {"mode": "bf16"}, "compile": {"mode": "default"}}
+    assert model.one_point_per_sample(compiled, 768, 43.38 * GIB) == pytest.approx((43.38 - 1.16) / 768 * GIB)
+    eager = {"precision": {"mode": "bf16"}, "compile": {"mode": "off"}}
+    assert model.one_point_per_sample(eager, 768, 43.38 * GIB) == pytest.approx(0.0706 * GIB)
+    model.prior = ("eager", 19.21 * GIB, 2.48 * GIB)
+    assert model.one_point_per_sample(compiled, 1, 23.04 * GIB) == pytest.approx(2.48 * COMPILED_SHARE * GIB)
