@@ -127,6 +127,29 @@ def test_each_check_is_kept_with_its_seconds_and_how_it_ended_and_an_unchecked_r
     assert checks_spent(study).startswith("the checks took 0 s (#1: cut by the budget after 0 s; #0, FP32: error")
 
 
+def test_a_check_the_shares_end_would_cut_is_not_started(tmp_path, monkeypatch):
+    """On the H100 a 1B Llama's check of the plain recipe was started with 8 s of the share left, planned
+    at 12, and cut: its seconds were the trials' for nothing. A check is started only where what is left
+    of the share (and of the time it is given) holds the plan's estimate."""
+    import autotune.trial.runner as runner
+    from autotune.accuracy.gate import REFERENCE_ATTR
+
+    started = []
+    monkeypatch.setattr(runner, "run_worker", lambda request, **kw: started.append(request) or {"status": "timeout"})
+    study = _study((100.0, {"precision": {"mode": "fp32"}}, "baseline"), (300.0, BF16, "candidate"))
+    gate = _gate(tmp_path, budget_s=360)  # a share of 54 s
+    gate.attach(study)
+    study.set_user_attr(PLAN_ATTR, {"method": "parity", "steps": 4, "check_s": 12.3, "first_verdict_s": 21.7})
+    study.set_user_attr(REFERENCE_ATTR.format(fingerprint=gate.settings.fingerprint()), {"losses": [1.0]})
+    gate.checking_best = True  # the best's check (near_frontier): no later check's seconds kept from it
+    gate.spent_s = 54 - 8  # 8 s left
+    assert gate.evidence(study, BF16, check=True, label="#1") is None and not started
+    gate.spent_s = 54 - 20  # 20 s left, but 10 given (the budget's end)
+    assert gate.evidence(study, BF16, check=True, label="#1", timeout_s=10) is None and not started
+    gate.evidence(study, BF16, check=True, label="#1", timeout_s=15)
+    assert len(started) == 1  # 15 s hold the 12.3 planned
+
+
 def test_the_method_and_its_share_are_options_with_clear_errors():
     spec = WorkloadSpec(model="resnet18")
     assert SearchConfig(workload=spec).share_of_budget == 0.15
