@@ -191,6 +191,16 @@ def break_graphs_at_liger(target: nn.Module) -> list[str]:
     return wrapped
 
 
+def dynamo_fails_on_liger(version: str | None = None) -> bool:
+    """Whether TorchDynamo of this torch (``version``: another's) fails on liger's kernels where nothing
+    breaks the graph at them: 2.11's autograd.Function tracing (pytorch/pytorch#180642, fixed in 2.12)."""
+    release = (version or torch.__version__).split("+")[0].split(".")
+    try:
+        return (int(release[0]), int(release[1])) == (2, 11)
+    except (IndexError, ValueError):
+        return False
+
+
 def apply_liger(model: nn.Module) -> nn.Module:
     """Apply liger-kernel's kernels to the layers of the transformers model in ``model`` (``model``
     itself, or one inside it), in place, losses off, each kernel a graph break under torch.compile

@@ -331,9 +331,10 @@ def test_the_planner_has_a_modest_prior_for_it():
 
 
 def _hf(model: str, params: dict) -> tuple[dict, list]:
-    space = SearchSpace(device="cuda", precisions=["fp32", "bf16"], batch_sizes=[8],
+    space = SearchSpace(device="cuda", precisions=["fp32", "bf16"], batch_sizes=[8], compile_modes=["off", "default"],
                         choices={"llm_kernels": list(llm_kernels.KERNELS), "loss_kernel": list(loss_kernel.KERNELS)})
-    params = {"precision.mode": "bf16", "llm_kernels.kernels": "framework", "loss_kernel.kernel": "framework", **params}
+    params = {"precision.mode": "bf16", "llm_kernels.kernels": "framework", "loss_kernel.kernel": "framework",
+              "compile.mode": "off", **params}
     cfg = TunedConfig.from_params(params, space, info={"workload": {"model": model}})
     return cfg.hf_training_args()
 
@@ -357,6 +358,24 @@ def test_hf_export_writes_one_liger_config_for_both_liger_knobs():
     assert "geglu" not in _hf("hf:gemma", LIGER)[0]["liger_kernel_config"]  # on: liger's default, as applied
     _, unsupported = _hf("hf:gpt2", LIGER)  # a type liger does not patch (never offered; a hand-made config)
     assert [u["setting"] for u in unsupported] == ["llm_kernels.kernels"]
+
+
+def test_the_hf_export_says_where_the_trainers_own_liger_patch_fails_under_compile(monkeypatch):
+    """The Trainer's use_liger_kernel patches without cfg.prepare's graph breaks: under torch_compile,
+    torch 2.11's TorchDynamo failed on liger's RMSNorm (the H100's GPU test); 2.12 fixed it."""
+    from strategies.llm_kernels import dynamo_fails_on_liger
+
+    assert dynamo_fails_on_liger("2.11.0+cu130") and not dynamo_fails_on_liger("2.12.0")
+    assert not dynamo_fails_on_liger("2.10.1") and not dynamo_fails_on_liger("nightly")
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    compiled = {**LIGER, "compile.mode": "default"}
+    _, unsupported = _hf("hf:llama", compiled)
+    assert [u["setting"] for u in unsupported] == ["llm_kernels.kernels"] and "#180642" in unsupported[0]["why"]
+    assert _hf("hf:llama", {**compiled, "compile.mode": "off"})[1] == []
+    assert _hf("hf:llama", {**compiled, "llm_kernels.kernels": "framework",
+                                     "loss_kernel.kernel": "fused_linear"})[1] == []
+    monkeypatch.setattr(torch, "__version__", "2.12.1")
+    assert _hf("hf:llama", compiled)[1] == []
 
 
 def test_lightning_applies_it_and_accelerate_says_how():

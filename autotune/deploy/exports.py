@@ -257,7 +257,7 @@ def hf_liger(cfg: Any, values: dict[str, dict[str, Any]], args: dict[str, Any]) 
     """liger-kernel's transformers patch for the llm_kernels and loss_kernel knobs, which the Trainer
     applies with ``use_liger_kernel`` and one ``liger_kernel_config`` holding both knobs' switches
     (into ``args``); what it cannot express: a model type liger does not patch."""
-    from strategies.llm_kernels import hf_switches
+    from strategies.llm_kernels import dynamo_fails_on_liger, hf_switches
     from strategies.loss_kernel import hf_liger_config, liger_patches
 
     kernels, loss = values["llm_kernels"]["kernels"], values["loss_kernel"]["kernel"]
@@ -266,9 +266,14 @@ def hf_liger(cfg: Any, values: dict[str, dict[str, Any]], args: dict[str, Any]) 
     model = str((cfg.info.get("workload") or {}).get("model") or "")
     model_type = model.split(":", 1)[1] if model.startswith("hf:") else None
     args.update(use_liger_kernel=True, liger_kernel_config=hf_liger_config(loss, hf_switches(kernels, model_type)))
-    if model_type is None or liger_patches(model_type) is not False:
-        return []
     out = []
+    if kernels != "framework" and values["compile"]["mode"] != "off" and dynamo_fails_on_liger():
+        out.append(item("llm_kernels.kernels", kernels,
+                        "the Trainer applies liger's patch itself, without the graph break at each kernel that "
+                        "cfg.prepare adds: with torch_compile, this torch's TorchDynamo fails on liger's kernels "
+                        "(pytorch/pytorch#180642, fixed in 2.12): train with cfg.prepare, or torch 2.12 or later"))
+    if model_type is None or liger_patches(model_type) is not False:
+        return out
     if loss != "framework":
         out.append(item("loss_kernel.kernel", loss,
                         f"liger-kernel has no transformers patch for {model_type} models, so TrainingArguments("
