@@ -377,7 +377,7 @@ class AccuracyGate:
             result = run_worker(request, timeout_s=timeout_s, log_path=log, on_progress=said, spare=self.prestart)
         finally:
             self._spent(study, label, key, started, result, timeout_s)
-        if result["status"] == "timeout" and timeout_s < self.timeout_s:
+        if self._cut(result, timeout_s):
             return None  # cut by the search budget: not the configuration's fault, check again later
         if result["status"] != "ok":
             run = self._failure(study, result, reference, key, "accuracy check")
@@ -397,15 +397,18 @@ class AccuracyGate:
         """Count a check's seconds against the share, and keep how it ended in the study (CHECKS_ATTR)."""
         seconds = time.time() - started
         self.spent_s += seconds
-        status = (result or {}).get("status", "interrupted")
-        if status == "timeout" and timeout_s < self.timeout_s:
-            status = "cut by the budget"
+        status = "cut by the budget" if self._cut(result, timeout_s) else (result or {}).get("status", "interrupted")
         entry = {"label": label or "a check", "fp32": key == numerics_key({}), "seconds": round(seconds, 1),
                  "timeout_s": round(timeout_s, 1), "status": status}
         if (result or {}).get("runs"):
             entry["runs"] = result["runs"]  # a parity worker's runs, each one's seconds by phase
         with self._lock:
             study.set_user_attr(CHECKS_ATTR, [*(study.user_attrs.get(CHECKS_ATTR) or []), entry])
+
+    def _cut(self, result: Mapping[str, Any] | None, timeout_s: float) -> bool:
+        """Whether a check worker timed out because the budget gave it less than a check's own timeout
+        (not the configuration's fault: it is checked again later)."""
+        return (result or {}).get("status") == "timeout" and timeout_s < self.timeout_s
 
     def _failure(self, study, result: Mapping[str, Any], reference: Mapping[str, Any] | None, key: str,
                  check: str) -> dict[str, Any] | None:
@@ -490,4 +493,3 @@ class AccuracyGate:
 
 MIN_CHECK_S = 5.0
 """A check is not started with less of the budget left than this."""
-

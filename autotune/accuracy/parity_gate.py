@@ -254,7 +254,7 @@ class ParityGate(AccuracyGate):
         """Keep what a parity worker answered in the study (and a reference it trained in the file
         cache); the run judged, and the reference, or None where nothing can be judged."""
         fingerprint, key = self.settings.fingerprint(), numerics_key(knobs)
-        if result["status"] == "timeout" and timeout_s < self.timeout_s:
+        if self._cut(result, timeout_s):
             return None  # cut by the budget: not the configuration's fault
         if result["status"] != "ok":
             run = self._failure(study, result, reference, key, "parity check")
