@@ -82,17 +82,20 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=os.pathsep.join(path), **extra)
 
 
-def in_its_worker(trial, started_within_s: float) -> bool:
-    """A RUNNING trial that has chosen all its parameters (the objective records its knobs then; one
-    stopped before has only some of them, or none, to re-run with fresh samples for the rest) and
-    started under ``started_within_s`` ago: still in its worker when a signal sent now lands, for
-    tests whose trials take longer than that."""
-    import datetime
+def newly_in_worker(trials, seen: set[int]) -> list:
+    """The RUNNING trials that have chosen all their parameters (the objective records its knobs
+    then, just before it starts the trial's worker) and that this poll is the first to see so: a
+    signal sent now lands while they are in their worker, for tests whose trials measure for longer
+    than a poll takes. ``seen`` holds the trials earlier polls saw, and is updated.
 
+    Timing from the trial's start instead missed every trial on a busy CI machine: the time
+    between the start and the knobs (sampling, the search's bookkeeping) grew past the window."""
     import optuna
 
-    return (trial.state == optuna.trial.TrialState.RUNNING and "knobs" in trial.user_attrs
-            and (datetime.datetime.now() - trial.datetime_start).total_seconds() < started_within_s)
+    running = [t for t in trials if t.state == optuna.trial.TrialState.RUNNING and "knobs" in t.user_attrs]
+    new = [t for t in running if t.number not in seen]
+    seen.update(t.number for t in running)
+    return new
 
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:

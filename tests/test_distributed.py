@@ -29,7 +29,7 @@ from autotune.trial import gpus
 from autotune.search.distributed import OWNER, OWNER_ATTR, SharedStudy, SqliteSharedWarning, check_same_hardware, claim_setup
 from autotune.errors import ConfigError
 from autotune.search.storage import open_storage
-from conftest import ROOT, in_its_worker, run_cli, subprocess_env
+from conftest import ROOT, newly_in_worker, run_cli, subprocess_env
 
 SMALL = ["--device", "cpu", "--input-shape", "3x32x32", "--num-classes", "10", "--min-measure-time", "0.1",
          "--no-accuracy-check", "--no-compile", "--no-profile", "--no-steer"]
@@ -92,7 +92,9 @@ def test_two_processes_share_one_postgres_study_and_a_killed_ones_trial_is_rerun
     # cores pruned the re-run once in CI
     # and each takes seconds (3 s timed at least), so A is seen inside a trial's first 3 s on a quiet
     # machine too: at SMALL's 0.1 s, A ran its trials out before the kill found one (CI, 2026-12-02);
-    # with 5 trials and a 2 s window, a busy CI machine saw none of A's 2 or 3 in it once (2026-12-05)
+    # with 5 trials and a 2 s window, a busy CI machine saw none of A's 2 or 3 in it once (2026-12-05);
+    # timed from the trial's start, a 3 s window missed them again: A is now killed at the first poll
+    # that sees one of its trials in its worker (conftest.newly_in_worker)
     common = ["--model", "fake_models:tiny_cnn", *SMALL, "--min-measure-time", "3", "--trials", str(total),
               "--early-stop-below", "0", "--storage", postgres_url, "--study-name", name]
     logs = {k: open(tmp_path / f"{k}.log", "w") for k in "ab"}
@@ -100,6 +102,7 @@ def test_two_processes_share_one_postgres_study_and_a_killed_ones_trial_is_rerun
     b = _search(logs["b"], *common, "--out", str(tmp_path / "b"))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     killed = None
+    seen: set[int] = set()
     try:
         deadline = time.time() + 240
         while time.time() < deadline and killed is None and a.poll() is None:
@@ -108,9 +111,9 @@ def test_two_processes_share_one_postgres_study_and_a_killed_ones_trial_is_rerun
                 trials = optuna.load_study(study_name=name, storage=db).trials
             except KeyError:  # not created yet
                 continue
-            # one of A's trials still in its worker when the kill lands (a trial takes 5 s or more here)
-            running = [t for t in trials if _owner_pid(t) == a.pid and in_its_worker(t, started_within_s=3.0)]
-            if running and any(t.state == TrialState.COMPLETE for t in trials):
+            # one of A's trials still in its worker when the kill lands (it measures for 3 s or more)
+            new = [t for t in newly_in_worker(trials, seen) if _owner_pid(t) == a.pid]
+            if new and any(t.state == TrialState.COMPLETE for t in trials):
                 a.send_signal(signal.SIGKILL)  # mid-trial: no chance to record anything
                 a.wait()
                 # the trial it was running when it died (not one that ended just before)

@@ -19,7 +19,7 @@ import torch
 import autotune
 import strategies
 from autotune.errors import ConfigError
-from conftest import ROOT, in_its_worker, run_cli, subprocess_env
+from conftest import ROOT, newly_in_worker, run_cli, subprocess_env
 
 # every trial measured in full: these tests count completed trials (screening: tests/test_early_stop.py)
 SMALL = ["--device", "cpu", "--input-shape", "3x32x32", "--num-classes", "10", "--min-measure-time", "0.3",
@@ -316,15 +316,17 @@ def test_sigterm_stops_cleanly_writes_the_outputs_and_the_next_run_resumes(tmp_p
     proc = subprocess.Popen([sys.executable, "-m", "autotune", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
+    seen: set[int] = set()
     while time.time() < deadline:
         time.sleep(0.5)
         try:
             trials = _study(out).trials
         except Exception:
             continue
-        # a trial seen later than that may have ended already (seen once in CI); one takes 3 s or more here
-        if sum(t.state.is_finished() for t in trials) >= 1 and any(
-                in_its_worker(t, started_within_s=1.5) for t in trials):
+        # a trial seen later than its first poll may have ended already (seen once in CI); one
+        # measures for 1 s or more here
+        new = newly_in_worker(trials, seen)
+        if sum(t.state.is_finished() for t in trials) >= 1 and new:
             break
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=60)
