@@ -4,6 +4,7 @@ budget estimate, trials.csv, report)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from pathlib import Path
@@ -23,7 +24,7 @@ from autotune.trial.instruments import cache_outcome
 from autotune.trial.runner import run_worker
 from autotune.deploy.space import SearchSpace
 from autotune.search.budget import estimate_next_wall
-from autotune.search.walls import compile_prior_s, expected_wall
+from autotune.search.walls import compile_prior_s, expected_wall, trial_cost_s
 from autotune.search.options import SearchConfig
 from autotune.search.space import build_space
 from autotune.workload.models import WorkloadSpec
@@ -244,6 +245,20 @@ def test_before_any_compiled_trial_a_compile_is_expected_to_cost_the_prior() -> 
     assert estimate_next_wall(study, eager, left_s=50.0, compile_prior_s=60.0) == 11.0
 
 
+def test_a_trials_cost_scales_its_compile_by_the_mode_and_the_precision() -> None:
+    walls = [(10.0, False), (12.0, False), (80.0, True)]  # eager 11 s; a default-mode bf16 compile 69 s more
+    assert trial_cost_s(walls, "off", "fp8") == 11.0  # no compile, nothing to scale
+    assert trial_cost_s(walls, "default", "bf16") == 80.0
+    assert trial_cost_s(walls, "default", "fp8") == pytest.approx(11.0 + 69.0 * 1.6)
+    assert trial_cost_s(walls, "max-autotune", "bf16") == pytest.approx(11.0 + 69.0 * 3.0)
+    assert trial_cost_s(walls, "regional", "fp8") == pytest.approx(11.0 + 69.0 * 0.4 * 1.6)
+    # before any compiled trial: the prior is the compile's share; before any trial, unmeasured_s too
+    assert trial_cost_s(walls[:2], "default", "fp8", compile_prior_s=60.0) == pytest.approx(11.0 + 96.0)
+    assert trial_cost_s([], "default", "bf16", compile_prior_s=60.0, unmeasured_s=10.0) == 70.0
+    # compiled trials measured shorter than eager ones (caches warm): their median, unscaled
+    assert trial_cost_s([(30.0, False), (20.0, True)], "default", "fp8") == 20.0
+
+
 def test_a_compile_that_would_end_past_the_budget_is_not_started_and_its_eager_twin_runs(
         monkeypatch: pytest.MonkeyPatch) -> None:
     ran = []
@@ -273,6 +288,33 @@ def test_a_compile_that_would_end_past_the_budget_is_not_started_and_its_eager_t
     study.enqueue_trial({"compile.mode": "default", "batch_size.batch_size": 8})
     study.optimize(objective, n_trials=1)
     assert ran == ["off", "default"]
+
+
+def test_an_fp8_compile_is_expected_to_take_longer_than_a_bf16_one_before_it_starts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With 80 s left after a 5 s eager trial and a 60 s compile prior, a bf16 compile (65 s) starts; an
+    fp8 one (5 + 60 x 1.6 = 101 s) gives way to its eager twin."""
+    ran = []
+
+    def fake_worker(request, *, timeout_s, log_path, spare=False, on_progress=None):
+        ran.append((request["knobs"]["precision"]["mode"], request["knobs"]["compile"]["mode"]))
+        figures = {"samples_per_s": 100.0, "step_time_ms": 80.0, "peak_memory_bytes": 1, "warmup_s": 1.0,
+                   "measure_s": 2.0, "build_s": 0.5, "compile_s": 0.0, "loss_finite": True}
+        return {"status": "ok", "figures": figures, "wall_s": 5.0, "worker_start_s": 1.0}
+
+    monkeypatch.setattr("autotune.search.objective.run_worker", fake_worker)
+    space = dataclasses.replace(CPU_SPACE, device="cuda", precisions=["fp32", "bf16", "fp8"])
+    for precision, runs in (("bf16", "default"), ("fp8", "off")):
+        objective = Objective(space=space, workload=TINY.to_dict(), measure={}, input_on_device=False, seed=0,
+                              trial_timeout_s=100.0, deadline=time.time() + 80.0, screen_compiles=False)
+        objective.walls, objective.compile_prior_s = [(5.0, False)], 60.0
+        study = optuna.create_study(direction="maximize")
+        study.enqueue_trial({"compile.mode": "default", "precision.mode": precision, "batch_size.batch_size": 8})
+        ran.clear()
+        study.optimize(objective, n_trials=2 if runs == "off" else 1)
+        assert ran == [(precision, runs)], ran
+        if runs == "off":
+            assert study.trials[0].user_attrs["reason"].startswith("not started: a compiled trial takes about 101 s")
 
 
 def _study_with_a_compiled_best() -> optuna.Study:

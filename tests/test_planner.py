@@ -3,6 +3,8 @@ scripted trial values and walls (no worker runs)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import optuna
 import pytest
 from optuna.trial import TrialState
@@ -166,3 +168,21 @@ def test_under_replay_the_queue_runs_in_its_order_after_the_sized_down_ones():
     fast = _queue(study, _params("bf16", 64, "default"), role="replayed")
     assert [p.number for p in Planner(SPACE, walls=_compiled_walls()).plans(study)] == [fast, slow]
     assert [p.number for p in Planner(SPACE, walls=_compiled_walls(), queue_order=True).plans(study)] == [slow, fast]
+
+
+def test_an_fp8_compile_is_costed_at_its_longer_compile():
+    """fp8 compiles 1.5-1.7x as long as bf16 on the H200 (autotune.search.walls.COMPILE_PRECISION_COST).
+    Here both compiles are predicted at the compile prior's 1,300 and are new (fp8 is one more 16-bit
+    mode to the priors): 365 to gain each. Costed alike (80 s), the one queued first, fp8, would run
+    first; at 11 + 69 x 1.6 = 121 s it gains 3.0 a second against bf16's 4.6, and waits."""
+    space = dataclasses.replace(SPACE, precisions=["fp32", "fp16", "bf16", "fp8"])
+    study = _study()
+    _measured(study, _params("bf16", 64), 1000.0)
+    fp8 = _queue(study, complete_params({**_params("bf16", 64, "default"), "precision.mode": "fp8"}, space))
+    bf16 = _queue(study, _params("bf16", 64, "default"))
+    planner = Planner(space, walls=_compiled_walls())
+    plans = planner.plans(study)
+    assert [p.number for p in plans] == [bf16, fp8]
+    assert plans[0].cost_s == 80.0 and plans[1].cost_s == pytest.approx(11.0 + 69.0 * 1.6)
+    assert plans[0].gain == plans[1].gain == pytest.approx(365.0)
+    assert planner.choose(study, left_s=100.0).number == bf16

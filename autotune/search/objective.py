@@ -14,7 +14,7 @@ import strategies
 from autotune import stop
 from autotune.search.screening import queue_eager_twin, screen_eagerly
 from autotune.search.trials import planned_params
-from autotune.search.walls import expected_wall
+from autotune.search.walls import expected_wall, trial_cost_s
 from autotune.trial.instruments import cache_outcome
 from autotune.trial.record import TrialRecord, copy, queue_attrs, write
 from autotune.trial.runner import run_worker
@@ -197,10 +197,10 @@ class Objective:
         """Prune, unstarted, a compiled configuration expected to end past the budget while an eager
         trial still fits, and queue its eager twin (the same knobs, compile off) in its place: the
         end of a budget goes to trials that can finish, not to a compile cut short."""
-        if self.deadline is None or self.walls is None or knobs["compile"].mode == "off":
-            return
+        if self.deadline is None or not self.walls or knobs["compile"].mode == "off":
+            return  # no trial measured yet: nothing says what one takes
         left = self.deadline - time.time()
-        need = expected_wall(self.walls, True, self.compile_prior_s)
+        need = trial_cost_s(self.walls, knobs["compile"].mode, knobs["precision"].mode, self.compile_prior_s)
         if need <= left or expected_wall(self.walls, False) > left:
             return  # it fits; or nothing does, and the stop rule ends the search
         measured = "" if any(c for _, c in self.walls) else " (no compiled trial measured yet: an estimate)"

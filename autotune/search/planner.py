@@ -39,7 +39,7 @@ from autotune.deploy.space import SearchSpace
 from autotune.search.levers import step_costs
 from autotune.search.neighbours import compile_mode_factor, fp8_speed, prior_factor
 from autotune.search.trials import planned_params
-from autotune.search.walls import expected_wall
+from autotune.search.walls import trial_cost_s
 from autotune.trial.record import TrialRecord
 
 COMPILE_GAIN_PRIOR = 1.3
@@ -56,11 +56,6 @@ sequence of GPT-2's). It gives ResNet-50's 256 -> 512 about 3%, and a 1B Llama's
 NOVELTY = 0.05
 """How much more than predicted a candidate with a knob value no trial measured (a precision mode,
 CUDA graphs, a compile mode) may give: about the run-to-run spread of the measured gains."""
-COMPILE_MODE_COST = {"max-autotune-no-cudagraphs": 3.0, "max-autotune": 3.0, "regional": 0.4}
-"""A compile's seconds in a mode against default mode's, before this search measured one: max-autotune
-benchmarks kernel candidates for every matmul and convolution (minutes for a ResNet-50: its trial
-timeout allows 1,200 s against default's 300); regional compiles one block (a held-out 24-layer LM
-on the H200: 13.6 s to its first two steps against 57.5 s for the whole model)."""
 UNMEASURED_COST_S = 10.0
 """A trial's cost before any trial was measured (the compile prior comes on top for a compiled one)."""
 
@@ -152,7 +147,7 @@ class Planner:
 
         record = TrialRecord.of(t)
         params = complete_params(planned_params(t), self.space)
-        cost = self._cost(params.get("compile.mode", "off"))
+        cost = self._cost(params.get("compile.mode", "off"), params.get("precision.mode"))
         peak, verdict = self._memory(memory, params)
         predicted, source = self._predict(params, done, gains)
         novel = [f"{k}={v}" for k, v in params.items() if k in seen and v not in seen[k]
@@ -264,17 +259,9 @@ class Planner:
                 seen.setdefault(k, set()).add(v)
         return seen
 
-    def _cost(self, mode: str) -> float:
-        """A trial's expected seconds in compile ``mode``: this run's walls of its kind (compiled or
-        eager), a compile's share scaled by COMPILE_MODE_COST for the modes that compile more or less."""
-        compiled = mode != "off"
-        if self.walls:
-            wall = expected_wall(self.walls, compiled, self.compile_prior_s)
-            eager = expected_wall(self.walls, False, self.compile_prior_s) if compiled else wall
-        else:
-            eager = UNMEASURED_COST_S
-            wall = eager + (self.compile_prior_s if compiled else 0.0)
-        return eager + (wall - eager) * COMPILE_MODE_COST.get(mode, 1.0)
+    def _cost(self, mode: str, precision: str | None = None) -> float:
+        """A trial's expected seconds in compile ``mode`` and ``precision`` (autotune.search.walls.trial_cost_s)."""
+        return trial_cost_s(self.walls, mode, precision, self.compile_prior_s, UNMEASURED_COST_S)
 
     def _memory(self, memory, params: dict[str, Any]) -> tuple[float | None, str | None]:
         """Predicted peak bytes of ``params``, and the memory model's reason it cannot fit (None: it may)."""

@@ -12,6 +12,18 @@ COMPILE_PRIOR_S = 60.0
 ResNet-50 (126 leaf modules) compiled in 58-66 s on an H200 (reports/resnet50-h200-8m); a model's
 prior is scaled by its own count of leaf modules (compile_prior_s)."""
 _PRIOR_MODULES = 126
+COMPILE_MODE_COST = {"max-autotune-no-cudagraphs": 3.0, "max-autotune": 3.0, "regional": 0.4}
+"""A compile's seconds in a mode against default mode's: max-autotune benchmarks kernel candidates for
+every matmul and convolution (minutes for a ResNet-50: its trial timeout allows 1,200 s against
+default's 300); regional compiles one block (a held-out 24-layer LM on the H200: 13.6 s to its first
+two steps against 57.5 s for the whole model)."""
+COMPILE_PRECISION_COST = {"fp8": 1.6}
+"""A compile's seconds in a precision mode against bf16's: fp8 (torchao's float8 training) traces
+and fuses a cast and a scale around every eligible Linear. Measured on the H200 (a 12-layer causal
+LM, reports/search-yield/h200 and h200-6b8b65c, and reports/gpt_lm-h200-5m): 24.1 s against 14.7,
+25.9 against 15.9, 22.6 against 13.5 and 15.3: 1.5-1.7x. Counted as bf16's, an fp8 compile with the
+memory knobs on a 1B Llama was queued on the H100 at b1bcd84 as if it cost what the plain recipe's
+57 s trial did; it was still running at 141 s."""
 
 
 def compile_prior_s(probe: dict[str, Any]) -> float:
@@ -19,6 +31,26 @@ def compile_prior_s(probe: dict[str, Any]) -> float:
     leaf modules, at least 15 s); ResNet-50's figure when the probe did not count them."""
     modules = probe.get("num_leaf_modules") or _PRIOR_MODULES
     return max(15.0, COMPILE_PRIOR_S * modules / _PRIOR_MODULES)
+
+
+def compile_cost_factor(mode: str, precision: str | None = None) -> float:
+    """A compile's seconds in ``mode`` and ``precision`` against a default-mode bf16 compile's."""
+    return COMPILE_MODE_COST.get(mode, 1.0) * COMPILE_PRECISION_COST.get(precision or "", 1.0)
+
+
+def trial_cost_s(walls: list[tuple[float, bool]], mode: str, precision: str | None = None,
+                 compile_prior_s: float = 0.0, unmeasured_s: float = 0.0) -> float:
+    """Expected seconds of a trial in compile ``mode`` and ``precision``: this run's walls of its kind
+    (expected_wall), its compile's share (the compiled median over the eager one) scaled by
+    compile_cost_factor; ``unmeasured_s`` plus the compile prior before any trial was measured."""
+    compiled = mode != "off"
+    if walls:
+        wall = expected_wall(walls, compiled, compile_prior_s)
+        eager = expected_wall(walls, False, compile_prior_s) if compiled else wall
+    else:
+        eager = unmeasured_s
+        wall = eager + (compile_prior_s if compiled else 0.0)
+    return eager + (wall - eager) * compile_cost_factor(mode, precision) if wall > eager else wall
 
 
 def expected_wall(walls: list[tuple[float, bool]], compiled: bool, compile_prior_s: float = 0.0) -> float:
