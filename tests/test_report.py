@@ -466,14 +466,16 @@ def test_repeated_findings_are_one_line_per_kind_with_their_trials(tmp_path):
 
 def test_what_a_search_counts_as_measured():
     """The H200 hf:gpt2 search said "20 trials (18 measured, 5 stopped early)" where 5 of the 18 ran
-    out of memory and 2 could not run their attention backend: run is not measured."""
+    out of memory and 2 could not run their attention backend: run is not measured. The CPU main job
+    said "37 trials (37 measured, 20 stopped early; 12 repeats ...)" where one of the 20 was a repeat
+    of a stopped trial: a repeat is counted once, as a repeat."""
     import optuna
     from optuna.distributions import IntDistribution
 
     from autotune.search.trials import search_cost
 
     study = optuna.create_study(direction="maximize")
-    outcomes = ["ok", "ok", "pruned", "oom", "oom", "error", ("ok", 0)]
+    outcomes = ["ok", "ok", "pruned", "oom", "oom", "error", ("ok", 0), ("pruned", 2)]
     for i, outcome in enumerate(outcomes):
         status, copy_of = outcome if isinstance(outcome, tuple) else (outcome, None)
         state = {"ok": optuna.trial.TrialState.COMPLETE, "error": optuna.trial.TrialState.FAIL}.get(
@@ -485,9 +487,11 @@ def test_what_a_search_counts_as_measured():
             params={"x": i}, distributions={"x": IntDistribution(0, 10)}, state=state,
             value=1.0 if state == optuna.trial.TrialState.COMPLETE else None, user_attrs=attrs))
     cost = search_cost(study)
-    assert (cost["num_trials"], cost["num_measured"], cost["num_stopped_early"]) == (7, 3, 1)
+    assert (cost["num_trials"], cost["num_measured"], cost["num_stopped_early"]) == (8, 3, 1)
     assert (cost["num_out_of_memory"], cost["num_failed"]) == (2, 1)
-    assert cost["trial_wall_s"] == 60.0  # the copy ran nothing
+    assert cost["trial_wall_s"] == 60.0  # the copies ran nothing
+    assert trials_text(cost) == ("6 trials (3 measured, 1 stopped early; 3 run without a figure: 2 out of memory, "
+                                 "1 failed; 2 repeats of an earlier trial, its result reused)")
     assert trial_counts(cost) == "3 measured, 1 stopped early; 3 run without a figure: 2 out of memory, 1 failed"
     # a config.json from before these counts still reads
     assert trial_counts({"num_measured": 18, "num_stopped_early": 5}) == "18 measured, 5 stopped early"

@@ -31,7 +31,7 @@ MEASURED = ("ok", "pruned")
 
 def search_cost(study: optuna.Study) -> dict:
     """What the search spent its trials on: the counted trials (copies of an earlier trial's result
-    included), those measured (a throughput, in full or stopped early in the warm-up), those run
+    included), those measured (a throughput, in full or stopped early in the warm-up; repeats aside), those run
     without a figure (out of memory, failed), and the seconds of each phase over the trials run."""
     counted = [TrialRecord.of(t) for t in counted_trials(study)]
     ran = [t for t in counted if t.duplicate_of is None]
@@ -41,7 +41,7 @@ def search_cost(study: optuna.Study) -> dict:
         return round(sum(x.get(key) or 0.0 for x in timing), 2)
 
     return {"num_trials": len(counted), "num_measured": sum(t.status in MEASURED for t in ran),
-            "num_stopped_early": sum(t.status == "pruned" for t in counted),
+            "num_stopped_early": sum(t.status == "pruned" for t in ran),
             "num_out_of_memory": sum(t.status == "oom" for t in ran),
             "num_failed": sum(t.status not in (*MEASURED, "oom") for t in ran),
             "worker_start_s": total("worker_start_s"), "build_s": total("build_s"),
