@@ -168,6 +168,7 @@ def test_resume_after_the_search_process_is_killed(tmp_path):
     # kept failing missed the running trials until the search had finished (a CI failure)
     deadline = time.time() + 300
     killed = None
+    seen: set[int] = set()
     while time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
         try:
@@ -181,10 +182,14 @@ def test_resume_after_the_search_process_is_killed(tmp_path):
                     "(SELECT 1 FROM trial_user_attributes a WHERE a.trial_id = t.trial_id AND a.key = 'knobs')")]
         except sqlite3.Error:  # no file yet, the study is being created, or a write holds the lock
             continue
-        if sum(state in ("COMPLETE", "PRUNED", "FAIL") for state in states.values()) >= 2 and running:
+        # at the first poll that sees it so (it measures for 1 s or more after that): one seen on a later
+        # poll may be ending as the kill lands (conftest.newly_in_worker)
+        new = [n for n in running if n not in seen]
+        seen.update(running)
+        if sum(state in ("COMPLETE", "PRUNED", "FAIL") for state in states.values()) >= 2 and new:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
-            killed = running[0]
+            killed = new[0]
             break
     assert killed is not None, f"the search never had a trial running after two finished (exit code {proc.poll()})"
     finished_before = [(t.number, t.params, t.value) for t in _study(out).trials if t.state.is_finished()]
