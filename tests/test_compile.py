@@ -424,3 +424,31 @@ def test_regional_exports_as_code_where_a_framework_compiles_whole_models() -> N
     assert "compile_regions(model)" in next(u["why"] for u in unsupported if u["setting"] == "compile.mode")
     assert exports.accelerate_config(cfg).config["dynamo_config"] == {}
     assert "compile.mode" not in {u["setting"] for u in exports.lightning_settings(cfg)["unsupported"]}
+
+
+def test_the_fp32_baseline_times_fewer_steps_than_a_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its figure is every speed-up's denominator, not a close call between candidates: 8 steps at least
+    (with the 2 s and the spread's re-measure), not 20; a setting already below that is kept."""
+    from autotune.search.objective import BASELINE_MIN_STEPS
+    from autotune.trial.measure import MeasureSettings
+
+    asked = []
+
+    def fake_worker(request, *, timeout_s, log_path, spare=False, on_progress=None):
+        asked.append(request["measure"]["min_steps"])
+        figures = {"samples_per_s": 100.0, "step_time_ms": 80.0, "peak_memory_bytes": 1, "warmup_s": 1.0,
+                   "measure_s": 2.0, "build_s": 0.5, "compile_s": 0.0, "loss_finite": True}
+        return {"status": "ok", "figures": figures, "wall_s": 5.0, "worker_start_s": 1.0}
+
+    monkeypatch.setattr("autotune.search.objective.run_worker", fake_worker)
+    for settings, expected in ((MeasureSettings.for_device("cuda"), [BASELINE_MIN_STEPS, 20]),
+                               (MeasureSettings.for_device("cpu"), [3, 3])):
+        objective = Objective(space=CPU_SPACE, workload=TINY.to_dict(), measure=settings.to_dict(),
+                              input_on_device=False, seed=0, trial_timeout_s=100.0, screen_compiles=False)
+        study = optuna.create_study(direction="maximize")
+        study.enqueue_trial({"compile.mode": "off"}, user_attrs={"role": "baseline"})
+        study.enqueue_trial({"compile.mode": "default"}, user_attrs={"role": "known-good"})
+        asked.clear()
+        study.optimize(objective, n_trials=2)
+        assert asked == expected
+    assert BASELINE_MIN_STEPS == 8 and MeasureSettings().min_steps == 20
