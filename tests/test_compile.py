@@ -314,7 +314,8 @@ def test_an_fp8_compile_is_expected_to_take_longer_than_a_bf16_one_before_it_sta
         study.optimize(objective, n_trials=2 if runs == "off" else 1)
         assert ran == [(precision, runs)], ran
         if runs == "off":
-            assert study.trials[0].user_attrs["reason"].startswith("not started: a compiled trial takes about 101 s")
+            reason = study.trials[0].user_attrs["reason"]
+            assert reason.startswith("not started: a compiled trial takes about 101 s")
 
 
 def _study_with_a_compiled_best() -> optuna.Study:

@@ -20,13 +20,13 @@ from autotune.trial.record import TrialRecord, copy, queue_attrs, write
 from autotune.trial.runner import run_worker
 from strategies.compile import COMPILE_ALLOWANCE_S
 
-# trial user attributes that hold a result; copied verbatim when a configuration repeats
 BASELINE_MIN_STEPS = 8
 """Timed steps the FP32 baseline needs at least (a trial's default is 20; the 2 s of timed time and the
 spread's re-measure still hold): its figure is the denominator of every speed-up, not a candidate
 that must be told from a close runner-up. Its 20 steps took 15.3 s of the baseline's 32.5 s on the
 H100 for ConvNeXt-T (reports/search-yield/h100-b1bcd84), 13.1 of 30.7 s on the H200 for ViT-B/16."""
 
+# trial user attributes that hold a result; copied verbatim when a configuration repeats
 RESULT_ATTRS = ("status", "reason", "figures", "knobs", "timing", "energy", "profile", "findings", "screening")
 
 

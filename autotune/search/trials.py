@@ -31,8 +31,8 @@ MEASURED = ("ok", "pruned")
 
 def search_cost(study: optuna.Study) -> dict:
     """What the search spent its trials on: the counted trials (copies of an earlier trial's result
-    included), those measured (a throughput, in full or stopped early in the warm-up; repeats aside), those run
-    without a figure (out of memory, failed), and the seconds of each phase over the trials run."""
+    included); of those run (copies aside), the measured ones (a throughput, in full or stopped early
+    in the warm-up), those without a figure (out of memory, failed), and the seconds of each phase."""
     counted = [TrialRecord.of(t) for t in counted_trials(study)]
     ran = [t for t in counted if t.duplicate_of is None]
     timing = [t.timing for t in ran]
