@@ -182,6 +182,6 @@ def checks_spent(study) -> str | None:
     parts = []
     for check in checks:
         what = check["label"] + (", FP32" if check.get("fp32") else "")
-        status = check["status"]
-        parts.append(f"{what}: {check['seconds']:.0f} s" if status == "ok" else f"{what}: {status} after {check['seconds']:.0f} s")
+        how = "" if check["status"] == "ok" else f"{check['status']} after "
+        parts.append(f"{what}: {how}{check['seconds']:.0f} s")
     return f"the checks took {sum(c['seconds'] for c in checks):.0f} s ({'; '.join(parts)})"
