@@ -186,3 +186,65 @@ def test_an_fp8_compile_is_costed_at_its_longer_compile():
     assert plans[0].cost_s == 80.0 and plans[1].cost_s == pytest.approx(11.0 + 69.0 * 1.6)
     assert plans[0].gain == plans[1].gain == pytest.approx(365.0)
     assert planner.choose(study, left_s=100.0).number == bf16
+
+
+def test_a_queued_candidate_predicted_clearly_past_a_value_that_the_budget_holds_is_expected_better():
+    """On the H100 a 1B Llama's share of accuracy checks went to its plain recipe and FP32 baseline
+    while the memory knobs queued behind them were predicted at twice their speed: the objective asks
+    the planner before it checks a trial mid-search."""
+    study = _study()
+    _measured(study, _params("bf16", 64), 1000.0)
+    _queue(study, _params("bf16", 128))  # predicted as measured: not past 1,000
+    compiled = _queue(study, _params("bf16", 64, "default"))  # predicted 1,000 x COMPILE_GAIN_PRIOR
+    planner = Planner(SPACE, walls=_compiled_walls())
+    assert planner.expects_better(study, 1000.0, left_s=200.0).number == compiled
+    assert planner.expects_better(study, 1000.0, left_s=30.0) is None  # its 80 s compile does not fit
+    assert planner.expects_better(study, 1000.0 * COMPILE_GAIN_PRIOR * 0.95, left_s=200.0) is None  # near it
+
+
+class _Gate:
+    """An accuracy gate that records whether each trial was to be checked."""
+
+    timeout_s = 60.0
+
+    def __init__(self):
+        self.checks = []
+
+    def near_frontier(self, study, value):
+        return True
+
+    def evidence(self, study, knobs, *, check, timeout_s=None, label=""):
+        self.checks.append((label, check))
+        return None
+
+
+def test_the_objective_leaves_unchecked_a_trial_the_planner_expects_a_queued_one_to_overtake(monkeypatch):
+    import time
+
+    from autotune.search.objective import Objective
+
+    def fake_worker(request, *, timeout_s, log_path, spare=False, on_progress=None):
+        figures = {"samples_per_s": 100.0, "step_time_ms": 80.0, "peak_memory_bytes": 1, "warmup_s": 1.0,
+                   "measure_s": 2.0, "build_s": 0.5, "compile_s": 0.0, "loss_finite": True}
+        return {"status": "ok", "figures": figures, "wall_s": 4.0, "worker_start_s": 1.0}
+
+    class Expects:
+        def __init__(self, answer):
+            self.answer = answer
+
+        def expects_better(self, study, value):
+            return self.answer
+
+    monkeypatch.setattr("autotune.search.objective.run_worker", fake_worker)
+    checks = []
+    for answer in (None, "a plan predicted past it"):
+        gate = _Gate()
+        objective = Objective(space=SPACE, workload={"kind": "torchvision", "name": "resnet18"}, measure={},
+                              input_on_device=False, seed=0, trial_timeout_s=100.0, accuracy=gate, steer=False,
+                              deadline=time.time() + 600, profile=False)
+        objective.planner = Expects(answer)
+        study = _study()
+        study.enqueue_trial(_params("bf16", 64))
+        study.optimize(objective, n_trials=1)
+        checks += gate.checks
+    assert checks == [("#0", True), ("#0", False)]

@@ -207,6 +207,23 @@ class Planner:
                                                           f"#{first.number} ({first.cost_s:.0f} s)"})
         return first
 
+    def expects_better(self, study: optuna.Study, value: float, left_s: float | None = None) -> Plan | None:
+        """A queued candidate the budget left still holds (``left_s``; default: until the deadline) that is
+        predicted clearly past ``value``, beyond NEAR_FRONTIER of it: the one predicted best; None where
+        there is none. An accuracy check of ``value``'s trial would be spent on a configuration
+        predicted to be overtaken (autotune.search.objective)."""
+        from autotune.accuracy.settings import NEAR_FRONTIER
+
+        if left_s is None and self.deadline is not None:
+            left_s = self.deadline - time.time()
+        bar = value / NEAR_FRONTIER if self.maximize else value * NEAR_FRONTIER
+        ahead = [p for p in self.plans(study) if p.rank != 1 and p.predicted is not None
+                 and (left_s is None or p.cost_s <= left_s)
+                 and (p.predicted > bar if self.maximize else p.predicted < bar)]
+        if not ahead:
+            return None
+        return (max if self.maximize else min)(ahead, key=lambda p: p.predicted)
+
     # -- Optuna's queue --------------------------------------------------------------------------------
 
     def install(self, study: optuna.Study) -> None:

@@ -196,12 +196,14 @@ def _proposers(config: SearchConfig, space: SearchSpace, target: Goal, objective
 def _planner(study: optuna.Study, space: SearchSpace, objective: Objective, stop_rule: StopRule, target: Goal,
              end: float | None, *, replay: bool = False) -> Planner:
     """One place decides what runs next, from the whole picture (autotune.search.planner): installed
-    on the study's queue, and asked by the stop rule what the next trial costs; under --replay it runs
-    the queue in its order."""
+    on the study's queue, asked by the stop rule what the next trial costs and by the objective whether a
+    trial is predicted to be overtaken (then not checked for accuracy); under --replay it runs the queue
+    in its order."""
     planner = Planner(space, maximize=target.maximize, limit_bytes=objective.fit_limit_bytes, walls=stop_rule.walls,
                       compile_prior_s=stop_rule.compile_prior_s, deadline=end, unit=target.unit,
                       queue_order=replay)
     planner.install(study)
+    objective.planner = planner
     return planner
 
 
