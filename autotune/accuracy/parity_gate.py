@@ -167,11 +167,6 @@ class ParityGate(AccuracyGate):
         self.settle(study, force=check)
         if check and self.budget_s is not None and not self._planned_fits(study):
             check = False  # said once, before the checks: no verdict fits this budget
-        if check and not self.final and numerics_key(knobs) == numerics_key({}) and self._reference(study) is None:
-            # FP32's verdict is the reference itself: trained alone, it costs a worker of its own, and
-            # the first configuration checked then starts and builds another. Left to that check's worker,
-            # which trains both (on the H100 a 1B Llama's FP32 baseline took 44 s of a 54 s share alone)
-            check = False
         return super().evidence(study, knobs, check=check, timeout_s=timeout_s, within_share=True, label=label)
 
     def _timeout(self, timeout_s: float | None, within_share: bool) -> float | None:
