@@ -260,6 +260,9 @@ def test_the_worker_request_round_trips_through_json():
     assert [r["steps_run"] for r in runs] == [4, 4, 4] and runs[1]["perturb"] >= 0 and runs[0]["perturb"] < 0.01
     assert all(set(r) >= {"build", "perturb", "first step", "steps"} for r in runs)
     assert [r["steps_run"] for r in again["runs"]] == [1, 4]
+    # and the worker's own seconds, which hold its runs' phases (the rest of a check's is its start and exit)
+    phases = sum(r[k] for r in runs for k in ("build", "perturb", "first step", "steps"))
+    assert phases - 0.05 <= answer["in_worker_s"] < phases + 30
 
 
 

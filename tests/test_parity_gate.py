@@ -109,7 +109,7 @@ def test_each_check_is_kept_with_its_seconds_and_how_it_ended_and_an_unchecked_r
     from autotune.accuracy.plan import CHECKS_ATTR, checks_spent
     from autotune.report.export import _add_objective_and_accuracy
 
-    answers = iter([{"status": "timeout"}, {"status": "error", "reason": "scripted: out of memory"}])
+    answers = iter([{"status": "timeout"}, {"status": "error", "reason": "scripted: out of memory", "in_worker_s": 1.5}])
     monkeypatch.setattr(runner, "run_worker", lambda request, **kw: next(answers))
     study = _study((100.0, {"precision": {"mode": "fp32"}}, "baseline"), (300.0, BF16, "candidate"))
     gate = _gate(tmp_path, budget_s=600)
@@ -123,6 +123,7 @@ def test_each_check_is_kept_with_its_seconds_and_how_it_ended_and_an_unchecked_r
     checks = study.user_attrs[CHECKS_ATTR]
     assert [(c["label"], c["fp32"], c["status"]) for c in checks] == [
         ("#1", False, "cut by the budget"), ("#0", True, "error")]
+    assert "in_worker_s" not in checks[0] and checks[1]["in_worker_s"] == 1.5  # the worker's own seconds, where it said
     assert checks[0]["timeout_s"] == 10 and gate.spent_s == pytest.approx(sum(c["seconds"] for c in checks), abs=0.2)
     assert checks_spent(study).startswith("the checks took 0 s (#1: cut by the budget after 0 s; #0, FP32: error")
 
