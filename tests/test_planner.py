@@ -237,14 +237,16 @@ def test_the_objective_leaves_unchecked_a_trial_the_planner_expects_a_queued_one
 
     monkeypatch.setattr("autotune.search.objective.run_worker", fake_worker)
     checks = []
-    for answer in (None, "a plan predicted past it"):
+    cases = [("bf16", None), ("bf16", "a plan predicted past it"), ("fp32", "a plan predicted past it")]
+    for mode, answer in cases:
         gate = _Gate()
         objective = Objective(space=SPACE, workload={"kind": "torchvision", "name": "resnet18"}, measure={},
                               input_on_device=False, seed=0, trial_timeout_s=100.0, accuracy=gate, steer=False,
                               deadline=time.time() + 600, profile=False)
         objective.planner = Expects(answer)
         study = _study()
-        study.enqueue_trial(_params("bf16", 64))
+        study.enqueue_trial(_params(mode, 64))
         study.optimize(objective, n_trials=1)
         checks += gate.checks
-    assert checks == [("#0", True), ("#0", False)]
+    # an FP32 trial is checked all the same: its check trains the FP32 reference, in a worker of its own
+    assert checks == [("#0", True), ("#0", False), ("#0", True)]

@@ -391,10 +391,7 @@ class Objective:
             left = self.deadline - time.time()
             check = check and left > 5
             timeout = min(self.accuracy.timeout_s, max(1.0, left))
-            if check and self.planner is not None and self.planner.expects_better(trial.study, value) is not None:
-                # the share is the recommendation's: on the H100 a 1B Llama's plain recipe and FP32
-                # baseline spent it while the memory knobs queued behind them were predicted at twice
-                # their speed, and the winner went unchecked. The stop rule keeps its verdict's seconds
+            if check and self._overtaken(trial, value):
                 check = False
         try:
             accuracy = self.accuracy.evidence(trial.study, TrialRecord.of(trial).knobs, check=check, timeout_s=timeout,
@@ -407,6 +404,20 @@ class Objective:
         if accuracy is not None:
             write(trial, accuracy=accuracy)
             trial.set_constraint("accuracy", accuracy["constraint"])
+
+    def _overtaken(self, trial: optuna.Trial, value: float) -> bool:
+        """Whether the planner expects a queued candidate to overtake this trial: its accuracy check
+        would spend the share on a configuration that will not be recommended (on the H100 a 1B Llama's
+        plain recipe took it while the memory knobs predicted at twice its speed were queued, and the
+        winner went unchecked; the stop rule keeps the recommendation's verdict its seconds). Never an
+        FP32 trial: its check trains the FP32 reference alone, which every verdict needs, and in a
+        worker of its own (trained in the next configuration's worker under 24 GiB, that worker ran out
+        of memory on the configuration's run and no check could run at all)."""
+        from autotune.accuracy.settings import numerics_key
+
+        if self.planner is None or numerics_key(TrialRecord.of(trial).knobs) == numerics_key({}):
+            return False
+        return self.planner.expects_better(trial.study, value) is not None
 
     @staticmethod
     def _same_params(trial: optuna.Trial):
