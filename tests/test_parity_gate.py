@@ -310,3 +310,35 @@ def test_a_search_fails_the_configuration_that_breaks_training_and_recommends_a_
     fastest = trials.loc[trials["samples_per_s"].idxmax()]
     assert fastest["accuracy_verdict"] != "passed" and data["study"]["trial_number"] != fastest["number"]
     assert "loss_deviation" in trials.columns and "loss deviation" in (out / "report.md").read_text()
+
+
+def test_once_the_reference_ran_past_its_plan_a_later_check_is_expected_to_run_past_its_own(tmp_path, monkeypatch):
+    """The H100's 1B Llama at 7f980b9: the FP32 reference's worker took 44.4 s where the plan counted
+    13.6 for it (18.4 for the first verdict, less the configuration's 21 steps of 0.228 s), and the
+    winner's check, planned at 9 s, was started with 9.6 s of the share left and cut. A later check is
+    now expected to run as far past the plan: about 29 s, which the 9.6 s do not hold."""
+    import autotune.trial.runner as runner
+    from autotune.accuracy.gate import REFERENCE_ATTR
+    from autotune.accuracy.parity_gate import later_check_s
+    from autotune.accuracy.plan import CHECKS_ATTR
+
+    started = []
+    monkeypatch.setattr(runner, "run_worker", lambda request, **kw: started.append(request) or {"status": "timeout"})
+    study = _study((100.0, {"precision": {"mode": "fp32"}}, "baseline"), (300.0, BF16, "candidate"))
+    gate = _gate(tmp_path, budget_s=360)
+    gate.attach(study)
+    plan = {"method": "parity", "steps": 20, "step_s": 0.228063, "check_s": 9.0, "first_verdict_s": 18.4}
+    study.set_user_attr(PLAN_ATTR, plan)
+    assert later_check_s(study) == 9.0  # no reference trained here yet: the plan's figure
+    study.set_user_attr(CHECKS_ATTR, [{"label": "#3", "fp32": True, "seconds": 44.4, "status": "ok"}])
+    study.set_user_attr(REFERENCE_ATTR.format(fingerprint=gate.settings.fingerprint()), {"losses": [1.0]})
+    assert later_check_s(study) == pytest.approx(9.0 * 44.4 / (18.4 - 21 * 0.228063), abs=0.1)
+    gate.final = True
+    gate.spent_s = 44.4
+    assert gate.evidence(study, BF16, check=True, label="#18") is None and not started  # 9.6 s left: not started
+    gate.spent_s = 20.0
+    gate.evidence(study, BF16, check=True, label="#18")
+    assert len(started) == 1  # 34 s left hold it
+    # a reference that ran within its plan leaves the plan's figure as it was
+    study.set_user_attr(CHECKS_ATTR, [{"label": "#3", "fp32": True, "seconds": 10.0, "status": "ok"}])
+    assert later_check_s(study) == 9.0
