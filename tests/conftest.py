@@ -93,9 +93,28 @@ def newly_in_worker(trials, seen: set[int]) -> list:
     import optuna
 
     running = [t for t in trials if t.state == optuna.trial.TrialState.RUNNING and "knobs" in t.user_attrs]
-    new = [t for t in running if t.number not in seen]
-    seen.update(t.number for t in running)
+    new = first_seen([t.number for t in running], seen)
+    return [t for t in running if t.number in new]
+
+
+def first_seen(numbers: list[int], seen: set[int]) -> list[int]:
+    """Of the trial ``numbers`` in their worker at this poll, those no earlier poll saw (``seen``, updated)."""
+    new = [n for n in numbers if n not in seen]
+    seen.update(numbers)
     return new
+
+
+def workers_answer_ok(monkeypatch, asked=lambda request: None) -> None:
+    """Every trial worker of autotune.search.objective answers a 5 s eager measurement of 100 samples/s;
+    ``asked(request)`` first."""
+
+    def fake_worker(request, *, timeout_s, log_path, spare=False, on_progress=None):
+        asked(request)
+        figures = {"samples_per_s": 100.0, "step_time_ms": 80.0, "peak_memory_bytes": 1, "warmup_s": 1.0,
+                   "measure_s": 2.0, "build_s": 0.5, "compile_s": 0.0, "loss_finite": True}
+        return {"status": "ok", "figures": figures, "wall_s": 5.0, "worker_start_s": 1.0}
+
+    monkeypatch.setattr("autotune.search.objective.run_worker", fake_worker)
 
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:

@@ -8,7 +8,6 @@ import dataclasses
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
 
 import optuna
 import pytest
@@ -29,7 +28,7 @@ from autotune.search.walls import compile_prior_s, expected_wall, trial_cost_s
 from autotune.search.options import SearchConfig
 from autotune.search.space import build_space
 from autotune.workload.models import WorkloadSpec
-from conftest import TESTS
+from conftest import TESTS, workers_answer_ok
 from strategies import compile as compile_strategy
 from strategies.compile import Compile
 
@@ -260,22 +259,10 @@ def test_a_trials_cost_scales_its_compile_by_the_mode_and_the_precision() -> Non
     assert trial_cost_s([(30.0, False), (20.0, True)], "default", "fp8") == 20.0
 
 
-def _workers_answer_ok(monkeypatch: pytest.MonkeyPatch, asked: Callable[[dict], Any]) -> None:
-    """Every trial worker answers a 5 s eager measurement of 100 samples/s; ``asked(request)`` first."""
-
-    def fake_worker(request, *, timeout_s, log_path, spare=False, on_progress=None):
-        asked(request)
-        figures = {"samples_per_s": 100.0, "step_time_ms": 80.0, "peak_memory_bytes": 1, "warmup_s": 1.0,
-                   "measure_s": 2.0, "build_s": 0.5, "compile_s": 0.0, "loss_finite": True}
-        return {"status": "ok", "figures": figures, "wall_s": 5.0, "worker_start_s": 1.0}
-
-    monkeypatch.setattr("autotune.search.objective.run_worker", fake_worker)
-
-
 def test_a_compile_that_would_end_past_the_budget_is_not_started_and_its_eager_twin_runs(
         monkeypatch: pytest.MonkeyPatch) -> None:
     ran = []
-    _workers_answer_ok(monkeypatch, lambda request: ran.append(request["knobs"]["compile"]["mode"]))
+    workers_answer_ok(monkeypatch, lambda request: ran.append(request["knobs"]["compile"]["mode"]))
     objective = Objective(space=CPU_SPACE, workload=TINY.to_dict(), measure={}, input_on_device=False, seed=0,
                           trial_timeout_s=100.0, deadline=time.time() + 40.0,
                           screen_compiles=False)  # this rule alone (eager screening: tests/test_screening.py)
@@ -301,7 +288,7 @@ def test_an_fp8_compile_is_expected_to_take_longer_than_a_bf16_one_before_it_sta
     """With 80 s left after a 5 s eager trial and a 60 s compile prior, a bf16 compile (65 s) starts; an
     fp8 one (5 + 60 x 1.6 = 101 s) gives way to its eager twin."""
     ran = []
-    _workers_answer_ok(monkeypatch, lambda request: ran.append((request["knobs"]["precision"]["mode"],
+    workers_answer_ok(monkeypatch, lambda request: ran.append((request["knobs"]["precision"]["mode"],
                                                                 request["knobs"]["compile"]["mode"])))
     space = dataclasses.replace(CPU_SPACE, device="cuda", precisions=["fp32", "bf16", "fp8"])
     for precision, runs in (("bf16", "default"), ("fp8", "off")):
@@ -434,7 +421,7 @@ def test_the_fp32_baseline_times_fewer_steps_than_a_candidate(monkeypatch: pytes
     from autotune.trial.measure import MeasureSettings
 
     asked = []
-    _workers_answer_ok(monkeypatch, lambda request: asked.append(request["measure"]["min_steps"]))
+    workers_answer_ok(monkeypatch, lambda request: asked.append(request["measure"]["min_steps"]))
     for settings, expected in ((MeasureSettings.for_device("cuda"), [BASELINE_MIN_STEPS, 20]),
                                (MeasureSettings.for_device("cpu"), [3, 3])):
         objective = Objective(space=CPU_SPACE, workload=TINY.to_dict(), measure=settings.to_dict(),

@@ -14,6 +14,7 @@ from autotune.deploy.space import SearchSpace
 from autotune.search.memory import PROBE_ATTR
 from autotune.search.planner import COMPILE_GAIN_PRIOR, Planner
 from autotune.search.steering import complete_params
+from conftest import workers_answer_ok
 
 SPACE = SearchSpace(device="cuda", precisions=["fp32", "fp16", "bf16"], batch_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256],
                     base_batch_size=64, memory_formats=["contiguous"], compile_modes=["off", "default"],
@@ -223,11 +224,6 @@ def test_the_objective_leaves_unchecked_a_trial_the_planner_expects_a_queued_one
 
     from autotune.search.objective import Objective
 
-    def fake_worker(request, *, timeout_s, log_path, spare=False, on_progress=None):
-        figures = {"samples_per_s": 100.0, "step_time_ms": 80.0, "peak_memory_bytes": 1, "warmup_s": 1.0,
-                   "measure_s": 2.0, "build_s": 0.5, "compile_s": 0.0, "loss_finite": True}
-        return {"status": "ok", "figures": figures, "wall_s": 4.0, "worker_start_s": 1.0}
-
     class Expects:
         def __init__(self, answer):
             self.answer = answer
@@ -235,7 +231,7 @@ def test_the_objective_leaves_unchecked_a_trial_the_planner_expects_a_queued_one
         def expects_better(self, study, value):
             return self.answer
 
-    monkeypatch.setattr("autotune.search.objective.run_worker", fake_worker)
+    workers_answer_ok(monkeypatch)
     checks = []
     cases = [("bf16", None), ("bf16", "a plan predicted past it"), ("fp32", "a plan predicted past it")]
     for mode, answer in cases:

@@ -19,7 +19,7 @@ import torch
 import autotune
 import strategies
 from autotune.errors import ConfigError
-from conftest import ROOT, newly_in_worker, run_cli, subprocess_env
+from conftest import ROOT, first_seen, newly_in_worker, run_cli, subprocess_env
 
 # every trial measured in full: these tests count completed trials (screening: tests/test_early_stop.py)
 SMALL = ["--device", "cpu", "--input-shape", "3x32x32", "--num-classes", "10", "--min-measure-time", "0.3",
@@ -184,8 +184,7 @@ def test_resume_after_the_search_process_is_killed(tmp_path):
             continue
         # at the first poll that sees it so (it measures for 1 s or more after that): one seen on a later
         # poll may be ending as the kill lands (conftest.newly_in_worker)
-        new = [n for n in running if n not in seen]
-        seen.update(running)
+        new = first_seen(running, seen)
         if sum(state in ("COMPLETE", "PRUNED", "FAIL") for state in states.values()) >= 2 and new:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
