@@ -18,6 +18,8 @@ from pathlib import Path
 KEEP_MODELS = {"auto", "gpt2", "llama", "gemma", "mistral", "qwen2"}
 """transformers model types the project's tests and examples build (hf:gpt2, hf:llama...)."""
 BNB_LIBRARY = re.compile(r"libbitsandbytes_(cuda13\d|cpu)\.so$")
+MODEL_NAMED = re.compile(rb"transformers\.models\.([a-z0-9_]+)")
+"""A transformers model package named in Python source (an import, a monkey patch's target)."""
 
 
 def rewrite(wheel: Path, keep) -> None:
@@ -41,7 +43,7 @@ def liger_models(folder: Path) -> set[str]:
         with zipfile.ZipFile(wheel) as z:
             for name in z.namelist():
                 if name.endswith(".py"):
-                    found |= {m.decode() for m in re.findall(rb"transformers\.models\.([a-z0-9_]+)", z.read(name))}
+                    found |= {m.decode() for m in MODEL_NAMED.findall(z.read(name))}
     return found
 
 
@@ -57,7 +59,7 @@ def model_closure(wheel: Path, wanted: set[str]) -> set[str]:
                 if len(parts) >= 4 and parts[2] in keep:
                     text = z.read(name)
                     more |= {m.decode() for m in re.findall(rb"from \.\.([a-z0-9_]+)", text)}
-                    more |= {m.decode() for m in re.findall(rb"transformers\.models\.([a-z0-9_]+)", text)}
+                    more |= {m.decode() for m in MODEL_NAMED.findall(text)}
             if more <= keep:
                 return keep
             keep |= more

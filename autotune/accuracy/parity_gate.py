@@ -91,10 +91,15 @@ def _sized(settings: ParitySettings, batch: int, *, budget_s: float, share: floa
     fits = steps >= MIN_STEPS
     steps = max(MIN_STEPS, steps)
     return {"batch": batch, "steps": steps, "fits": fits, "step_s": round(step_s, 6),
-            "estimate_s": round(overhead + 3 * (steps + 1) * step_s, 1),
-            "first_verdict_s": round(overhead + 3 * (steps + 1) * step_s, 1),
-            "check_s": round(overhead + (steps + 2) * step_s, 1),  # its run and the reference's first step
-            "needed_budget_s": round((overhead + 3 * (MIN_STEPS + 1) * step_s) / share, 1)}
+            "estimate_s": round(overhead + 3 * run_s(steps, step_s), 1),
+            "first_verdict_s": round(overhead + 3 * run_s(steps, step_s), 1),
+            "check_s": round(overhead + run_s(steps, step_s) + step_s, 1),  # its run and the reference's first step
+            "needed_budget_s": round((overhead + 3 * run_s(MIN_STEPS, step_s)) / share, 1)}
+
+
+def run_s(steps: int, step_s: float) -> float:
+    """One parity run's training seconds: its ``steps`` and the first batch again."""
+    return (steps + 1) * step_s
 
 
 def later_check_s(study) -> float:
@@ -109,7 +114,7 @@ def later_check_s(study) -> float:
                    None)
     if not (check_s and first and step_s and steps and trained):
         return check_s
-    planned = first - (steps + 1) * step_s  # the first verdict less the configuration's run
+    planned = first - run_s(steps, step_s)  # the first verdict less the configuration's run
     return round(check_s * max(1.0, trained["seconds"] / planned), 1) if planned > 0 else check_s
 
 
