@@ -402,8 +402,9 @@ class AccuracyGate:
                  "timeout_s": round(timeout_s, 1), "status": status}
         if (result or {}).get("runs"):
             entry["runs"] = result["runs"]  # a parity worker's runs, each one's seconds by phase
-        if (result or {}).get("in_worker_s") is not None:
-            entry["in_worker_s"] = result["in_worker_s"]  # the rest of the seconds: the worker's start and exit
+        for name in ("in_worker_s", "worker_start_s"):  # the rest of the seconds: the worker's start and exit
+            if (result or {}).get(name) is not None:
+                entry[name] = round(result[name], 2)
         with self._lock:
             study.set_user_attr(CHECKS_ATTR, [*(study.user_attrs.get(CHECKS_ATTR) or []), entry])
 

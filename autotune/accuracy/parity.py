@@ -369,7 +369,7 @@ def check_parity(spec, knobs: Mapping[str, Any], settings: ParitySettings, *, de
     from autotune.accuracy.settings import describe_numerics
 
     started = time.perf_counter()
-    data = datasets(spec, settings.data_settings(), device)
+    data = datasets(spec, settings.data_settings(), device, init_device=device)  # as the runs build it (_one_run)
     if reference is None:
         reference, ref_grads = train_reference(spec, settings, device, data)
         reference["reference_source"] = "trained"
@@ -404,7 +404,8 @@ def run_parity(request: Mapping[str, Any]) -> dict[str, Any]:
         from autotune.accuracy.check import datasets
 
         device = request.get("device", "cpu")
-        reference, _ = train_reference(spec, settings, device, datasets(spec, settings.data_settings(), device))
+        data = datasets(spec, settings.data_settings(), device, init_device=device)  # as the runs build it (_one_run)
+        reference, _ = train_reference(spec, settings, device, data)
         return {"status": "ok", "result": None, "reference": {**reference, "reference_source": "trained"},
                 "runs": list(RUN_PHASES), "in_worker_s": round(time.perf_counter() - entered, 2)}
     result, reference = check_parity(spec, request.get("knobs") or {}, settings, device=request.get("device", "cpu"),
