@@ -27,6 +27,7 @@ from autotune.accuracy.parity import (
     parity_recipe,
     perturb_weights,
     progress_drift,
+    read_reference,
     run_parity,
 )
 from autotune.accuracy.reference_cache import ReferenceCache
@@ -244,10 +245,14 @@ def test_a_kept_reference_gives_the_same_verdict_at_the_cost_of_one_fp32_step(tm
     assert (again.verdict, again.losses, again.grad_rel_error) == (trained.verdict, trained.losses, trained.grad_rel_error)
 
 
-def test_the_worker_request_round_trips_through_json():
+def test_the_worker_request_round_trips_through_json(tmp_path):
     request = {"workload": spec("mlp").to_dict(), "device": "cpu", "knobs": BF16,
-               "settings": ParitySettings(steps=3).to_dict(), "reference": None}
+               "settings": ParitySettings(steps=3).to_dict(), "reference": None,
+               "reference_path": str(tmp_path / "reference.json")}
     answer = json.loads(json.dumps(run_parity(json.loads(json.dumps(request)))))
+    # the reference it trained was also written before the configuration's run (read_reference)
+    assert read_reference(tmp_path / "reference.json")["losses"] == answer["reference"]["losses"]
+    assert read_reference(tmp_path / "none.json") is None
     result = ParityResult.from_dict(answer["result"])
     assert answer["status"] == "ok" and result.label == "bf16" and result.steps == 4  # and the first batch again
     assert result.verdict in ("passed", "violated") and result.band.loss > 0

@@ -100,6 +100,51 @@ def test_the_check_worker_runs_under_the_searchs_memory_limit(tmp_path, monkeypa
     gate.evidence(study, BF16, check=True, label="#1")
     assert requests and requests[0]["mode"] == "parity" and requests[0]["memory_limit_bytes"] == 24 * 2 ** 30
 
+@pytest.mark.parametrize("ended", [{"status": "timeout"}, {"status": "oom", "reason": "scripted: out of memory"}])
+def test_a_reference_trained_before_the_configurations_run_is_kept_whatever_befalls_that_run(
+        tmp_path, monkeypatch, ended):
+    """The first check trains the FP32 reference in its worker, then the configuration's run: on the
+    H100 a 1B Llama's later check (a second worker, its data and an FP32 step again) was cut after 29 s.
+    The worker writes the reference as soon as it is trained: a run that is then cut by the budget or
+    runs out of memory costs its own verdict, and the next check is given the reference."""
+    import autotune.trial.runner as runner
+    from autotune.accuracy.gate import REFERENCE_ATTR, UNAVAILABLE_ATTR
+
+    trained = {"losses": [2.5, 2.4], "calibration": {"loss_deviation": 0.001}, "settings": {"steps": 4},
+               "device_name": "cpu", "torch": "scripted"}
+    requests = []
+
+    def worker(request, **kw):
+        requests.append(request)
+        if request.get("reference_path"):
+            with open(request["reference_path"], "w") as f:
+                json.dump(trained, f)
+        return dict(ended)
+
+    monkeypatch.setattr(runner, "run_worker", worker)
+    study = _study((100.0, {"precision": {"mode": "fp32"}}, "baseline"), (300.0, BF16, "candidate"))
+    gate = _gate(tmp_path, budget_s=600)
+    gate.attach(study)
+    gate.evidence(study, BF16, check=True, label="#1", timeout_s=30)
+    assert requests[0]["reference"] is None and requests[0]["reference_path"]
+    kept = study.user_attrs[REFERENCE_ATTR.format(fingerprint=gate.settings.fingerprint())]
+    assert kept["losses"] == trained["losses"] and kept["reference_source"] == "trained"
+    assert gate.unavailable is None and UNAVAILABLE_ATTR not in study.user_attrs  # the configuration's, not FP32's
+    gate.evidence(study, {"precision": {"mode": "fp16"}}, check=True, label="#2", timeout_s=30)
+    assert requests[1]["reference"]["losses"] == trained["losses"] and "reference_path" not in requests[1]
+    from autotune.accuracy.plan import CHECKS_ATTR
+
+    assert [c.get("trains_reference", False) for c in study.user_attrs[CHECKS_ATTR]] == [True, False]
+    # a worker that wrote none: as before, nothing is kept (an FP32 reference that failed: no check can run)
+    requests.clear()
+    study = _study((100.0, {"precision": {"mode": "fp32"}}, "baseline"), (300.0, BF16, "candidate"))
+    gate = _gate(tmp_path / "again", budget_s=600)
+    gate.attach(study)
+    monkeypatch.setattr(runner, "run_worker", lambda request, **kw: requests.append(request) or dict(ended))
+    gate.evidence(study, BF16, check=True, label="#1", timeout_s=30)
+    assert REFERENCE_ATTR.format(fingerprint=gate.settings.fingerprint()) not in study.user_attrs
+
+
 def test_each_check_is_kept_with_its_seconds_and_how_it_ended_and_an_unchecked_recommendation_says_so(
         tmp_path, monkeypatch):
     """On the H100 a 1B Llama's 54 s share went to the FP32 reference and to a check the share's end cut,
@@ -342,3 +387,7 @@ def test_once_the_reference_ran_past_its_plan_a_later_check_is_expected_to_run_p
     # a reference that ran within its plan leaves the plan's figure as it was
     study.set_user_attr(CHECKS_ATTR, [{"label": "#3", "fp32": True, "seconds": 10.0, "status": "ok"}])
     assert later_check_s(study) == 9.0
+    # trained in a first verdict's worker, before the configuration's run: scaled by the whole first verdict
+    study.set_user_attr(CHECKS_ATTR, [{"label": "#18", "fp32": False, "trains_reference": True, "seconds": 36.8,
+                                       "status": "ok"}])
+    assert later_check_s(study) == pytest.approx(9.0 * 2, abs=0.1)

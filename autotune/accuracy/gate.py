@@ -393,13 +393,14 @@ class AccuracyGate:
         return run, reference
 
     def _spent(self, study, label: str, key: str, started: float, result: Mapping[str, Any] | None,
-               timeout_s: float) -> None:
-        """Count a check's seconds against the share, and keep how it ended in the study (CHECKS_ATTR)."""
+               timeout_s: float, *, trains_reference: bool = False) -> None:
+        """Count a check's seconds against the share, and keep how it ended in the study (CHECKS_ATTR):
+        ``trains_reference``, a check whose worker trained the FP32 reference before the configuration."""
         seconds = time.time() - started
         self.spent_s += seconds
         status = "cut by the budget" if self._cut(result, timeout_s) else (result or {}).get("status", "interrupted")
         entry = {"label": label or "a check", "fp32": key == numerics_key({}), "seconds": round(seconds, 1),
-                 "timeout_s": round(timeout_s, 1), "status": status}
+                 "timeout_s": round(timeout_s, 1), "status": status, **({"trains_reference": True} if trains_reference else {})}
         if (result or {}).get("runs"):
             entry["runs"] = result["runs"]  # a parity worker's runs, each one's seconds by phase
         for name in ("in_worker_s", "worker_start_s"):  # the rest of the seconds: the worker's start and exit

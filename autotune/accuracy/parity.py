@@ -304,8 +304,17 @@ def _one_run(spec, recipe, settings: ParitySettings, data, *, steps: int, refere
     RUN_PHASES.append({"build": round(built - started, 2), "perturb": round(perturbed - built, 2),
                        "first step": round(stepped - perturbed, 2), "steps": round(end - stepped, 2),
                        "steps_run": len(losses), "compared": reference_grads is not None})
+    logged(f"run {len(RUN_PHASES)}: {json.dumps(RUN_PHASES[-1])}")
     return {"losses": losses, "grads": first.kept, "sums": first.sums, "skipped": skipped,
             "wall_s": end - started}
+
+
+def logged(words: str) -> None:
+    """A line in the worker's log (its stderr) as it happens: a check the budget cuts returns nothing,
+    and its log is then all that says where its seconds went."""
+    import sys
+
+    print(f"parity: {words}", file=sys.stderr, flush=True)
 
 
 def max_retries(steps: int) -> int:
@@ -360,19 +369,23 @@ def train_reference(spec, settings: ParitySettings, device: str, data) -> tuple[
 
 def check_parity(spec, knobs: Mapping[str, Any], settings: ParitySettings, *, device: str = "cpu",
                  reference: Mapping[str, Any] | None = None, recipe=None, label: str | None = None,
-                 ) -> tuple[ParityResult, dict[str, Any]]:
+                 on_reference=None) -> tuple[ParityResult, dict[str, Any]]:
     """Judge the configuration ``knobs`` (knob name -> its values, as recorded; or a ``recipe`` the
     caller built) against FP32 on the model of ``spec`` (a WorkloadSpec). ``reference``: an earlier
-    check's (or the cache's) for these settings and device, else it is trained here. Returns the
-    result and the reference (to keep: ``keep_reference``)."""
+    check's (or the cache's) for these settings and device, else it is trained here, and handed to
+    ``on_reference`` before the configuration runs. Returns the result and the reference (to keep:
+    ``keep_reference``)."""
     from autotune.accuracy.check import datasets
     from autotune.accuracy.settings import describe_numerics
 
     started = time.perf_counter()
     data = datasets(spec, settings.data_settings(), device, init_device=device)  # as the runs build it (_one_run)
+    logged(f"data in {time.perf_counter() - started:.2f} s")
     if reference is None:
         reference, ref_grads = train_reference(spec, settings, device, data)
         reference["reference_source"] = "trained"
+        if on_reference is not None:
+            on_reference(reference)
     else:
         ref_grads = _one_run(spec, parity_recipe({}, device), settings, data, steps=1)["grads"]
     recipe = recipe if recipe is not None else parity_recipe(knobs, device)
@@ -409,9 +422,38 @@ def run_parity(request: Mapping[str, Any]) -> dict[str, Any]:
         return {"status": "ok", "result": None, "reference": {**reference, "reference_source": "trained"},
                 "runs": list(RUN_PHASES), "in_worker_s": round(time.perf_counter() - entered, 2)}
     result, reference = check_parity(spec, request.get("knobs") or {}, settings, device=request.get("device", "cpu"),
-                                     reference=request.get("reference"), label=request.get("label"))
+                                     reference=request.get("reference"), label=request.get("label"),
+                                     on_reference=_reference_writer(request.get("reference_path")))
     return {"status": "ok", "result": result.to_dict(), "reference": reference, "runs": list(RUN_PHASES),
             "in_worker_s": round(time.perf_counter() - entered, 2)}
+
+
+def _reference_writer(path: str | None):
+    """Where a worker that trains the reference before the configuration's run writes it (JSON, whole
+    or not at all) as soon as it is trained: a configuration's run that runs out of memory, fails or
+    is cut by the budget then costs its own verdict, not the reference (read_reference)."""
+    if not path:
+        return None
+
+    def write(reference: Mapping[str, Any]) -> None:
+        import os
+
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(reference, f)
+        os.replace(tmp, path)
+        logged(f"reference written to {path}")
+
+    return write
+
+
+def read_reference(path) -> dict[str, Any] | None:
+    """The reference a worker wrote (_reference_writer), or None where it wrote none."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,8 +22,11 @@ verdict where the best has none.
 from __future__ import annotations
 
 import math
+import shutil
+import tempfile
 import time
 import warnings
+from pathlib import Path
 from typing import Any, Mapping
 
 from autotune.accuracy.gate import (
@@ -37,7 +40,7 @@ from autotune.accuracy.gate import (
     key_hash,
     failed,
 )
-from autotune.accuracy.parity import ParityResult, ParitySettings
+from autotune.accuracy.parity import ParityResult, ParitySettings, read_reference
 from autotune.accuracy.parity_verdict import METHOD, evidence, reference_evidence
 from autotune.accuracy.plan import CHECKS_ATTR, duration, fitting_batch
 from autotune.accuracy.settings import numerics_key, numerics_knobs
@@ -104,17 +107,18 @@ def run_s(steps: int, step_s: float) -> float:
 
 def later_check_s(study) -> float:
     """A check's seconds once the FP32 reference is trained: the plan's ``check_s``, scaled by how far
-    the worker that trained the reference alone (an FP32 check, CHECKS_ATTR) ran past the plan's figure
-    for it (its two runs and a worker's set-up). On the H100 the 1B Llama's reference took 44.4 s for
-    13.6 planned, and the winner's check, planned at 9 s, was started with the 9.6 s left and cut."""
+    the worker that trained the reference (CHECKS_ATTR: an FP32 check, alone, or a first verdict, before
+    its configuration's run) ran past the plan's figure for it (the first verdict; less the configuration's
+    run, alone). On the H100 the 1B Llama's reference took 44.4 s for 13.6 planned, and the winner's
+    check, planned at 9 s, was started with the 9.6 s left and cut."""
     plan = study.user_attrs.get(PLAN_ATTR) or {}
     check_s = plan.get("check_s") or 0.0
     first, step_s, steps = plan.get("first_verdict_s"), plan.get("step_s"), plan.get("steps")
-    trained = next((c for c in study.user_attrs.get(CHECKS_ATTR) or [] if c.get("fp32") and c.get("status") == "ok"),
-                   None)
+    trained = next((c for c in study.user_attrs.get(CHECKS_ATTR) or []
+                    if (c.get("fp32") or c.get("trains_reference")) and c.get("status") == "ok"), None)
     if not (check_s and first and step_s and steps and trained):
         return check_s
-    planned = first - run_s(steps, step_s)  # the first verdict less the configuration's run
+    planned = first - run_s(steps, step_s) if trained.get("fp32") else first
     return round(check_s * max(1.0, trained["seconds"] / planned), 1) if planned > 0 else check_s
 
 
@@ -259,6 +263,10 @@ class ParityGate(AccuracyGate):
                    "reference_only": fp32 and reference is None}
         if study.user_attrs.get("memory_limit_bytes"):  # the check runs on the user's card too
             request["memory_limit_bytes"] = study.user_attrs["memory_limit_bytes"]
+        written = None
+        if reference is None and not fp32:  # the reference first, kept whatever befalls the configuration's run
+            written = Path(tempfile.mkdtemp(prefix="autotune-parity-")) / "reference.json"
+            request["reference_path"] = str(written)
         log = self.log_dir / f"parity-{key_hash(key)}.log" if self.log_dir else None
         if self.on_phase is not None:
             self.on_phase(f"accuracy check{' of ' + label if label else ''}: numerics parity against FP32 "
@@ -267,7 +275,12 @@ class ParityGate(AccuracyGate):
         try:
             result = run_worker(request, timeout_s=timeout_s, log_path=log, spare=self.prestart)
         finally:
-            self._spent(study, label, key, started, result, timeout_s)
+            self._spent(study, label, key, started, result, timeout_s, trains_reference=written is not None)
+        if written is not None:
+            trained = read_reference(written) if result["status"] != "ok" else None
+            shutil.rmtree(written.parent, ignore_errors=True)
+            if trained is not None:  # trained before the configuration's run failed or was cut
+                reference = self._trained_reference(study, trained)
         return self._recorded(study, result, knobs, reference, timeout_s)
 
     def _recorded(self, study, result: Mapping[str, Any], knobs: Mapping[str, Any], reference: dict | None,

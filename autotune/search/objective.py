@@ -391,7 +391,7 @@ class Objective:
             left = self.deadline - time.time()
             check = check and left > 5
             timeout = min(self.accuracy.timeout_s, max(1.0, left))
-            if check and self._overtaken(trial, value):
+            if check and (self._fp32(trial) or self._overtaken(trial, value)):
                 check = False
         try:
             accuracy = self.accuracy.evidence(trial.study, TrialRecord.of(trial).knobs, check=check, timeout_s=timeout,
@@ -405,17 +405,24 @@ class Objective:
             write(trial, accuracy=accuracy)
             trial.set_constraint("accuracy", accuracy["constraint"])
 
+    @staticmethod
+    def _fp32(trial: optuna.Trial) -> bool:
+        """Whether the trial has FP32's numerics: its check mid-search would only train the FP32
+        reference, in a worker of its own; the first other configuration's check trains it in its
+        worker, before its own run, one worker's set-up and FP32 step less (on the H100, the 1B Llama's
+        reference alone took 26 s of a 54 s share, and the winner's check was cut after the 29 s left).
+        A reference trained there is kept even where that configuration's run fails or is cut. At the
+        end an FP32 recommendation is checked as any other (ensure_recommendation)."""
+        from autotune.accuracy.settings import numerics_key
+
+        return numerics_key(TrialRecord.of(trial).knobs) == numerics_key({})
+
     def _overtaken(self, trial: optuna.Trial, value: float) -> bool:
         """Whether the planner expects a queued candidate to overtake this trial: its accuracy check
         would spend the share on a configuration that will not be recommended (on the H100 a 1B Llama's
         plain recipe took it while the memory knobs predicted at twice its speed were queued, and the
-        winner went unchecked; the stop rule keeps the recommendation's verdict its seconds). Never an
-        FP32 trial: its check trains the FP32 reference alone, which every verdict needs, and in a
-        worker of its own (trained in the next configuration's worker under 24 GiB, that worker ran out
-        of memory on the configuration's run and no check could run at all)."""
-        from autotune.accuracy.settings import numerics_key
-
-        if self.planner is None or numerics_key(TrialRecord.of(trial).knobs) == numerics_key({}):
+        winner went unchecked; the stop rule keeps the recommendation's verdict its seconds)."""
+        if self.planner is None:
             return False
         return self.planner.expects_better(trial.study, value) is not None
 
