@@ -384,6 +384,14 @@ def test_once_the_reference_ran_past_its_plan_a_later_check_is_expected_to_run_p
     gate.spent_s = 20.0
     gate.evidence(study, BF16, check=True, label="#18")
     assert len(started) == 1  # 34 s left hold it
+    # mid-search, a check keeps one later check's seconds for the recommendation's verdict: 34 - 29 s do not
+    # hold it; but the best trial so far keeps none (its check is that verdict, unless a later one beats it)
+    gate.final = False
+    gate.evidence(study, BF16, check=True, label="#18")
+    assert len(started) == 1
+    gate.evidence(study, BF16, check=True, label="#18", leads=True)
+    assert len(started) == 2 and gate.leads is False
+    gate.final = True
     # a reference that ran within its plan leaves the plan's figure as it was
     study.set_user_attr(CHECKS_ATTR, [{"label": "#3", "fp32": True, "seconds": 10.0, "status": "ok"}])
     assert later_check_s(study) == 9.0

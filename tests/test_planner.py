@@ -210,12 +210,14 @@ class _Gate:
 
     def __init__(self):
         self.checks = []
+        self.leads = []
 
     def near_frontier(self, study, value):
         return True
 
-    def evidence(self, study, knobs, *, check, timeout_s=None, label=""):
+    def evidence(self, study, knobs, *, check, timeout_s=None, label="", leads=False):
         self.checks.append((label, check))
+        self.leads.append(leads)
         return None
 
 
@@ -233,17 +235,20 @@ def test_the_objective_leaves_unchecked_a_trial_the_planner_expects_a_queued_one
 
     workers_answer_ok(monkeypatch)
     checks = []
-    cases = [("bf16", None), ("bf16", "a plan predicted past it"), ("fp32", None)]
-    for mode, answer in cases:
+    cases = [("bf16", None, "sampled"), ("bf16", "a plan predicted past it", "sampled"), ("fp32", None, "baseline"),
+             ("bf16", None, "plain-recipe")]
+    for mode, answer, role in cases:
         gate = _Gate()
         objective = Objective(space=SPACE, workload={"kind": "torchvision", "name": "resnet18"}, measure={},
                               input_on_device=False, seed=0, trial_timeout_s=100.0, accuracy=gate, steer=False,
                               deadline=time.time() + 600, profile=False)
         objective.planner = Expects(answer)
         study = _study()
-        study.enqueue_trial(_params(mode, 64))
+        study.enqueue_trial(_params(mode, 64), user_attrs={"role": role})
         study.optimize(objective, n_trials=1)
         checks += gate.checks
+        assert gate.leads == [True]  # the first trial leads: its check would be the recommendation's verdict
     # nor an FP32 trial mid-search, best or not: its check would only train the FP32 reference, which the
-    # first other configuration's check trains in its own worker (the recommendation is checked at the end)
-    assert checks == [("#0", True), ("#0", False), ("#0", False)]
+    # first other configuration's check trains in its own worker (the recommendation is checked at the end);
+    # nor the plain recipe, whose neighbours the planner queues after it (they are predicted from its figure)
+    assert checks == [("#0", True), ("#0", False), ("#0", False), ("#0", False)]

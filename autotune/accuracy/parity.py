@@ -296,6 +296,8 @@ def _one_run(spec, recipe, settings: ParitySettings, data, *, steps: int, refere
             losses.append(loss)
             if first.active:
                 stepped = time.perf_counter()
+                logged(f"run {len(RUN_PHASES) + 1}: built in {built - started:.2f} s, "
+                       f"first step in {stepped - perturbed:.2f} s")
             first.active = False
             if not math.isfinite(loss):
                 break
