@@ -105,6 +105,25 @@ def test_a_measured_compile_gain_replaces_the_prior():
     assert plan.predicted == 1800.0 and "compile x2.00" in plan.why
 
 
+def test_a_trial_that_failed_its_accuracy_check_is_no_bar_for_the_gain_of_what_is_queued():
+    """On the H100 the 1B Llama's fp8 winner failed its parity check; its bf16 twin with the same memory
+    knobs, queued and predicted well past the plain recipe, gained nothing against the failed fp8 figure
+    and never ran, and the plain recipe was recommended."""
+    study = _study()
+    _measured(study, _params("bf16", 64), 1000.0)
+    failed = _measured(study, _params("fp16", 64), 2000.0, accuracy={"verdict": "violated", "constraint": 0.1})
+    twin = _queue(study, _params("bf16", 64, "default"))  # predicted 1,000 x COMPILE_GAIN_PRIOR
+    plan = Planner(SPACE, walls=_compiled_walls()).choose(study, left_s=1000.0)
+    assert plan.number == twin and plan.predicted == 1000.0 * COMPILE_GAIN_PRIOR and plan.gain > 300
+    assert f"#{failed}" not in plan.why and "against the best #0's" in plan.why
+    # passed, the fp16 figure is the bar again, and the twin gains nothing against it
+    study = _study()
+    _measured(study, _params("bf16", 64), 1000.0)
+    _measured(study, _params("fp16", 64), 2000.0, accuracy={"verdict": "passed", "constraint": 0.0})
+    _queue(study, _params("bf16", 64, "default"))
+    assert Planner(SPACE, walls=_compiled_walls()).choose(study, left_s=1000.0).gain == 0.0
+
+
 def test_fixed_roles_come_first_in_their_order():
     study = _study()
     seed = _queue(study, _params("bf16", 64, "default"))
