@@ -124,6 +124,32 @@ def test_a_trial_that_failed_its_accuracy_check_is_no_bar_for_the_gain_of_what_i
     assert Planner(SPACE, walls=_compiled_walls()).choose(study, left_s=1000.0).gain == 0.0
 
 
+def test_a_precision_that_failed_its_accuracy_check_waits_behind_the_rest():
+    """On the H100 the 1B Llama's fp8 winner failed its parity check; fp8 with other memory knobs was
+    queued beside the same knobs in bf16. A precision whose check failed, where none passed and it is
+    not the plain recipe's, is suspected as a crash's knob values are: its candidates go last."""
+    from autotune.search.planner import accuracy_suspects
+
+    study = _study()
+    _measured(study, _params("bf16", 64, "default"), 1000.0, role="plain-recipe")
+    failed = _measured(study, _params("fp16", 64, "default"), 2000.0, accuracy={"verdict": "violated"})
+    sibling = _queue(study, _params("fp16", 128, "default"))  # another batch of the failed precision
+    twin = _queue(study, _params("bf16", 128, "default"))
+    assert accuracy_suspects(study, study.get_trials()) == [(f"#{failed}'s accuracy check",
+                                                            frozenset({("precision.mode", "fp16")}))]
+    plans = {p.number: p for p in Planner(SPACE, walls=_compiled_walls()).plans(study)}
+    assert plans[sibling].gain == 0.0 and f"last: #{failed}'s accuracy check failed" in plans[sibling].why
+    assert plans[twin].gain > 0.0
+    # once a configuration of that precision passed, or where it is the plain recipe's, it is not suspected
+    study = _study()
+    _measured(study, _params("fp16", 64, "default"), 2000.0, accuracy={"verdict": "violated"})
+    _measured(study, _params("fp16", 32, "default"), 900.0, accuracy={"verdict": "passed"})
+    assert accuracy_suspects(study, study.get_trials()) == []
+    study = _study()
+    _measured(study, _params("bf16", 64, "default"), 1000.0, role="plain-recipe", accuracy={"verdict": "violated"})
+    assert accuracy_suspects(study, study.get_trials()) == []
+
+
 def test_fixed_roles_come_first_in_their_order():
     study = _study()
     seed = _queue(study, _params("bf16", 64, "default"))

@@ -131,7 +131,8 @@ class Planner:
         if (fp8 := fp8_speed(memory.sizes)) is not None:
             gains["fp8 speed"] = fp8
         self.step_costs = step_costs(memory.sizes) if self.maximize else {}
-        context = (done, best, memory, seen, [p for _, p, _ in done], gains, suspects(trials))
+        context = (done, best, memory, seen, [p for _, p, _ in done], gains,
+                   suspects(trials) + accuracy_suspects(study, trials))
         plans = [self._plan(t, *context) for t in waiting]
         if self.queue_order:
             return sorted(plans, key=lambda p: (min(p.rank, 3), p.number))
@@ -413,6 +414,28 @@ def suspects(trials: list[optuna.trial.FrozenTrial]) -> list[tuple[str, frozense
                 failed.append((f"#{t.number}", values))
     shared = [(f"{a} and {b}", x & y) for i, (a, x) in enumerate(failed) for b, y in failed[i + 1:] if x & y]
     return failed + shared
+
+
+def accuracy_suspects(study: optuna.Study, trials: list[optuna.trial.FrozenTrial]) -> list[tuple[str, frozenset]]:
+    """The precision of a trial that failed its accuracy check, as suspects do for a crash, where no
+    passing check and no plain recipe ran in it (nor FP32): it changes the arithmetic of every matmul,
+    where the memory knobs recompute exactly (checkpointing), accumulate in FP32 (a fused linear
+    cross-entropy) or round only the optimizer's states. On the H100 the 1B Llama's fp8 winner failed
+    its parity check (first gradients 45% off FP32), and fp8 with other memory knobs was queued
+    next to the same knobs in bf16. ("#18's accuracy check", {("precision.mode", "fp8")})."""
+    from autotune.accuracy.gate import accuracy_of, failed
+    from autotune.search import plain_recipe
+
+    complete = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    cleared = {"fp32"} | {t.params.get("precision.mode") for t in complete
+                          if TrialRecord.of(t).role == plain_recipe.ROLE
+                          or (accuracy_of(study, t) or {}).get("verdict") == "passed"}
+    out = []
+    for t in complete:
+        mode = t.params.get("precision.mode")
+        if mode is not None and mode not in cleared and failed(accuracy_of(study, t)):
+            out.append((f"#{t.number}'s accuracy check", frozenset({("precision.mode", mode)})))
+    return out
 
 
 def _batch_half(study: optuna.Study) -> float:
