@@ -261,8 +261,9 @@ class _Gate:
         return True
 
     def evidence(self, study, knobs, *, check, timeout_s=None, label="", leads=False):
-        self.checks.append((label, check))
-        self.leads.append(leads)
+        if label:  # a look-up of what was judged already is not a check
+            self.checks.append((label, check))
+            self.leads.append(leads)
         return None
 
 

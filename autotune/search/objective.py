@@ -116,6 +116,7 @@ class Objective:
             return self._reuse(trial, previous)
         self._prune_what_cannot_run(trial)
         self._prune_if_it_cannot_fit(trial)
+        self._prune_if_its_numerics_fail(trial)
         # the plain recipe is measured as a user runs it, compiled, with no eager twin first, and so
         # are its neighbours: one knob from it, ranked from it (autotune.search.neighbours)
         if self.screen_compiles and not _ranked_from_the_bar(TrialRecord.of(trial)):
@@ -158,6 +159,19 @@ class Objective:
         write(trial, duplicate_of=previous.number)
         before = TrialRecord.of(previous)
         return self._conclude(trial, before.status, before.reason, before.figures or None)
+
+    def _prune_if_its_numerics_fail(self, trial: optuna.Trial) -> None:
+        """Prune, unstarted, a configuration whose numerics failed their accuracy check: already, or in
+        a check made before it runs where that costs less than running it (autotune.search.precheck)."""
+        from autotune.search.precheck import verdict_before_running
+
+        found = verdict_before_running(self, trial)
+        if found is None:
+            return
+        reason, accuracy = found
+        write(trial, reason=reason, accuracy=accuracy)
+        trial.set_constraint("accuracy", accuracy["constraint"])
+        raise optuna.TrialPruned(reason)
 
     def _prune_what_cannot_run(self, trial: optuna.Trial) -> None:
         """Prune, unstarted and uncounted, a configuration whose pinned attention backend cannot run:

@@ -1,0 +1,75 @@
+"""A costly candidate's accuracy verdict before it runs (autotune.search.objective).
+
+A numerics parity check (autotune.accuracy.parity_gate) runs the configuration eager at the check's
+batch: it needs nothing the trial measures. A compiled candidate that the planner expects to lead
+costs its compile before a figure exists, and its check follows if it leads; checked first, one that
+fails costs the check alone. On the H100 (de94c74) the 1B Llama's fp8 candidate with the memory knobs
+ran 145 s (an 87 s compile) of a 6-minute search and then failed its check (the first verdict,
+34 s): the same knobs in bf16, queued beside it, had no time left, and the plain recipe was
+recommended. A candidate whose numerics were already judged failed is not run either.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from autotune.trial.record import TrialRecord
+
+
+def verdict_before_running(objective, trial: optuna.Trial) -> tuple[str, dict[str, Any]] | None:
+    """(why ``trial`` is not run, its failed accuracy evidence), or None to run it: its numerics failed
+    their check already, or, checked now (``worth_checking_first``), they fail."""
+    from autotune.accuracy.gate import failed
+    from autotune.accuracy.settings import describe_numerics, numerics_key
+
+    gate, study = objective.accuracy, trial.study
+    knobs = TrialRecord.of(trial).knobs
+    if gate is None or numerics_key(knobs) == numerics_key({}):
+        return None
+    known = gate.evidence(study, knobs, check=False)
+    if failed(known):
+        return (f"not run: its numerics ({describe_numerics(knobs)}) failed their accuracy check already: "
+                f"{known.get('reason')}"), known
+    timeout = worth_checking_first(objective, trial)
+    if timeout is None:
+        return None
+    checked = gate.evidence(study, knobs, check=True, timeout_s=timeout, label=f"#{trial.number}, before it runs",
+                            leads=True)
+    if failed(checked):
+        return f"not run: its accuracy check, before it ran, failed: {checked.get('reason')}", checked
+    return None
+
+
+def worth_checking_first(objective, trial: optuna.Trial) -> float | None:
+    """The seconds a check of ``trial`` before it runs may take, or None where it is not worth it: a
+    compiled candidate, not the plain recipe (the bar runs as it is), that the planner chose expecting
+    it to lead (its predicted throughput past the best trial that can be recommended), in a budgeted
+    search whose time left holds the check's estimate and then the trial's planned cost."""
+    planned = trial.user_attrs.get("planned") or {}
+    predicted, cost = planned.get("predicted"), planned.get("cost_s")
+    record = TrialRecord.of(trial)
+    if (objective.deadline is None or objective.planner is None or not objective.goal.maximize
+            or predicted is None or cost is None or record.role == "plain-recipe"
+            or (record.knobs.get("compile") or {}).get("mode", "off") == "off"):
+        return None
+    best = _best_recommendable(trial.study)
+    if best is None or predicted <= best:
+        return None
+    estimate = getattr(objective.accuracy, "estimate_s", lambda study: 0.0)(trial.study)
+    left = objective.deadline - time.time() - cost
+    if not estimate or left < estimate:
+        return None
+    return min(objective.accuracy.timeout_s, left)
+
+
+def _best_recommendable(study: optuna.Study) -> float | None:
+    """The highest value of a completed trial whose accuracy did not fail; None before there is one."""
+    from autotune.accuracy.gate import accuracy_of, failed
+
+    values = [t.value for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+              if t.value is not None and not TrialRecord.of(t).unstable and not failed(accuracy_of(study, t))]
+    return max(values, default=None)
