@@ -15,7 +15,14 @@ from optuna.distributions import CategoricalDistribution
 
 from autotune.accuracy.gate import METHOD_ATTR, PLAN_ATTR, accuracy_of, study_settings
 from autotune.accuracy.parity import ParitySettings
-from autotune.accuracy.parity_gate import DEFAULT_SHARE, MIN_STEPS, ParityGate, no_verdict_notice, parity_plan
+from autotune.accuracy.parity_gate import (
+    DEFAULT_SHARE,
+    MIN_STEPS,
+    ParityGate,
+    no_verdict_notice,
+    parity_plan,
+    unfit,
+)
 from autotune.accuracy.plan import describe
 from autotune.accuracy.reference_cache import ReferenceCache
 from autotune.deploy.space import SearchSpace
@@ -130,6 +137,13 @@ def test_a_reference_trained_before_the_configurations_run_is_kept_whatever_befa
     kept = study.user_attrs[REFERENCE_ATTR.format(fingerprint=gate.settings.fingerprint())]
     assert kept["losses"] == trained["losses"] and kept["reference_source"] == "trained"
     assert gate.unavailable is None and UNAVAILABLE_ATTR not in study.user_attrs  # the configuration's, not FP32's
+    if ended["status"] == "oom":
+        # out of memory in the check's eager run at its batch: not checked (nor failed), and not started again
+        assert unfit(study, gate.settings, BF16) == "scripted: out of memory"
+        assert gate.evidence(study, BF16, check=True, label="#1", timeout_s=30) is None and len(requests) == 1
+        assert accuracy_of(study, study.trials[1]) is None
+    else:
+        assert unfit(study, gate.settings, BF16) is None
     gate.evidence(study, {"precision": {"mode": "fp16"}}, check=True, label="#2", timeout_s=30)
     assert requests[1]["reference"]["losses"] == trained["losses"] and "reference_path" not in requests[1]
     from autotune.accuracy.plan import CHECKS_ATTR

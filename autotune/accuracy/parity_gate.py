@@ -122,6 +122,18 @@ def later_check_s(study) -> float:
     return round(check_s * max(1.0, trained["seconds"] / planned), 1) if planned > 0 else check_s
 
 
+UNFIT_ATTR = "accuracy_unfit:{fingerprint}:{key}"
+"""A configuration's numerics whose parity check ran out of memory (the reason): not checked, not
+failed. The check runs eager at its own batch, under --memory-limit: on the H100 the 1B Llama's plain
+recipe (bf16, compiled, batch 1, 23.04 GiB) ran out of memory in its check under 24 GiB, after the
+FP32 reference had trained in the same worker, and was taken as failing."""
+
+
+def unfit(study, settings: ParitySettings, knobs: Mapping[str, Any]) -> str | None:
+    """Why the parity check of ``knobs``' numerics could not run (it ran out of memory), or None."""
+    return study.user_attrs.get(UNFIT_ATTR.format(fingerprint=settings.fingerprint(), key=key_hash(numerics_key(knobs))))
+
+
 def no_verdict_notice(plan: Mapping[str, Any]) -> str:
     """The one line a search prints when no verdict fits its budget."""
     return (f"no accuracy verdict fits: one numerics parity check against FP32 takes about "
@@ -195,6 +207,8 @@ class ParityGate(AccuracyGate):
         self.settle(study, force=check)
         if check and self.budget_s is not None and not self._planned_fits(study):
             check = False  # said once, before the checks: no verdict fits this budget
+        if check and unfit(study, self.settings, knobs) is not None:
+            check = False  # its check ran out of memory once: it would again
         self.leads = leads
         try:
             return super().evidence(study, knobs, check=check, timeout_s=timeout_s, within_share=True, label=label)
@@ -297,6 +311,11 @@ class ParityGate(AccuracyGate):
         fingerprint, key = self.settings.fingerprint(), numerics_key(knobs)
         if self._cut(result, timeout_s):
             return None  # cut by the budget: not the configuration's fault
+        if result["status"] == "oom" and reference is not None:
+            # the check's eager run at its batch says nothing of the numerics: not checked, and not again
+            study.set_user_attr(UNFIT_ATTR.format(fingerprint=fingerprint, key=key_hash(key)),
+                                f"{(result.get('reason') or 'out of memory').splitlines()[0][:200]}")
+            return None
         if result["status"] != "ok":
             run = self._failure(study, result, reference, key, "parity check")
             return None if run is None else (run, reference)
