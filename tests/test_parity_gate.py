@@ -413,3 +413,15 @@ def test_once_the_reference_ran_past_its_plan_a_later_check_is_expected_to_run_p
     study.set_user_attr(CHECKS_ATTR, [{"label": "#18", "fp32": False, "trains_reference": True, "seconds": 36.8,
                                        "status": "ok"}])
     assert later_check_s(study) == pytest.approx(9.0 * 2, abs=0.1)
+    # where the worker said its phases (de94c74's first verdict, 34.3 s), they are the estimate: outside the
+    # worker 1.35 s, its data 3.4 s, the FP32 step again 1.17 + 4.0 s, the configuration's run 13.98 s
+    runs = [{"build": 1.17, "perturb": 0.0, "first step": 4.0, "steps": 4.18},
+            {"build": 0.54, "perturb": 0.73, "first step": 0.8, "steps": 4.15},
+            {"build": 0.44, "perturb": 0.0, "first step": 4.79, "steps": 8.75}]
+    study.set_user_attr(CHECKS_ATTR, [{"label": "#18", "fp32": False, "trains_reference": True, "seconds": 34.3,
+                                       "in_worker_s": 32.95, "runs": runs, "status": "ok"}])
+    assert later_check_s(study) == pytest.approx(1.35 + 3.4 + 5.17 + 13.98, abs=0.1)
+    # trained alone (bf33f94's FP32 check, 26.0 s): its own run stands for a configuration's
+    study.set_user_attr(CHECKS_ATTR, [{"label": "#3", "fp32": True, "seconds": 26.0, "in_worker_s": 23.84,
+                                       "runs": runs[:2], "status": "ok"}])
+    assert later_check_s(study) == pytest.approx(2.16 + (23.84 - 9.35 - 6.22) + 5.17 + 9.35, abs=0.1)

@@ -106,20 +106,43 @@ def run_s(steps: int, step_s: float) -> float:
 
 
 def later_check_s(study) -> float:
-    """A check's seconds once the FP32 reference is trained: the plan's ``check_s``, scaled by how far
-    the worker that trained the reference (CHECKS_ATTR: an FP32 check, alone, or a first verdict, before
-    its configuration's run) ran past the plan's figure for it (the first verdict; less the configuration's
-    run, alone). On the H100 the 1B Llama's reference took 44.4 s for 13.6 planned, and the winner's
-    check, planned at 9 s, was started with the 9.6 s left and cut."""
+    """A check's seconds once the FP32 reference is trained: from the phases of the worker that trained
+    it (CHECKS_ATTR: an FP32 check, alone, or a first verdict, before its configuration's run) where it
+    returned them (measured_later_check_s); else the plan's ``check_s``, scaled by how far that worker
+    ran past the plan's figure for it (the first verdict; less the configuration's run, alone). On the
+    H100 the 1B Llama's reference took 44.4 s for 13.6 planned, and the winner's check, planned at 9 s,
+    was started with the 9.6 s left and cut."""
     plan = study.user_attrs.get(PLAN_ATTR) or {}
     check_s = plan.get("check_s") or 0.0
     first, step_s, steps = plan.get("first_verdict_s"), plan.get("step_s"), plan.get("steps")
     trained = next((c for c in study.user_attrs.get(CHECKS_ATTR) or []
                     if (c.get("fp32") or c.get("trains_reference")) and c.get("status") == "ok"), None)
+    if trained is not None and trained.get("runs") and trained.get("in_worker_s") is not None:
+        return measured_later_check_s(trained)
     if not (check_s and first and step_s and steps and trained):
         return check_s
     planned = first - run_s(steps, step_s) if trained.get("fp32") else first
     return round(check_s * max(1.0, trained["seconds"] / planned), 1) if planned > 0 else check_s
+
+
+PHASES = ("build", "perturb", "first step", "steps")
+"""A parity run's phases, as the worker returns them (autotune.accuracy.parity.RUN_PHASES)."""
+
+
+def measured_later_check_s(trained: Mapping[str, Any]) -> float:
+    """A later check's seconds from the phases of the worker that trained the reference (a CHECKS_ATTR
+    entry): its start, hand-over and exit, its set-up (the data), the reference's first step again (its
+    build and first step: the gradients compared), and a configuration's run (the last run of a first
+    verdict; the reference's own where it was trained alone). On the H100 (de94c74) the 1B Llama's first
+    verdict took 34.3 s: 1.4 s outside the worker, 3.4 s of data, 5.2 s for the FP32 step, 14.0 s for
+    the fp8 configuration's run, 23.9 s in all, where scaling the plan's check said 16.5 s; at e09398d
+    such a check was cut after 14.9 s."""
+    runs = trained["runs"]
+    total = [sum(r.get(k, 0.0) for k in PHASES) for r in runs]
+    setup = max(0.0, trained["in_worker_s"] - sum(total))
+    outside = max(0.0, trained["seconds"] - trained["in_worker_s"])
+    run = total[-1] if trained.get("trains_reference") else total[0]
+    return round(outside + setup + runs[0].get("build", 0.0) + runs[0].get("first step", 0.0) + run, 1)
 
 
 UNFIT_ATTR = "accuracy_unfit:{fingerprint}:{key}"
