@@ -108,17 +108,17 @@ def run_s(steps: int, step_s: float) -> float:
 def later_check_s(study) -> float:
     """A check's seconds once the FP32 reference is trained: from the phases of the worker that trained
     it (CHECKS_ATTR: an FP32 check, alone, or a first verdict, before its configuration's run) where it
-    returned them (measured_later_check_s); else the plan's ``check_s``, scaled by how far that worker
-    ran past the plan's figure for it (the first verdict; less the configuration's run, alone). On the
-    H100 the 1B Llama's reference took 44.4 s for 13.6 planned, and the winner's check, planned at 9 s,
-    was started with the 9.6 s left and cut."""
+    returned them (measured_later_check_s), not less than the plan's ``check_s``; else that figure,
+    scaled by how far that worker ran past the plan's figure for it (the first verdict; less the
+    configuration's run, alone). On the H100 the 1B Llama's reference took 44.4 s for 13.6 planned, and
+    the winner's check, planned at 9 s, was started with the 9.6 s left and cut."""
     plan = study.user_attrs.get(PLAN_ATTR) or {}
     check_s = plan.get("check_s") or 0.0
     first, step_s, steps = plan.get("first_verdict_s"), plan.get("step_s"), plan.get("steps")
     trained = next((c for c in study.user_attrs.get(CHECKS_ATTR) or []
                     if (c.get("fp32") or c.get("trains_reference")) and c.get("status") == "ok"), None)
     if trained is not None and trained.get("runs") and trained.get("in_worker_s") is not None:
-        return measured_later_check_s(trained)
+        return max(check_s, measured_later_check_s(trained))  # as the scaling below, never under the plan
     if not (check_s and first and step_s and steps and trained):
         return check_s
     planned = first - run_s(steps, step_s) if trained.get("fp32") else first
