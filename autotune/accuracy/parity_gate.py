@@ -337,7 +337,7 @@ class ParityGate(AccuracyGate):
         if result["status"] == "oom" and reference is not None:
             # the check's eager run at its batch says nothing of the numerics: not checked, and not again
             study.set_user_attr(UNFIT_ATTR.format(fingerprint=fingerprint, key=key_hash(key)),
-                                f"{(result.get('reason') or 'out of memory').splitlines()[0][:200]}")
+                                (result.get("reason") or "out of memory").splitlines()[0][:200])
             return None
         if result["status"] != "ok":
             run = self._failure(study, result, reference, key, "parity check")

@@ -263,7 +263,7 @@ class Planner:
                 out.append((t, dict(t.params), record))
         return out
 
-    def _best(self, done, study: optuna.Study | None = None) -> optuna.trial.FrozenTrial | None:
+    def _best(self, done, study: optuna.Study) -> optuna.trial.FrozenTrial | None:
         """The best measured trial that can be recommended: one that failed its accuracy check is still a
         measurement the predictions learn from (``done``), but no bar for a candidate's gain. On the H100
         the 1B Llama's fp8 winner (63.4 sequences/s) failed its parity check, and its bf16 twin with the
@@ -271,7 +271,7 @@ class Planner:
         41.9, gained nothing against 63.4 and never ran; the plain recipe was recommended."""
         from autotune.accuracy.gate import accuracy_of, failed
 
-        eligible = [t for t, _, _ in done if study is None or not failed(accuracy_of(study, t))]
+        eligible = [t for t, _, _ in done if not failed(accuracy_of(study, t))]
         if not eligible:
             return None
         pick = max if self.maximize else min

@@ -15,8 +15,9 @@ import time
 from typing import Any
 
 import optuna
-from optuna.trial import TrialState
 
+from autotune.search import plain_recipe
+from autotune.search.trials import best_trial
 from autotune.trial.record import TrialRecord
 
 
@@ -53,23 +54,15 @@ def worth_checking_first(objective, trial: optuna.Trial) -> float | None:
     predicted, cost = planned.get("predicted"), planned.get("cost_s")
     record = TrialRecord.of(trial)
     if (objective.deadline is None or objective.planner is None or not objective.goal.maximize
-            or predicted is None or cost is None or record.role == "plain-recipe"
+            or predicted is None or cost is None or record.role == plain_recipe.ROLE
             or (record.knobs.get("compile") or {}).get("mode", "off") == "off"):
         return None
-    best = _best_recommendable(trial.study)
-    if best is None or predicted <= best:
+    best = best_trial(trial.study)  # the best that can be recommended
+    if best is None or predicted <= best.value:
         return None
-    estimate = getattr(objective.accuracy, "estimate_s", lambda study: 0.0)(trial.study)
+    estimate = objective.accuracy.estimate_s(trial.study)
     left = objective.deadline - time.time() - cost
     if not estimate or left < estimate:
         return None
     return min(objective.accuracy.timeout_s, left)
 
-
-def _best_recommendable(study: optuna.Study) -> float | None:
-    """The highest value of a completed trial whose accuracy did not fail; None before there is one."""
-    from autotune.accuracy.gate import accuracy_of, failed
-
-    values = [t.value for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-              if t.value is not None and not TrialRecord.of(t).unstable and not failed(accuracy_of(study, t))]
-    return max(values, default=None)
