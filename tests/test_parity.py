@@ -323,6 +323,62 @@ def test_a_gradients_figures_are_summed_in_chunks_as_whole_and_unscaled():
     assert tensor_sums(g, r, chunk=999) == pytest.approx(whole, rel=1e-12)
     assert tensor_sums(g * 1024, r, scale=torch.tensor(1024.0), chunk=999) == pytest.approx(whole, rel=1e-12)
 
+def test_a_large_gradient_is_compared_on_a_sample_that_estimates_its_figures():
+    """A tensor of more than GRAD_SAMPLE elements keeps and compares GRAD_SAMPLE of them, the same ones
+    in every run (drawn from the seed and its name): its relative error and cosine are estimated within
+    about 1% of the whole tensor's, and a NaN anywhere in it is still seen. Smaller ones are whole."""
+    from autotune.accuracy.parity import GRAD_SAMPLE, sample_indices, tensor_sums
+    from autotune.accuracy.parity_verdict import tensor_figures
+
+    assert sample_indices("head.bias", GRAD_SAMPLE, 0) is None
+    idx = sample_indices("layers.0.weight", 1_000_003, 0)
+    assert len(idx) == GRAD_SAMPLE and bool((idx[1:] >= idx[:-1]).all()) and 0 <= int(idx[0]) and int(idx[-1]) < 1_000_003
+    assert torch.equal(idx, sample_indices("layers.0.weight", 1_000_003, 0))
+    assert not torch.equal(idx, sample_indices("layers.1.weight", 1_000_003, 0))
+    assert not torch.equal(idx, sample_indices("layers.0.weight", 1_000_003, 1))
+    shares = []
+    for seed in range(8):
+        gen = torch.Generator().manual_seed(seed)
+        r = torch.randn(1000, 1000, generator=gen)
+        g = r + (0.05 + 0.4 * seed / 8) * torch.randn(1000, 1000, generator=gen)  # 5% to 40% off
+        idx = sample_indices(f"w{seed}", r.numel(), seed)
+        whole = tensor_figures({"w": tensor_sums(g, r)})["w"]
+        sampled = tensor_figures({"w": tensor_sums(g, r.reshape(-1)[idx], idx=idx)})["w"]
+        shares.append(sampled["rel_error"] / whole["rel_error"] - 1)
+        assert sampled["cosine"] == pytest.approx(whole["cosine"], abs=0.005)
+    assert max(map(abs, shares)) < 0.02
+    g = r.clone()
+    outside = torch.ones(r.numel(), dtype=torch.bool)
+    outside[idx] = False
+    g.view(-1)[int(outside.nonzero()[0])] = math.nan  # an element not sampled
+    assert not math.isfinite(tensor_figures({"w": tensor_sums(g, r.reshape(-1)[idx], idx=idx)})["w"]["rel_error"])
+
+
+def test_a_later_check_takes_no_fp32_step_where_the_references_gradients_were_kept(tmp_path):
+    """The worker that trains the reference keeps its first gradients (sampled) in the gate's file; a
+    later worker given the reference reads them and runs the configuration alone, to the same verdict.
+    On the H100 the 1B Llama's later check took 5.2 s of its 24 s for the FP32 step again."""
+    from autotune.accuracy.parity import read_grads
+
+    path = tmp_path / "grads.pt"
+    request = {"workload": spec("mlp").to_dict(), "device": "cpu", "knobs": BF16,
+               "settings": ParitySettings(steps=3).to_dict(), "reference": None, "grads_path": str(path)}
+    first = run_parity(request)
+    kept = read_grads(path)
+    assert set(kept) == {n for n, _ in __import__("parity_models").mlp().model.named_parameters()}
+    assert read_grads(tmp_path / "none.pt") is None
+    later = run_parity({**request, "reference": first["reference"]})
+    assert [r["steps_run"] for r in later["runs"]] == [4]  # the configuration's run alone
+    without = run_parity({**request, "reference": first["reference"], "grads_path": None})
+    assert [r["steps_run"] for r in without["runs"]] == [1, 4]  # an FP32 step for the gradients
+    for figures in ("grad_rel_error", "grad_cosine", "losses", "verdict", "grad_deviation"):
+        assert later["result"][figures] == first["result"][figures] == without["result"][figures]
+    # a reference from the cache has no kept gradients: its first check takes the FP32 step and keeps them
+    path.unlink()
+    cached = run_parity({**request, "reference": first["reference"]})
+    assert [r["steps_run"] for r in cached["runs"]] == [1, 4] and read_grads(path) is not None
+
+
 def test_a_check_at_batch_one_runs_as_a_worker_under_a_memory_limit():
     """A 1B model's FP32 step fits one sequence under a 24 GiB cap, so the plan may run the check at
     batch 1 with the search's --memory-limit (a CPU has no cap to set). On the H200 this request

@@ -52,7 +52,9 @@ spread of repeated runs (compute_golden_statistics.py). Here the spread is measu
 by the calibration, since the model is the user's. Cost: ``steps`` steps a run; the reference's
 losses and the calibration's figures are kept across searches (reference_cache: by model, batch,
 data, steps, seed, device, torch), and with them a check costs its own run and one FP32 step (the
-reference's first gradients, as large as the model, are not kept).
+reference's first gradients are not kept across searches). Within a search they are kept, sampled
+(GRAD_SAMPLE elements of a tensor at most, the same ones in every run), in a file of the run's, and a
+later check takes no FP32 step.
 """
 
 from __future__ import annotations
@@ -77,18 +79,26 @@ from autotune.accuracy.parity_verdict import (  # noqa: F401  (the check's verdi
     progress_drift,
     tensor_figures,
 )
+from autotune.accuracy.parity_grads import (  # noqa: F401  (importable from here)
+    GRAD_SAMPLE,
+    FirstGradients,
+    grads_writer,
+    read_grads,
+    sample_indices,
+    tensor_sums,
+)
 from autotune.accuracy.settings import MIN_STEPS, AccuracySettings
 
 RUN_PHASES: list[dict[str, Any]] = []
 """This worker's runs, each one's seconds by phase (its build, the calibration's perturbation, the first
 step with its gradients kept or compared, the other steps): what a check's seconds went to, returned by
 run_parity. On the H100 a 1B Llama's FP32 reference took about 40 s where 21.7 were planned."""
-SUMS_CHUNK = 1 << 22
-"""Elements a gradient's figures are summed over at a time (tensor_sums): 32 MiB of FP64 a copy."""
 FORMAT = 5
 """Part of the reference's cache key: bumped when what a parity reference holds changes (3: an hf:
 model's initial weights are drawn on the device it trains on; 4: on a GPU it steps with fused AdamW;
-5: the calibration's moves are drawn on the parameters' device, a chunk at a time)."""
+5: the calibration's moves are drawn on the parameters' device, a chunk at a time). Not when the
+first gradients of large tensors came to be compared on a sample (parity_grads.GRAD_SAMPLE): that
+estimates the same figures, and the key is also the studies' (their verdicts are stored under it)."""
 
 
 @dataclass(kw_only=True)
@@ -195,55 +205,6 @@ def perturb_weights(model, seed: int):
     return model
 
 
-class _FirstGradients:
-    """An optimizer step pre-hook that reads the first step's gradients: unscaled where a fused
-    optimizer unscales them itself (GradScaler then sets ``optimizer.grad_scale``), already unscaled
-    otherwise. Against ``reference`` (name -> CPU tensor) it keeps per-tensor sums only (|g-r|^2,
-    |r|^2, |g|^2, g.r); without one it keeps the gradients themselves (CPU, FP32)."""
-
-    def __init__(self, names: dict[int, str], reference: Mapping[str, Any] | None) -> None:
-        self.names = names
-        self.reference = reference
-        self.active = True
-        self.kept: dict[str, Any] = {}
-        self.sums: dict[str, tuple[float, float, float, float]] = {}
-
-    def __call__(self, optimizer, args, kwargs) -> None:
-        if not self.active:
-            return
-        scale = getattr(optimizer, "grad_scale", None)
-        self.kept, self.sums = {}, {}  # a step taken again replaces the one the scaler skipped
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                name = self.names.get(id(p))
-                if name is None or p.grad is None:
-                    continue
-                g = p.grad.detach()
-                if self.reference is None:
-                    g = g.float() if scale is None else g.float() / scale.float()
-                    self.kept[name] = g.to("cpu", copy=True)  # one copy (the reference's 4.6 GiB for a 1B model)
-                elif name in self.reference and tuple(self.reference[name].shape) == tuple(g.shape):
-                    self.sums[name] = tensor_sums(g, self.reference[name], scale=scale)
-
-
-def tensor_sums(g, r, *, scale=None, chunk: int = SUMS_CHUNK) -> tuple[float, float, float, float]:
-    """(|g-r|^2, |r|^2, |g|^2, g.r) in FP64 of a gradient ``g`` (on its device; divided by the
-    GradScaler's ``scale`` where given) against the reference's ``r`` (CPU), ``chunk`` elements at a
-    time: whole, a 1B Llama's embedding gradient (262M elements) took 2 GB a copy in FP64, four
-    copies on a card its FP32 step had filled to 23.9 of 24 GiB."""
-    import torch
-
-    g, r = g.reshape(-1), r.reshape(-1)
-    sums = torch.zeros(4, dtype=torch.float64, device=g.device)
-    for start in range(0, g.numel(), chunk):
-        gc = g[start:start + chunk].double()
-        if scale is not None:
-            gc = gc / scale.double()
-        rc = r[start:start + chunk].to(gc.device).double()
-        sums += torch.stack([(gc - rc).pow(2).sum(), rc.pow(2).sum(), gc.pow(2).sum(), (gc * rc).sum()])
-    return tuple(float(v) for v in sums.cpu())
-
-
 def _one_run(spec, recipe, settings: ParitySettings, data, *, steps: int, reference_grads=None,
              perturb: bool = False) -> dict[str, Any]:
     """``steps`` steps of ``recipe`` from the seeded initial weights on the check's batches: each
@@ -277,7 +238,7 @@ def _one_run(spec, recipe, settings: ParitySettings, data, *, steps: int, refere
         without_dropout(model)  # the numerics, not the masks (check.step_numerics says why)
         optimizer = runtime.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=settings.lr,
                                                                 weight_decay=0.0), recipe)
-        first = _FirstGradients(names, reference_grads)
+        first = FirstGradients(names, reference_grads, settings.seed)
         handle = optimizer.register_step_pre_hook(first)
         step = runtime.TrainStep(model, optimizer, workload.loss_fn, recipe)
         losses, skipped, retries = [], 0, max_retries(steps)
@@ -370,13 +331,16 @@ def train_reference(spec, settings: ParitySettings, device: str, data) -> tuple[
 
 
 def check_parity(spec, knobs: Mapping[str, Any], settings: ParitySettings, *, device: str = "cpu",
-                 reference: Mapping[str, Any] | None = None, recipe=None, label: str | None = None,
-                 on_reference=None) -> tuple[ParityResult, dict[str, Any]]:
+                 reference: Mapping[str, Any] | None = None, reference_grads: Mapping[str, Any] | None = None,
+                 recipe=None, label: str | None = None, on_reference=None, on_grads=None
+                 ) -> tuple[ParityResult, dict[str, Any]]:
     """Judge the configuration ``knobs`` (knob name -> its values, as recorded; or a ``recipe`` the
     caller built) against FP32 on the model of ``spec`` (a WorkloadSpec). ``reference``: an earlier
     check's (or the cache's) for these settings and device, else it is trained here, and handed to
-    ``on_reference`` before the configuration runs. Returns the result and the reference (to keep:
-    ``keep_reference``)."""
+    ``on_reference`` before the configuration runs. ``reference_grads``: that reference's first
+    gradients as the check keeps them (parity_grads.FirstGradients: sampled), else they are taken from one FP32
+    step (or the reference's training) and handed to ``on_grads``. Returns the result and the
+    reference (to keep: ``keep_reference``)."""
     from autotune.accuracy.check import datasets
     from autotune.accuracy.settings import describe_numerics
 
@@ -384,14 +348,18 @@ def check_parity(spec, knobs: Mapping[str, Any], settings: ParitySettings, *, de
     data = datasets(spec, settings.data_settings(), device, init_device=device)  # as the runs build it (_one_run)
     logged(f"data in {time.perf_counter() - started:.2f} s")
     if reference is None:
-        reference, ref_grads = train_reference(spec, settings, device, data)
+        reference, reference_grads = train_reference(spec, settings, device, data)
         reference["reference_source"] = "trained"
         if on_reference is not None:
             on_reference(reference)
-    else:
-        ref_grads = _one_run(spec, parity_recipe({}, device), settings, data, steps=1)["grads"]
+        if on_grads is not None:
+            on_grads(reference_grads)
+    elif reference_grads is None:
+        reference_grads = _one_run(spec, parity_recipe(reference_knobs(device), device), settings, data, steps=1)["grads"]
+        if on_grads is not None:
+            on_grads(reference_grads)
     recipe = recipe if recipe is not None else parity_recipe(knobs, device)
-    run = _one_run(spec, recipe, settings, data, steps=settings.steps, reference_grads=ref_grads)
+    run = _one_run(spec, recipe, settings, data, steps=settings.steps, reference_grads=reference_grads)
     result = judge(run, reference, settings, label=label or describe_numerics(knobs),
                    seconds=time.perf_counter() - started)
     return result, dict(reference)
@@ -400,31 +368,39 @@ def check_parity(spec, knobs: Mapping[str, Any], settings: ParitySettings, *, de
 def run_parity(request: Mapping[str, Any]) -> dict[str, Any]:
     """A worker mode ("parity"), as check.run_check is "accuracy": request {"workload": spec dict,
     "device", "knobs", "settings", "reference": a kept one or None, "reference_only": train the
-    reference alone}; returns {"status": "ok", "result": ParityResult dict (None for the reference
-    alone), "reference": the reference (trained here, or the one given), "runs": RUN_PHASES,
-    "in_worker_s": this function's seconds}. The check's seconds less ``in_worker_s`` are the worker's
-    start, hand-over and exit; ``in_worker_s`` less the runs' phases, its set-up (memory cap, data): on
-    the H100 the 1B Llama's FP32 reference took 44.4 s, 26.9 of them in its runs' phases."""
+    reference alone, "grads_path": where the reference's first gradients are kept between checks
+    (read where the file exists and the reference is given, else written)}; returns {"status": "ok",
+    "result": ParityResult dict (None for the reference alone), "reference": the reference (trained
+    here, or the one given), "runs": RUN_PHASES, "in_worker_s": this function's seconds}. The check's
+    seconds less ``in_worker_s`` are the worker's start, hand-over and exit; ``in_worker_s`` less the
+    runs' phases, its set-up (memory cap, data): on the H100 the 1B Llama's FP32 reference took 44.4 s,
+    26.9 of them in its runs' phases."""
     from autotune.workload.models import WorkloadSpec
 
     entered = time.perf_counter()
     RUN_PHASES.clear()
     settings = ParitySettings.from_dict(request["settings"])
     spec = WorkloadSpec.from_dict(request["workload"])
-    if request.get("memory_limit_bytes") and request.get("device") == "cuda":
+    device = request.get("device", "cpu")
+    if request.get("memory_limit_bytes") and device == "cuda":
         from autotune.trial.memory_fit import cap_memory
 
         cap_memory(int(request["memory_limit_bytes"]))  # --memory-limit: as on a card of that size
+    grads_path = request.get("grads_path")
+    kept = read_grads(grads_path) if grads_path and request.get("reference") is not None else None
+    on_grads = grads_writer(grads_path) if grads_path and kept is None else None
     if request.get("reference_only"):  # FP32's numerics: the reference is their run
         from autotune.accuracy.check import datasets
 
-        device = request.get("device", "cpu")
         data = datasets(spec, settings.data_settings(), device, init_device=device)  # as the runs build it (_one_run)
-        reference, _ = train_reference(spec, settings, device, data)
+        reference, grads = train_reference(spec, settings, device, data)
+        if on_grads is not None:
+            on_grads(grads)
         return {"status": "ok", "result": None, "reference": {**reference, "reference_source": "trained"},
                 "runs": list(RUN_PHASES), "in_worker_s": round(time.perf_counter() - entered, 2)}
-    result, reference = check_parity(spec, request.get("knobs") or {}, settings, device=request.get("device", "cpu"),
-                                     reference=request.get("reference"), label=request.get("label"),
+    result, reference = check_parity(spec, request.get("knobs") or {}, settings, device=device,
+                                     reference=request.get("reference"), reference_grads=kept,
+                                     label=request.get("label"), on_grads=on_grads,
                                      on_reference=_reference_writer(request.get("reference_path")))
     return {"status": "ok", "result": result.to_dict(), "reference": reference, "runs": list(RUN_PHASES),
             "in_worker_s": round(time.perf_counter() - entered, 2)}

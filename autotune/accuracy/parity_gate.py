@@ -96,7 +96,8 @@ def _sized(settings: ParitySettings, batch: int, *, budget_s: float, share: floa
     return {"batch": batch, "steps": steps, "fits": fits, "step_s": round(step_s, 6),
             "estimate_s": round(overhead + 3 * run_s(steps, step_s), 1),
             "first_verdict_s": round(overhead + 3 * run_s(steps, step_s), 1),
-            "check_s": round(overhead + run_s(steps, step_s) + step_s, 1),  # its run and the reference's first step
+            # its run: the reference's first gradients are kept for it (parity.GRAD_SAMPLE), no FP32 step
+            "check_s": round(overhead + run_s(steps, step_s), 1),
             "needed_budget_s": round((overhead + 3 * run_s(MIN_STEPS, step_s)) / share, 1)}
 
 
@@ -131,18 +132,18 @@ PHASES = ("build", "perturb", "first step", "steps")
 
 def measured_later_check_s(trained: Mapping[str, Any]) -> float:
     """A later check's seconds from the phases of the worker that trained the reference (a CHECKS_ATTR
-    entry): its start, hand-over and exit, its set-up (the data), the reference's first step again (its
-    build and first step: the gradients compared), and a configuration's run (the last run of a first
-    verdict; the reference's own where it was trained alone). On the H100 (de94c74) the 1B Llama's first
-    verdict took 34.3 s: 1.4 s outside the worker, 3.4 s of data, 5.2 s for the FP32 step, 14.0 s for
-    the fp8 configuration's run, 23.9 s in all, where scaling the plan's check said 16.5 s; at e09398d
-    such a check was cut after 14.9 s."""
+    entry): its start, hand-over and exit, its set-up (the data), and a configuration's run (the last run
+    of a first verdict; the reference's own where it was trained alone). The reference's first gradients
+    are kept for the later checks (parity.GRAD_SAMPLE), so they take no FP32 step again. On the H100
+    (de94c74) the 1B Llama's first verdict took 34.3 s: 1.4 s outside the worker, 3.4 s of data, 5.2 s
+    for the FP32 step that later checks then took again, 14.0 s for the fp8 configuration's run; 23.9 s
+    in all for a later check, and the 54 s share did not hold the two."""
     runs = trained["runs"]
     total = [sum(r.get(k, 0.0) for k in PHASES) for r in runs]
     setup = max(0.0, trained["in_worker_s"] - sum(total))
     outside = max(0.0, trained["seconds"] - trained["in_worker_s"])
     run = total[-1] if trained.get("trains_reference") else total[0]
-    return round(outside + setup + runs[0].get("build", 0.0) + runs[0].get("first step", 0.0) + run, 1)
+    return round(outside + setup + run, 1)
 
 
 UNFIT_ATTR = "accuracy_unfit:{fingerprint}:{key}"
@@ -180,6 +181,19 @@ class ParityGate(AccuracyGate):
         """The study attached (attach)."""
         self.leads = False
         """The check being started is of the best trial so far (evidence's ``leads``)."""
+        self._grads_dir: str | None = None
+        """A folder of this run's: the FP32 reference's first gradients, sampled, between its checks."""
+
+    def grads_path(self) -> str:
+        """Where this run's check workers keep the reference's first gradients (autotune.accuracy.parity.
+        run_parity): written by the worker that trains the reference, read by the later ones, which then
+        take no FP32 step; removed with the gate."""
+        import weakref
+
+        if self._grads_dir is None:
+            self._grads_dir = tempfile.mkdtemp(prefix="autotune-parity-grads-")
+            weakref.finalize(self, shutil.rmtree, self._grads_dir, ignore_errors=True)
+        return str(Path(self._grads_dir) / f"{self.settings.fingerprint()}.pt")
 
     def attach(self, study) -> None:
         self.study = study
@@ -304,7 +318,7 @@ class ParityGate(AccuracyGate):
         fp32 = key == numerics_key({})
         request = {"mode": "parity", "workload": self.workload, "device": self.space.device,
                    "knobs": numerics_knobs(knobs), "settings": self.settings.to_dict(), "reference": reference,
-                   "reference_only": fp32 and reference is None}
+                   "reference_only": fp32 and reference is None, "grads_path": self.grads_path()}
         if study.user_attrs.get("memory_limit_bytes"):  # the check runs on the user's card too
             request["memory_limit_bytes"] = study.user_attrs["memory_limit_bytes"]
         written = None
