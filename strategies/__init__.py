@@ -24,6 +24,7 @@ from strategies.cudnn import Cudnn
 from strategies.dataloader import DataLoaderStrategy
 from strategies.ddp import DDP
 from strategies.fp32_layers import FP32Layers
+from strategies.fp8_layers import FP8Layers
 from strategies.grad_scaler import GradScalerStrategy
 from strategies.llm_kernels import LLMKernels
 from strategies.loss_kernel import LossKernel
@@ -38,6 +39,7 @@ from strategies.vocab_padding import VocabPadding
 REGISTRY: list[Strategy] = [
     Precision(),
     GradScalerStrategy(),
+    FP8Layers(),  # after precision: which layers fp8 converts (its transform, replaced)
     BatchSize(),
     # before channel padding: the padded LM head is no plain nn.Linear, so channel padding leaves it
     VocabPadding(),

@@ -89,33 +89,57 @@ def fp8_eligible(module: torch.nn.Module, fqn: str = "") -> bool:
             and module.out_features % 16 == 0)
 
 
-def fp8_eligible_share(model: torch.nn.Module) -> float:
-    """The share of the model's parameters in Linear layers fp8 can run (0: fp8 would change nothing)."""
+FEED_FORWARD = frozenset({"mlp", "ffn", "feed_forward", "feedforward"})
+"""Parts of a Linear layer's qualified name that put it in a feed-forward block (strategies.fp8_layers)."""
+
+
+def feed_forward(fqn: str) -> bool:
+    """A layer of a transformer's feed-forward block, by its qualified name ("model.layers.0.mlp.up_proj")."""
+    return bool(FEED_FORWARD & set(fqn.split(".")))
+
+
+def fp8_layer_filter(layers: str = "all"):
+    """torchao's module_filter_fn for fp8_layers' value: the eligible Linear layers, all or the feed-forward ones."""
+    if layers == "all":
+        return fp8_eligible
+    return lambda module, fqn="": fp8_eligible(module, fqn) and feed_forward(fqn)
+
+
+def _eligible_layers(model: torch.nn.Module, layers: str) -> list[torch.nn.Linear]:
+    keep = fp8_layer_filter(layers)
+    return [m for fqn, m in model.named_modules() if keep(m, fqn)]
+
+
+def fp8_eligible_share(model: torch.nn.Module, layers: str = "all") -> float:
+    """The share of the model's parameters in Linear layers fp8 can run (0: fp8 would change nothing);
+    ``layers`` "feed-forward": in those of the feed-forward blocks."""
     total = sum(p.numel() for p in model.parameters())
-    eligible = sum(m.weight.numel() for m in model.modules() if fp8_eligible(m))
+    eligible = sum(m.weight.numel() for m in _eligible_layers(model, layers))
     return eligible / total if total else 0.0
 
 
-def fp8_width(model: torch.nn.Module) -> float:
+def fp8_width(model: torch.nn.Module, layers: str = "all") -> float:
     """The eligible Linear layers' narrower width (min of in and out features), averaged over their
     parameters: how large the matmuls fp8 would speed up are (0 where none is eligible)."""
-    layers = [m for m in model.modules() if fp8_eligible(m)]
-    total = sum(m.weight.numel() for m in layers)
-    return sum(m.weight.numel() * min(m.in_features, m.out_features) for m in layers) / total if total else 0.0
+    found = _eligible_layers(model, layers)
+    total = sum(m.weight.numel() for m in found)
+    return sum(m.weight.numel() * min(m.in_features, m.out_features) for m in found) / total if total else 0.0
 
 
-def to_float8_training(model: torch.nn.Module) -> torch.nn.Module:
-    """Swap the eligible Linear layers for torchao's Float8Linear, in place (same parameters, so
-    an optimizer built before still steps them, and checkpoints keep their keys)."""
+def to_float8_training(model: torch.nn.Module, layers: str = "all") -> torch.nn.Module:
+    """Swap the eligible Linear layers (``layers``: all, or the feed-forward blocks' ones:
+    strategies.fp8_layers) for torchao's Float8Linear, in place (same parameters, so an optimizer
+    built before still steps them, and checkpoints keep their keys)."""
     try:
         from torchao.float8 import convert_to_float8_training
     except ImportError as exc:
         raise ConfigError(f"this configuration trains in fp8 through torchao, which is not installed "
                           f"({exc}); {FP8_EXTRA}") from exc
-    if not any(fp8_eligible(m) for m in model.modules()):
-        raise ConfigError("fp8: no Linear layer of this model has both widths a multiple of 16, so none can "
+    if not _eligible_layers(model, layers):
+        which = "" if layers == "all" else f"{layers} "
+        raise ConfigError(f"fp8: no {which}Linear layer of this model has both widths a multiple of 16, so none can "
                           "train in float8; search without fp8 (--precisions)")
-    converted = convert_to_float8_training(model, module_filter_fn=fp8_eligible)
+    converted = convert_to_float8_training(model, module_filter_fn=fp8_layer_filter(layers))
     if converted is not model:  # the model is itself one Linear: swap its parameters into a wrapper
         raise ConfigError("fp8: the model is a single Linear layer, which torchao replaces rather than converts "
                           "in place; wrap it in an nn.Sequential")

@@ -8,8 +8,8 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
-NUMERICS_KNOBS = ("precision", "grad_scaler", "fp32_layers", "loss_kernel", "optimizer_state", "llm_kernels",
-                  "activation_checkpointing")
+NUMERICS_KNOBS = ("precision", "grad_scaler", "fp8_layers", "fp32_layers", "loss_kernel", "optimizer_state",
+                  "llm_kernels", "activation_checkpointing")
 """The knobs that change the arithmetic; every other knob only changes speed and memory. Recomputed
 activations are among them (issue 36): the recompute runs the forward again, which a compiled step
 partitions and fuses apart from the first, and non-deterministic kernels need not repeat themselves."""

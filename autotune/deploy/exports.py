@@ -95,13 +95,19 @@ def ddp_kwargs(values: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     return {k: ddp[k] for k in ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph")}
 
 
+def _fp8_layers_arg(values: dict[str, dict[str, Any]]) -> str:
+    """``, layers="feed-forward"`` where fp8 trains those alone (strategies.fp8_layers); else nothing."""
+    layers = (values.get("fp8_layers") or {}).get("layers", "all")
+    return "" if layers == "all" else f', layers="{layers}"'
+
+
 # what no framework option covers, by setting: (tuned?, why). The why names the framework's own way
 # where there is one; an export leaves out the settings it does express.
 def _common_unsupported(values: dict[str, dict[str, Any]], target: str) -> list[dict[str, Any]]:
     checks: list[tuple[str, Any, bool, str]] = [
         ("precision.mode", values["precision"]["mode"], values["precision"]["mode"] == "fp8",
          f"{target} has no float8 training option: its bf16 mixed precision is set; convert the Linear layers with "
-         "strategies.precision.to_float8_training(model) (torchao) before training"),
+         f"strategies.precision.to_float8_training(model{_fp8_layers_arg(values)}) (torchao) before training"),
         ("memory_format.format", values["memory_format"]["format"], values["memory_format"]["format"] != "contiguous",
          f"{target} has no memory-format option: call model.to(memory_format=torch.channels_last) before training "
          "(a channels_last model's convolutions then run channels_last)"),
@@ -365,6 +371,7 @@ def lightning_settings(cfg: Any) -> dict[str, Any]:
         trainer["devices"] = values["ddp"]["world_size"]
     recipe = cfg.recipe
     applies = {"backend_flags": dict(recipe.backend_flags), "float8_linear_layers": mode == "fp8",
+               "fp8_layers.layers": (values.get("fp8_layers") or {}).get("layers", "all"),
                "memory_format": values["memory_format"]["format"],
                "channel_alignment.multiple": values["channel_alignment"]["multiple"],
                "fp32_layers.layers": values["fp32_layers"]["layers"],

@@ -75,7 +75,8 @@ def probe_fit(config: SearchConfig, device: str, space: SearchSpace, info: dict[
     # the sizes the memory knobs' savings follow from (autotune.search.levers), and fp8's prior
     # (autotune.search.neighbours.fp8_speed)
     sizes = {key: info.get(key) for key in ("num_parameters", "tokens_per_sample", "vocab_size", "optimizer_class",
-                                            "fp8_eligible_share", "fp8_width") if info.get(key)}
+                                            "fp8_eligible_share", "fp8_width", "fp8_ff_share", "fp8_ff_width")
+             if info.get(key)}
     probed = {"family": family(knobs), "peaks": result.get("peaks") or {}, "sizes": sizes,
               "does_not_fit_at": result.get("does_not_fit_at"), "forward_held": result.get("forward_held") or {},
               "seconds": result.get("seconds")}

@@ -350,7 +350,9 @@ class MemoryModel:
         byte a parameter take the place of autocast's bf16 ones of 2, on the same FP32 master weights
         and optimizer state); any other as it is."""
         if (knobs.get("precision") or {}).get("mode") == "fp8" and not self.peaks.get(family(knobs)):
-            return {**knobs, "precision": {**knobs["precision"], "mode": "bf16"}}
+            twin = {**knobs, "precision": {**knobs["precision"], "mode": "bf16"}}
+            twin.pop("fp8_layers", None)  # the bf16 twin converts no layer
+            return twin
         return knobs
 
     def verdict(self, knobs: Mapping[str, Mapping[str, Any]]) -> str | None:

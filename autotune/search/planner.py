@@ -130,6 +130,8 @@ class Planner:
         gains["batch half"] = _batch_half(study)
         if (fp8 := fp8_speed(memory.sizes)) is not None:
             gains["fp8 speed"] = fp8
+        if (fp8 := fp8_speed(memory.sizes, "feed-forward")) is not None:
+            gains["fp8 feed-forward speed"] = fp8
         self.step_costs = step_costs(memory.sizes) if self.maximize else {}
         context = (done, best, memory, seen, [p for _, p, _ in done], gains,
                    suspects(trials) + accuracy_suspects(study, trials))
@@ -363,6 +365,10 @@ class Planner:
             return gain if was == "off" else 1.0 / gain
         if key == "precision.mode":
             return _precision_factor(before.get(key, "fp32"), after.get(key, "fp32"), gains.get("fp8 speed"))
+        if key == "fp8_layers.layers":  # fp8 on the feed-forward layers alone, against all of them (or back)
+            speeds = {"all": gains.get("fp8 speed"), "feed-forward": gains.get("fp8 feed-forward speed")}
+            was, now = speeds.get(before.get(key, "all")), speeds.get(after.get(key, "all"))
+            return now / was if was and now else None
         if key == "batch_size.batch_size" and before.get(key) and after.get(key):
             half = gains["batch half"]
             was, now = int(before[key]), int(after[key])
@@ -434,7 +440,9 @@ def accuracy_suspects(study: optuna.Study, trials: list[optuna.trial.FrozenTrial
     for t in complete:
         mode = t.params.get("precision.mode")
         if mode is not None and mode not in cleared and failed(accuracy_of(study, t)):
-            out.append((f"#{t.number}'s accuracy check", frozenset({("precision.mode", mode)})))
+            # with the layers fp8 took: fp8 on the feed-forward layers alone is other numerics
+            values = {("precision.mode", mode)} | {(k, v) for k, v in t.params.items() if k == "fp8_layers.layers"}
+            out.append((f"#{t.number}'s accuracy check", frozenset(values)))
     return out
 
 

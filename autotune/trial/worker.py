@@ -173,6 +173,9 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     result["fp32_layer_kinds"] = kinds_present(workload.model)
     result["fp8_eligible_share"] = fp8_eligible_share(workload.model)
     result["fp8_width"] = fp8_width(workload.model)  # with the share, the planner's prior on fp8's speed
+    # and on the feed-forward layers alone (strategies.fp8_layers)
+    result["fp8_ff_share"] = fp8_eligible_share(workload.model, "feed-forward")
+    result["fp8_ff_width"] = fp8_width(workload.model, "feed-forward")
     if request.get("forward", True):  # off when a first probe's forward killed its process
         result.update(sdpa_calls(workload.model, x))  # the attention knob's question
     # the fused loss's: an LM head whose logits the model returns as they are, the loss its cross-entropy
