@@ -118,7 +118,7 @@ def test_the_planner_predicts_it_from_its_share_and_does_not_suspect_it_where_fp
     # by the feed-forward share's gain over every layer's
     assert plan.predicted == pytest.approx(63.4 * fp8_speed(SIZES, "feed-forward") / fp8_speed(SIZES), rel=1e-6)
     assert plan.gain > 0 and "last:" not in plan.why
-    assert fp8_speed(SIZES, "feed-forward") == pytest.approx(1.21, abs=0.01)  # the 1B Llama's, against 1.36
+    assert fp8_speed(SIZES, "feed-forward") == pytest.approx(1.21, abs=0.01)  # the 1B Llama's, against 1.35
 
 
 def test_under_a_cap_the_memory_knobs_also_go_on_an_fp8_twin_of_the_feed_forward_layers():

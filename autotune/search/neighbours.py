@@ -82,23 +82,39 @@ FP8_FULL_WIDTH and more, compiled: on the H200 (reports/llama-fp8-h200) a 2-laye
 4,096 (80% of its parameters in such layers, the rest its embedding) ran 1.51x bf16 at batch 64, which
 is 1.73x on those layers' share by Amdahl's law."""
 FP8_FULL_WIDTH = 4096
-"""The width from which fp8's matmuls are taken to give FP8_GEMM_GAIN; narrower ones give a share of it,
-in proportion (an assumption: float8's casts and scales cost about the same per element whatever the
-width, while a matmul's work grows with it)."""
+"""The width from which fp8's matmuls are taken to give FP8_GEMM_GAIN."""
+FP8_NARROW_GAIN, FP8_NARROW_WIDTH = 0.744, 585
+"""fp8's speed over bf16 on the eligible layers of a narrow model, compiled: on the H100 (h100-b9cc902)
+timm's ConvNeXt-T (90.5% of its parameters in eligible Linear layers of mean width 585) ran 2,847 img/s
+in fp8 against 3,736 in bf16 at batch 192, 0.76x, which is 0.744x on those layers' share: float8's
+casts and scales cost about the same per element whatever the width, while a matmul's work grows with
+it. Taken from a share of FP8_GEMM_GAIN alone (1.09x there), fp8 was queued first and its compile took
+94 s of a 5-minute budget."""
+FP8_KNEE_WIDTH = 2048
+"""From this width up, fp8's gain is on the line to FP8_GEMM_GAIN at FP8_FULL_WIDTH (1.37x here); below
+it, on the line down to FP8_NARROW_GAIN (break-even near 1,000). The 1B Llama (width 2,006) ran fp8 at
+63.4 sequences/s with the memory knobs on the H100 (de94c74), about 1.38x its bf16 twin as estimated
+from the H200's 50.9 (3445a3e) and the hand loops' H100/H200 ratio (0.89): the upper line's value."""
 
 
 def fp8_speed(sizes: dict[str, Any], layers: str = "all") -> float | None:
     """Expected speed of fp8 over bf16 for a model of ``sizes`` (the probe's fp8_eligible_share and
     fp8_width; with ``layers`` "feed-forward", fp8_ff_share and fp8_ff_width: strategies.fp8_layers):
     Amdahl's law over the share of its parameters fp8 runs, at FP8_GEMM_GAIN scaled by the layers'
-    width. None where the probe did not size them. For the 1B Llama shape (every parameter in layers of
-    mean width 2,006: its tied head is a Linear) about 1.36, its feed-forward layers alone (65% at
-    2,048) about 1.20; ViT-B/16 (74% at 768) 1.10."""
+    width (FP8_NARROW_GAIN at FP8_NARROW_WIDTH, FP8_KNEE_WIDTH's, FP8_GEMM_GAIN at FP8_FULL_WIDTH). None
+    where the probe did not size them. For the 1B Llama shape (every parameter in layers of mean width
+    2,006: its tied head is a Linear) about 1.35, its feed-forward layers alone (65% at 2,048) about
+    1.20; ViT-B/16 (74% at 768) 0.86: slower than bf16."""
     keys = ("fp8_eligible_share", "fp8_width") if layers == "all" else ("fp8_ff_share", "fp8_ff_width")
     share, width = (float(sizes.get(key) or 0) for key in keys)
     if not share or not width:
         return None
-    gemm = 1.0 + (FP8_GEMM_GAIN - 1.0) * min(1.0, width / FP8_FULL_WIDTH)
+    knee = 1.0 + (FP8_GEMM_GAIN - 1.0) * FP8_KNEE_WIDTH / FP8_FULL_WIDTH
+    if width >= FP8_KNEE_WIDTH:
+        gemm = 1.0 + (FP8_GEMM_GAIN - 1.0) * min(1.0, width / FP8_FULL_WIDTH)
+    else:
+        along = (width - FP8_NARROW_WIDTH) / (FP8_KNEE_WIDTH - FP8_NARROW_WIDTH)
+        gemm = max(0.5, FP8_NARROW_GAIN + (knee - FP8_NARROW_GAIN) * along)
     return 1.0 / ((1.0 - share) + share / gemm)
 
 
