@@ -41,7 +41,8 @@ class FP8Layers(Strategy):
         # only where fp8 is searched and the model has feed-forward layers beside others fp8 would take
         share, ff = probe.get("fp8_eligible_share") or 0.0, probe.get("fp8_ff_share") or 0.0
         fp8 = "fp8" in (offered.get("precisions") or [])
-        return {"choices": {self.name: list(LAYERS) if fp8 and 0 < ff < share else ["all"]}}
+        # nothing to choose: no entry, so a study's stored space from before this knob is the same space
+        return {"choices": {self.name: list(LAYERS)}} if fp8 and 0 < ff < share else {}
 
     def suggest(self, trial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
         precision = chosen.get("precision")

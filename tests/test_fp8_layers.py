@@ -58,11 +58,11 @@ def test_it_is_offered_beside_fp8_and_sampled_only_with_it():
     probe = {"fp8_eligible_share": 1.0, "fp8_ff_share": 0.65}
     assert knob.offer(options, "cuda", probe, {"precisions": ["fp32", "bf16", "fp8"]}) == \
         {"choices": {"fp8_layers": ["all", "feed-forward"]}}
-    assert knob.offer(options, "cuda", probe, {"precisions": ["fp32", "bf16"]})["choices"]["fp8_layers"] == ["all"]
+    # nothing to choose, no entry: a study stored before this knob keeps the same space
+    assert knob.offer(options, "cuda", probe, {"precisions": ["fp32", "bf16"]}) == {}
     # a model whose eligible layers are all feed-forward (or none are) has nothing to choose
     for ff in (0.0, 1.0):
-        assert knob.offer(options, "cuda", {**probe, "fp8_ff_share": ff}, {"precisions": ["fp8"]}) == \
-            {"choices": {"fp8_layers": ["all"]}}
+        assert knob.offer(options, "cuda", {**probe, "fp8_ff_share": ff}, {"precisions": ["fp8"]}) == {}
     assert "fp8_layers.layers" not in complete_params({"precision.mode": "bf16"}, SPACE)
     assert complete_params({"precision.mode": "fp8"}, SPACE)["fp8_layers.layers"] == "all"
 
