@@ -347,17 +347,16 @@ def check_parity(spec, knobs: Mapping[str, Any], settings: ParitySettings, *, de
     started = time.perf_counter()
     data = datasets(spec, settings.data_settings(), device, init_device=device)  # as the runs build it (_one_run)
     logged(f"data in {time.perf_counter() - started:.2f} s")
+    taken = reference_grads is None or reference is None  # the reference's gradients, taken here
     if reference is None:
         reference, reference_grads = train_reference(spec, settings, device, data)
         reference["reference_source"] = "trained"
         if on_reference is not None:
             on_reference(reference)
-        if on_grads is not None:
-            on_grads(reference_grads)
     elif reference_grads is None:
         reference_grads = _one_run(spec, parity_recipe(reference_knobs(device), device), settings, data, steps=1)["grads"]
-        if on_grads is not None:
-            on_grads(reference_grads)
+    if taken and on_grads is not None:
+        on_grads(reference_grads)
     recipe = recipe if recipe is not None else parity_recipe(knobs, device)
     run = _one_run(spec, recipe, settings, data, steps=settings.steps, reference_grads=reference_grads)
     result = judge(run, reference, settings, label=label or describe_numerics(knobs),

@@ -95,9 +95,14 @@ def ddp_kwargs(values: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     return {k: ddp[k] for k in ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph")}
 
 
+def _fp8_layers(values: dict[str, dict[str, Any]]) -> str:
+    """The layers fp8 trains (strategies.fp8_layers): "all" for a configuration recorded before the knob."""
+    return (values.get("fp8_layers") or {}).get("layers", "all")
+
+
 def _fp8_layers_arg(values: dict[str, dict[str, Any]]) -> str:
     """``, layers="feed-forward"`` where fp8 trains those alone (strategies.fp8_layers); else nothing."""
-    layers = (values.get("fp8_layers") or {}).get("layers", "all")
+    layers = _fp8_layers(values)
     return "" if layers == "all" else f', layers="{layers}"'
 
 
@@ -371,7 +376,7 @@ def lightning_settings(cfg: Any) -> dict[str, Any]:
         trainer["devices"] = values["ddp"]["world_size"]
     recipe = cfg.recipe
     applies = {"backend_flags": dict(recipe.backend_flags), "float8_linear_layers": mode == "fp8",
-               "fp8_layers.layers": (values.get("fp8_layers") or {}).get("layers", "all"),
+               "fp8_layers.layers": _fp8_layers(values),
                "memory_format": values["memory_format"]["format"],
                "channel_alignment.multiple": values["channel_alignment"]["multiple"],
                "fp32_layers.layers": values["fp32_layers"]["layers"],

@@ -109,12 +109,11 @@ def fp8_speed(sizes: dict[str, Any], layers: str = "all") -> float | None:
     share, width = (float(sizes.get(key) or 0) for key in keys)
     if not share or not width:
         return None
-    knee = 1.0 + (FP8_GEMM_GAIN - 1.0) * FP8_KNEE_WIDTH / FP8_FULL_WIDTH
-    if width >= FP8_KNEE_WIDTH:
-        gemm = 1.0 + (FP8_GEMM_GAIN - 1.0) * min(1.0, width / FP8_FULL_WIDTH)
-    else:
+    # the upper line, at the width (from the knee up) or at the knee (below it, where the gain falls)
+    gemm = 1.0 + (FP8_GEMM_GAIN - 1.0) * min(1.0, max(width, FP8_KNEE_WIDTH) / FP8_FULL_WIDTH)
+    if width < FP8_KNEE_WIDTH:
         along = (width - FP8_NARROW_WIDTH) / (FP8_KNEE_WIDTH - FP8_NARROW_WIDTH)
-        gemm = max(0.5, FP8_NARROW_GAIN + (knee - FP8_NARROW_GAIN) * along)
+        gemm = max(0.5, FP8_NARROW_GAIN + (gemm - FP8_NARROW_GAIN) * along)
     return 1.0 / ((1.0 - share) + share / gemm)
 
 
