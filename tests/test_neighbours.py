@@ -3,6 +3,8 @@ memory knobs traded for a larger batch. On a CPU with scripted trials (no worker
 
 from __future__ import annotations
 
+import dataclasses
+
 import optuna
 import pytest
 
@@ -96,7 +98,7 @@ def test_the_planner_ranks_a_padded_vocabulary_above_an_eager_candidate_below_th
 def test_prior_factor_reads_both_ways_and_ignores_other_values():
     assert prior_factor("vocab_padding.multiple", {"vocab_padding.multiple": 1}, {"vocab_padding.multiple": 64}) == 1.04
     assert prior_factor("vocab_padding.multiple", {"vocab_padding.multiple": 64}, {}) == pytest.approx(1 / 1.04)
-    assert prior_factor("streams.num_streams", {"streams.num_streams": 1}, {"streams.num_streams": 2}) is None
+    assert prior_factor("compile.mode", {"compile.mode": "default"}, {"compile.mode": "default"}) is None
 
 
 def test_lever_bytes_subtract_optimizer_states_and_logits():
@@ -561,3 +563,90 @@ def test_a_compiled_family_measured_once_holds_what_its_peak_says_where_activati
     assert model.one_point_per_sample(eager, 768, 43.38 * GIB) == pytest.approx(0.0706 * GIB)
     model.prior = ("eager", 19.21 * GIB, 2.48 * GIB)
     assert model.one_point_per_sample(compiled, 1, 23.04 * GIB) == pytest.approx(2.48 * COMPILED_SHARE * GIB)
+
+
+IMAGE_SPACE = SearchSpace(device="cuda", precisions=["fp32", "fp16", "bf16"], batch_sizes=[256, 512, 1024],
+                          base_batch_size=256, memory_formats=["contiguous", "channels_last"],
+                          compile_modes=["off", "default", "regional", "max-autotune-no-cudagraphs"],
+                          optimizer_implementations=["foreach", "fused"], cuda_graphs=[False], stream_counts=[1, 2])
+# the plain recipe's profile of ResNet-50 at batch 1,024 on the H200 (b092e42): 7.8% of the step copying
+COPYING = {"steps": 3, "memcpy_share": 0.0778, "copy_overlap": 0.0, "gpu_time_per_step_ms": 148.7,
+           "h2d_ms_per_step": 11.6}
+
+
+def test_a_side_stream_is_predicted_from_the_copies_the_bars_profile_measured_and_runs_first():
+    """On the H200 ResNet-50's plain recipe copied its images in series for 7.8% of each step; the side
+    stream had no prior, and its compiled trial waited behind regional compile (0.77x) until the
+    5-minute budget ended."""
+    study = _study()
+    bar = _measured(study, IMAGE_SPACE, plain_recipe.params(IMAGE_SPACE, 1024), 6888.0, role=plain_recipe.ROLE,
+                    profile=COPYING)
+    Neighbours(IMAGE_SPACE, limit_bytes=None)(study, bar)
+    plans = Planner(IMAGE_SPACE, walls=[(15.0, False), (68.0, True)]).plans(study)
+    first = study.trials[plans[0].number]
+    assert {k: v for k, v in first.system_attrs["fixed_params"].items() if bar.params.get(k) != v} == {
+        "streams.num_streams": 2}
+    assert plans[0].predicted == pytest.approx(6888.0 / (1 - 0.0778 * neighbours.STREAM_OVERLAP))
+    assert 1.06 < plans[0].predicted / 6888.0 < 1.08
+
+
+def test_streams_factor_reads_the_copies_both_ways_and_nothing_without_a_profile():
+    assert neighbours.streams_factor(COPYING, 1, 2) == pytest.approx(1 / (1 - 0.0778 * neighbours.STREAM_OVERLAP))
+    assert neighbours.streams_factor({**COPYING, "memcpy_share": 0.0}, 1, 2) == 1.0  # nothing to hide
+    overlapped = {"steps": 3, "memcpy_share": 0.009, "copy_overlap": 0.9, "gpu_time_per_step_ms": 150.0,
+                  "h2d_ms_per_step": 12.0}
+    assert neighbours.streams_factor(overlapped, 2, 1) == pytest.approx(150.0 / (150.0 + 0.9 * 12.0))
+    assert neighbours.streams_factor(None, 1, 2) is None
+    assert neighbours.streams_factor({"steps": 0}, 1, 2) is None
+
+
+def test_a_move_that_beats_everything_gets_the_other_moves_on_top_of_it_once():
+    study = _study()
+    bar = _measured(study, IMAGE_SPACE, plain_recipe.params(IMAGE_SPACE, 1024), 6888.0, role=plain_recipe.ROLE,
+                    profile=COPYING)
+    streams = complete_params({**bar.params, "streams.num_streams": 2}, IMAGE_SPACE)
+    slower = _measured(study, IMAGE_SPACE, complete_params({**bar.params, "compile.mode": "regional"}, IMAGE_SPACE),
+                       6068.0, role="steered", steered_by={"rule": RULE})
+    won = _measured(study, IMAGE_SPACE, streams, 7450.0, role="steered", steered_by={"rule": RULE})
+    proposer = Neighbours(IMAGE_SPACE, limit_bytes=None)
+    proposer(study, bar)
+    before = len(_queued(study))
+    proposer(study, slower)
+    assert len(_queued(study)) == before  # below the bar: nothing built on it
+    proposer(study, won)
+    climbed = _queued(study)[before:]
+    changes = [{k: v for k, v in t.system_attrs["fixed_params"].items() if won.params.get(k) != v} for t in climbed]
+    assert any(c.get("precision.mode") == "fp16" for c in changes)  # with its GradScaler's settings
+    assert {"compile.mode": "max-autotune-no-cudagraphs"} in changes
+    assert all(t.system_attrs["fixed_params"]["streams.num_streams"] == 2 for t in climbed)
+    assert all(t.user_attrs["steered_by"]["trial"] == won.number for t in climbed)
+    proposer(study, won)  # told again: nothing queued twice
+    assert len(_queued(study)) == before + len(climbed)
+    plans = Planner(IMAGE_SPACE, walls=[(15.0, False), (68.0, True)]).plans(study)
+    assert plans[0].number in {t.number for t in climbed}  # what may beat 7,450 goes first
+
+
+def test_under_a_memory_cap_a_winner_gets_no_cuda_graph_on_top_and_nothing_expected_slower():
+    space = dataclasses.replace(IMAGE_SPACE, cuda_graphs=[False, True],
+                                compile_modes=[*IMAGE_SPACE.compile_modes, "reduce-overhead"])
+    study = _study()
+    bar = _measured(study, space, plain_recipe.params(space, 1024), 6888.0, role=plain_recipe.ROLE)
+    won = _measured(study, space, complete_params({**bar.params, "streams.num_streams": 2}, space), 7450.0,
+                    role="steered", steered_by={"rule": RULE})
+    capped, free = _study(), _study()
+    for target in (capped, free):
+        for t in (bar, won):
+            target.add_trial(t)
+    Neighbours(space, limit_bytes=24 * GIB).climb(capped, capped.trials[-1])
+    Neighbours(space, limit_bytes=None).climb(free, free.trials[-1])
+
+    def changed(study):
+        return [{k: v for k, v in t.system_attrs["fixed_params"].items() if won.params.get(k) != v}
+                for t in _queued(study)]
+
+    assert {"cuda_graphs.enabled": True} in changed(free) and {"compile.mode": "reduce-overhead"} in changed(free)
+    for change in changed(capped):
+        assert change.get("cuda_graphs.enabled") is not True and change.get("compile.mode") != "reduce-overhead"
+    for change in changed(free):
+        assert change.get("compile.mode") != "regional" and "optimizer.set_to_none" not in change
+    assert changed(capped)

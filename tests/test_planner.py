@@ -98,8 +98,8 @@ def test_a_measured_compile_gain_replaces_the_prior():
     study = _study()
     _measured(study, _params("bf16", 64), 1000.0)
     _measured(study, _params("bf16", 64, "default"), 2000.0)  # compiling doubled it here
-    _measured(study, _params("bf16", 32), 900.0)
-    queued = _queue(study, _params("bf16", 32, "default"))
+    _measured(study, _params("fp16", 32), 900.0)
+    queued = _queue(study, _params("fp16", 32, "default"))  # from #2, compiled as bf16 was: no fp16 pair yet
     plan = Planner(SPACE, walls=_compiled_walls()).choose(study, left_s=1000.0)
     assert plan.number == queued
     assert plan.predicted == 1800.0 and "compile x2.00" in plan.why
@@ -298,3 +298,25 @@ def test_the_objective_leaves_unchecked_a_trial_the_planner_expects_a_queued_one
     # first other configuration's check trains in its own worker (the recommendation is checked at the end);
     # nor the plain recipe, whose neighbours the planner queues after it (they are predicted from its figure)
     assert checks == [("#0", True), ("#0", False), ("#0", False), ("#0", False)]
+
+
+def test_of_equally_near_measurements_the_least_extrapolated_predicts():
+    """On the H200 ResNet-50's regional compile ran at 0.88x the default mode; by the moves' priors
+    (0.77 and 1.02) it predicted max-autotune at 1.32x itself, past the default mode it was one knob
+    from as well: the prediction comes from the default mode's trial."""
+    space = dataclasses.replace(SPACE, compile_modes=["off", "default", "regional", "max-autotune-no-cudagraphs"])
+    study = _study()
+    bar = complete_params({**_params("bf16", 64, "default")}, space)
+    study.enqueue_trial(bar, user_attrs={"role": "plain-recipe"})
+    trial = study.ask()
+    strategies.sample(trial, space)
+    study.tell(trial, 6888.0)
+    for params, value in ((complete_params({**bar, "compile.mode": "regional"}, space), 6068.0),):
+        study.enqueue_trial(params)
+        trial = study.ask()
+        strategies.sample(trial, space)
+        study.tell(trial, value)
+    study.enqueue_trial(complete_params({**bar, "compile.mode": "max-autotune-no-cudagraphs"}, space),
+                        user_attrs={"role": "steered"})
+    plan = Planner(space, walls=_compiled_walls()).plans(study)[0]
+    assert plan.predicted == pytest.approx(6888.0 * 1.02) and plan.why.startswith("predicted") and "#0" in plan.why

@@ -16,7 +16,9 @@ it queues those candidates once each, as steered trials of RULE (the one-knob mo
 larger batch of the plain recipe is still queued by GrowToFit: they start from the faster one). The planner (autotune.search.planner) orders them by expected gain per
 second, from each move's prior (MOVES, LEVERS: what the knob gave elsewhere) until this search
 measures it. They are compiled like the bar and skip eager screening: a compiled configuration
-one knob away from a measured compiled one is ranked from it.
+one knob away from a measured compiled one is ranked from it. A move that beats the bar and every
+trial so far gets the other moves on top of it (``climb``): each move starts from the bar, so
+without it a side stream that beat ResNet-50's bar would never be tried in fp16.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ MOVES: tuple[Move, ...] = (
     # the planner's prior for it is fp8_speed, from the model's sizes; 1.0 where they are not known
     Move("precision.mode", "fp8", 1.0, "the Linear layers in float8 (torchao): 1.51x bf16 for a 2-layer Llama "
                                        "of hidden size 4,096 on the H200"),
+    # the planner's prior for it is streams_factor, from the copies the bar's profile measured; 1.0 without one
+    Move("streams.num_streams", 2, 1.0, "the next batch copied on a side stream while the step computes"),
     Move("cuda_graphs.enabled", True, 1.02, "the whole step in one CUDA graph: no launch gaps"),
     Move("compile.mode", "reduce-overhead", 1.02, "compiled with CUDA graphs (cudagraph trees)"),
     Move("optimizer.set_to_none", False, 1.0, "gradients zeroed in place"),
@@ -117,6 +121,44 @@ def fp8_speed(sizes: dict[str, Any], layers: str = "all") -> float | None:
     return 1.0 / ((1.0 - share) + share / gemm)
 
 
+STREAM_OVERLAP = 0.82
+"""The share of a step's host-to-device copy time that a side stream hides under compute: on the H200
+(b092e42) ResNet-50's fp16 eager trials with 2 streams overlapped 74% of it at batch 256 and 90% at
+1,024 (their profiles' copy_overlap)."""
+
+
+def streams_factor(profile: dict[str, Any] | None, was: int, now: int) -> float | None:
+    """Expected speed of ``now`` CUDA streams over ``was`` for a trial measured with ``was`` and this
+    ``profile`` (autotune.trial.profile): one stream to two hides STREAM_OVERLAP of the copies exposed
+    in the step (memcpy_share); two to one adds back the copy time that overlapped. None where the
+    profile did not see the copies. On the H200 (b092e42) ResNet-50's plain recipe at batch 1,024 spent
+    7.8% of its step copying its 616 MB of images in series with compute (about 53 GB/s): about 1.07x,
+    where the move had no prior and the compiled trial waited behind regional compile's 0.77x until
+    the budget ended."""
+    if was == now:
+        return 1.0
+    if not profile or not profile.get("steps"):
+        return None
+    if was == 1:
+        exposed = float(profile.get("memcpy_share") or 0.0)
+        return 1.0 / (1.0 - min(exposed, 0.9) * STREAM_OVERLAP)
+    step, copy, overlap = (profile.get(k) for k in ("gpu_time_per_step_ms", "h2d_ms_per_step", "copy_overlap"))
+    if not step or copy is None or overlap is None:
+        return None
+    return float(step) / (float(step) + float(overlap) * float(copy))
+
+
+def graphs_factor(profile: dict[str, Any] | None, prior: float | None) -> float | None:
+    """A CUDA graph's expected speed (the whole step's, or cudagraph trees'), ``prior`` at most, for a
+    trial measured without one and this ``profile``: it removes the gaps between launches, so it can
+    give no more than the share of the step the GPU sat idle (idle_share). On the H200 ResNet-50's
+    plain recipe at batch 1,024 was never idle (1.0: nothing to win) and GPT-2's at 64 idle 2%, where
+    reduce-overhead ran at 0.98x (3445a3e)."""
+    if prior is None or not profile or not profile.get("steps") or profile.get("idle_share") is None:
+        return prior
+    return min(prior, 1.0 / (1.0 - min(float(profile["idle_share"]), 0.9)))
+
+
 def offered(space: SearchSpace, params: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any] | None:
     """``params`` with ``changes``, completed through the strategies; None where the space does not
     offer one of them with the rest (a CUDA graph with a fused loss, say: the knob drops it)."""
@@ -132,7 +174,10 @@ class Neighbours:
         self.limit_bytes = limit_bytes
 
     def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-        if TrialRecord.of(trial).role != plain_recipe.ROLE or trial.state != TrialState.COMPLETE:
+        if trial.state != TrialState.COMPLETE or trial.value is None:
+            return
+        if TrialRecord.of(trial).role != plain_recipe.ROLE:
+            self.climb(study, trial)
             return
         trials = study.get_trials(deepcopy=False)
         # a larger batch of it queued (GrowToFit): its one-knob moves start from the faster one, but the
@@ -149,6 +194,39 @@ class Neighbours:
             known.append(params)
             study.enqueue_trial(params, user_attrs=queue_attrs(
                 role="steered", steered_by={"trial": bar.number, "rule": RULE, "why": why}))
+
+    def climb(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        """A move that beat the plain recipe and every trial measured so far gets the other moves on
+        top of it, once each: a side stream and fp16 each measured alone would not add up otherwise
+        (the moves all start from the bar). The planner weighs them from this trial."""
+        record = TrialRecord.of(trial)
+        if record.role != "steered" or (record.steered_by or {}).get("rule") != RULE:
+            return
+        trials = study.get_trials(deepcopy=False)
+        measured = [t.value for t in trials if t.state == TrialState.COMPLETE and t.value is not None
+                    and t.number != trial.number]
+        if not measured or trial.value <= max(measured) or study.direction != optuna.study.StudyDirection.MAXIMIZE:
+            return
+        known = [complete_params(planned_params(t), self.space) for t in trials]
+        for move in MOVES:
+            if trial.params.get(move.param) == move.value or not self._climbs(move):
+                continue
+            params = offered(self.space, trial.params, {move.param: move.value})
+            if params is None or params in known:
+                continue
+            known.append(params)
+            study.enqueue_trial(params, user_attrs=queue_attrs(
+                role="steered", steered_by={"trial": trial.number, "rule": RULE,
+                                            "why": f"{move.why}, on #{trial.number}, which beat the plain recipe"}))
+
+    def _climbs(self, move: Move) -> bool:
+        """Whether ``move`` goes on a move that won: not one expected slower (regional compile) or one
+        with nothing to give (gradients zeroed in place); under a memory cap, not a CUDA graph, whose
+        pool holds memory the winner, sized near the cap, does not have."""
+        if move.gain < 1.0 or move.param == "optimizer.set_to_none":
+            return False
+        graphs = move.param == "cuda_graphs.enabled" or (move.param, move.value) == ("compile.mode", "reduce-overhead")
+        return not (graphs and self.limit_bytes)
 
     def candidates(self, study: optuna.Study, bar: optuna.trial.FrozenTrial) -> list[tuple[dict[str, Any], str]]:
         """The moves and the memory levers offered here, as complete parameters with their words."""

@@ -7,9 +7,11 @@ the queue is empty. The planner decides among the queued ones (Ray Tune's split 
 proposes from a TrialScheduler that chooses), from the whole picture:
 
 * each candidate's predicted value: that of its nearest measured configuration (the fewest knobs
-  apart whose effect is not known), times what the differing knobs are known to give: compiling's
+  apart whose effect is not known, then the fewest known, then the least extrapolated: the smallest
+  sum of |log factor|), times what the differing knobs are known to give: compiling's
   gain as this search measured it for the precision (else COMPILE_GAIN_PRIOR), 16-bit autocast over
-  FP32 (AUTOCAST_GAIN_PRIOR), a larger batch (BATCH_HALF);
+  FP32 (AUTOCAST_GAIN_PRIOR), a larger batch (BATCH_HALF), a side stream from the copies the
+  measured trial's profile saw in series with compute, a CUDA graph at most the time it sat idle;
 * its predicted cost in seconds: this run's measured walls of its kind (compiled or eager), a first
   compile's cost from the model's size before any compile ran (autotune.search.walls);
 * its predicted peak memory (autotune.search.memory, which the memory probe primes).
@@ -28,6 +30,7 @@ user attribute: "why did this trial run now?" is answered on the trial itself.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -37,7 +40,7 @@ from optuna.trial import TrialState
 
 from autotune.deploy.space import SearchSpace
 from autotune.search.levers import step_costs
-from autotune.search.neighbours import compile_mode_factor, fp8_speed, prior_factor
+from autotune.search.neighbours import compile_mode_factor, fp8_speed, graphs_factor, prior_factor, streams_factor
 from autotune.search.trials import planned_params
 from autotune.search.walls import trial_cost_s
 from autotune.trial.record import TrialRecord
@@ -304,8 +307,8 @@ class Planner:
     def _predict(self, params: dict[str, Any], done, gains: dict[str, float]) -> tuple[float | None, str]:
         """Predicted value of ``params`` from its nearest measured configuration, and the words saying how."""
         best: tuple[tuple, float, str] | None = None  # (rank: unknown knobs, known ones, -value; value; words)
-        for t, measured, _ in done:
-            apart, known, factor, notes = 0, 0, 1.0, []
+        for t, measured, record in done:
+            apart, known, factor, stretch, notes = 0, 0, 1.0, 0.0, []
             for key in sorted(set(params) | set(measured)):
                 if key.startswith(_IGNORED) or params.get(key) == measured.get(key):
                     continue
@@ -313,18 +316,26 @@ class Planner:
                     known += 1  # a cost a step, added below
                     continue
                 f = self._factor(key, measured, params, gains)
+                if key == "streams.num_streams":  # from the copies this trial's profile measured
+                    f = streams_factor(record.profile, int(measured.get(key, 1)), int(params.get(key, 1))) or f
+                elif _graphed(params, key) and not _graphed(measured, key) and measured.get(key, "off") != "off":
+                    f = graphs_factor(record.profile, f)  # at most its idle time back (compiling's gain aside)
                 if f is None:  # what this knob gives is not known: the analog is that much further off
                     apart += 1
                     continue
                 known += 1
                 if f != 1.0:
                     factor *= f
+                    stretch += abs(math.log(f)) if f > 0 else math.inf  # each factor's, not their product's
                     notes.append(f"{key.split('.')[0]} x{f:.2f}")
             value = self._step_costs_off(t.value, measured)
             value = value * factor if self.maximize else value / factor
             value, notes = self._with_step_costs(value, params, notes)
             words = f"#{t.number}" + (f" {' '.join(notes)}" if notes else "")
-            rank = (apart, known, -value if self.maximize else value)
+            # equally near: the least extrapolated (on the H200 ResNet-50's regional compile, measured at
+            # 0.88x the default mode, predicted max-autotune at 1.32x itself by the moves' priors)
+            rank = (apart, known, round(stretch, 3),
+                    -value if self.maximize else value)
             if best is None or rank < best[0]:
                 best = (rank, value, words)
         return (None, "") if best is None else (best[1], best[2])
@@ -444,6 +455,13 @@ def accuracy_suspects(study: optuna.Study, trials: list[optuna.trial.FrozenTrial
             values = {("precision.mode", mode)} | {(k, v) for k, v in t.params.items() if k == "fp8_layers.layers"}
             out.append((f"#{t.number}'s accuracy check", frozenset(values)))
     return out
+
+
+def _graphed(params: dict[str, Any], key: str) -> bool:
+    """Whether ``params`` run their step in a CUDA graph by ``key`` (the whole step, or cudagraph trees)."""
+    if key == "cuda_graphs.enabled":
+        return bool(params.get(key))
+    return key == "compile.mode" and params.get(key) == "reduce-overhead"
 
 
 def _batch_half(study: optuna.Study) -> float:
