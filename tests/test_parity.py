@@ -109,6 +109,34 @@ def test_nan_losses_and_gradients_are_unstable():
     assert judge(run, ref, ParitySettings(), label="x").verdict == "unstable"
 
 
+def test_a_run_stopped_on_its_first_gradients_is_violated_on_the_steps_it_ran():
+    """A configuration's run whose first gradients are out of band stops after its first step
+    (parity._one_run, by gradients_out_of_band, the rule judge applies): violated, its loss deviation
+    that step's (finite), its progress not judged; the reason says what failed and that it stopped."""
+    from autotune.accuracy.parity_verdict import gradients_out_of_band
+
+    settings, ref = ParitySettings(k=4, loss_floor=0.01, grad_floor=0.1), _reference(cal_grads={"w": 0.01, "b": 0.8})
+    assert gradients_out_of_band(_run([2.0], w_rel=0.13, b_rel=50.0)["sums"], ref["calibration"], settings) is None
+    assert gradients_out_of_band(_run([2.0], w_rel=0.15)["sums"], ref["calibration"], settings) == "w"  # band 14%
+    nan = {"w": (math.inf, 1.0, math.inf, math.nan)}
+    assert gradients_out_of_band(nan, ref["calibration"], settings) == "w"
+    stopped = judge({**_run([2.01], w_rel=0.15), "stopped": "gradients"}, ref, settings, label="fp8")
+    assert stopped.verdict == "violated" and stopped.steps == 1 and stopped.stopped == "gradients"
+    assert stopped.loss_deviation == pytest.approx(0.005)  # over the step it ran
+    assert stopped.progress_drift is None and stopped.band.drift is None
+    assert stopped.reason == ("fp8: violated: first gradients 11% off (cosine 0.9944), worst tensor w 15% (band 14%); "
+                              "loss 0.5% off FP32 at worst over 1 step (band 1.4% = 4 x the calibration's 0.1% + 1%); "
+                              "stopped after its first step: the first gradients were already out of band")
+    # the same run had it not stopped: its loss deviation infinite (it ran short), and nothing said of a stop
+    short = judge(_run([2.01], w_rel=0.15), ref, settings, label="fp8")
+    assert short.verdict == "unstable" and "stopped" not in short.reason and short.stopped is None
+    # a NaN/Inf first gradient is unstable, stopped or not
+    unstable = judge({"losses": [2.0], "sums": nan, "stopped": "gradients"}, ref, settings, label="fp16")
+    assert unstable.verdict == "unstable"
+    assert unstable.reason == "fp16: unstable: a first-step gradient was NaN/Inf (FP32's stayed finite); stopped after its first step"
+    assert ParityResult.from_dict(json.loads(json.dumps(stopped.to_dict()))) == stopped
+
+
 def test_settings_say_what_is_wrong_and_the_fingerprint_leaves_the_band_out():
     with pytest.raises(ConfigError, match="at least one step"):
         ParitySettings(steps=0)
@@ -167,10 +195,34 @@ def test_fp16_without_a_grad_scaler_fails_where_gradients_underflow_and_passes_w
     bare, reference = check("underflow_mlp", FP16)
     assert bare.verdict == "violated"
     assert bare.grad_rel_error == pytest.approx(1.0) and bare.grad_cosine == 0.0  # all zero
-    assert bare.progress_drift == pytest.approx(1.0)  # it learnt nothing of the first batch
+    # out of band on its first gradients, it stopped there: its other steps could not make it pass
+    assert bare.steps == 1 and bare.stopped == "gradients" and bare.progress_drift is None
+    assert bare.reason.startswith("fp16, no GradScaler: violated: first gradients 100% off")
+    assert bare.reason.endswith("stopped after its first step: the first gradients were already out of band")
     scaled, _ = check("underflow_mlp", FP16_SCALED, reference=reference)
     assert scaled.verdict == "passed", scaled.reason
     assert scaled.loss_deviation < bare.band.loss / 10 and scaled.grad_rel_error < 0.01 and scaled.progress_drift < 0.1
+    assert scaled.steps == SETTINGS.steps + 1 and scaled.stopped is None  # every step, and the first batch again
+
+
+def test_a_check_that_fails_on_its_first_gradients_stops_there_every_time_and_says_so_in_its_phases():
+    """Over seeds, fp16 without a GradScaler on underflow_mlp fails on its first gradients, and its
+    run (the worker's phases: RUN_PHASES) takes one step where the reference and calibration ran every
+    one; a scaler whose first steps overflow (skipped, taken again at a lower scale, the fused step
+    reading their Inf gradients) stops on none of them: it is judged on the step taken, and passes."""
+    for seed in range(3):
+        request = {"workload": spec("underflow_mlp").to_dict(), "device": "cpu", "knobs": FP16,
+                   "settings": ParitySettings(steps=6, seed=seed).to_dict(), "reference": None}
+        answer = run_parity(request)
+        result = ParityResult.from_dict(answer["result"])
+        assert result.verdict == "violated" and result.steps == 1 and result.stopped == "gradients", result.reason
+        assert [(r["steps_run"], r["stopped"]) for r in answer["runs"]] == [(7, None), (7, None), (1, "gradients")]
+    high = {"precision": {"mode": "fp16"}, "grad_scaler": {"enabled": True, "init_scale": 2.0 ** 40},
+            "optimizer": {"implementation": "fused"}}
+    answer = run_parity({**request, "knobs": high, "reference": answer["reference"]})
+    result = ParityResult.from_dict(answer["result"])
+    assert result.skipped_steps > 0 and result.steps == 7 and result.stopped is None
+    assert result.verdict == "passed", result.reason
 
 
 def test_fp16_fails_where_activations_overflow_with_or_without_a_grad_scaler():
@@ -193,6 +245,7 @@ def test_bf16_weights_without_an_fp32_master_copy_fail_where_bf16_autocast_passe
     lost, reference = check("wide_linear", BF16, settings, transform=parity_models.bf16_weights)
     assert lost.verdict == "violated" and lost.progress_drift > 3 * lost.band.drift, lost.reason
     assert lost.grad_rel_error < lost.band.grad  # the first step's gradients are fine: its updates are lost
+    assert lost.steps == settings.steps + 1 and lost.stopped is None  # so it ran every step
     kept, _ = check("wide_linear", BF16, settings, reference=reference)
     assert kept.verdict == "passed" and kept.loss_deviation < kept.band.loss / 3, kept.reason
 

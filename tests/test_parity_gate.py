@@ -421,6 +421,11 @@ def test_once_the_reference_ran_past_its_plan_a_later_check_is_expected_to_run_p
     study.set_user_attr(CHECKS_ATTR, [{"label": "#18", "fp32": False, "trains_reference": True, "seconds": 34.3,
                                        "in_worker_s": 32.95, "runs": runs, "status": "ok"}])
     assert later_check_s(study) == pytest.approx(1.35 + 3.4 + 13.98, abs=0.1)
+    # a configuration's run that stopped on its first gradients: the steps it skipped at the reference's pace
+    stopped = [*runs[:2], {"build": 0.44, "perturb": 0.0, "first step": 4.79, "steps": 0.0, "stopped": "gradients"}]
+    study.set_user_attr(CHECKS_ATTR, [{"label": "#18", "fp32": False, "trains_reference": True, "seconds": 25.55,
+                                       "in_worker_s": 24.2, "runs": stopped, "status": "ok"}])
+    assert later_check_s(study) == pytest.approx(1.35 + 3.4 + 5.23 + 4.18, abs=0.1)
     # trained alone (bf33f94's FP32 check, 26.0 s): its own run stands for a configuration's
     study.set_user_attr(CHECKS_ATTR, [{"label": "#3", "fp32": True, "seconds": 26.0, "in_worker_s": 23.84,
                                        "runs": runs[:2], "status": "ok"}])

@@ -54,7 +54,9 @@ losses and the calibration's figures are kept across searches (reference_cache: 
 data, steps, seed, device, torch), and with them a check costs its own run and one FP32 step (the
 reference's first gradients are not kept across searches). Within a search they are kept, sampled
 (GRAD_SAMPLE elements of a tensor at most, the same ones in every run), in a file of the run's, and a
-later check takes no FP32 step.
+later check takes no FP32 step. A configuration whose first gradients are already out of band fails
+whatever its other steps do: its run stops after its first step (on the H100 fp8 on every layer of a
+1B Llama failed so, and its 20 other steps took 9.07 s of a 45 s accuracy share).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ from autotune.accuracy.parity_verdict import (  # noqa: F401  (the check's verdi
     ParityResult,
     describe,
     global_figures,
+    gradients_out_of_band,
     judge,
     loss_deviation,
     progress_drift,
@@ -91,8 +94,9 @@ from autotune.accuracy.settings import MIN_STEPS, AccuracySettings
 
 RUN_PHASES: list[dict[str, Any]] = []
 """This worker's runs, each one's seconds by phase (its build, the calibration's perturbation, the first
-step with its gradients kept or compared, the other steps): what a check's seconds went to, returned by
-run_parity. On the H100 a 1B Llama's FP32 reference took about 40 s where 21.7 were planned."""
+step with its gradients kept or compared, the other steps), with the steps it ran and whether it stopped
+on its first gradients: what a check's seconds went to, returned by run_parity. On the H100 a 1B
+Llama's FP32 reference took about 40 s where 21.7 were planned."""
 FORMAT = 5
 """Part of the reference's cache key: bumped when what a parity reference holds changes (3: an hf:
 model's initial weights are drawn on the device it trains on; 4: on a GPU it steps with fused AdamW;
@@ -206,10 +210,14 @@ def perturb_weights(model, seed: int):
 
 
 def _one_run(spec, recipe, settings: ParitySettings, data, *, steps: int, reference_grads=None,
-             perturb: bool = False) -> dict[str, Any]:
+             calibration: Mapping[str, Any] | None = None, perturb: bool = False) -> dict[str, Any]:
     """``steps`` steps of ``recipe`` from the seeded initial weights on the check's batches: each
     step's loss, and the first step's gradients (kept, or compared with ``reference_grads``). Stops
-    at the first NaN/Inf loss."""
+    at the first NaN/Inf loss, and, given the reference's ``calibration`` (a configuration's run, never
+    the reference's or the calibration's own), after the first step where its gradients are already out
+    of band (``stopped``: "gradients"): the verdict is then "violated" whatever the other steps do. On
+    the H100 fp8 on every layer of a 1B Llama failed on its first gradients (4.75 s), and its 20 steps
+    after them took 9.07 s of the search's 45 s accuracy share."""
     import torch
 
     from autotune.accuracy.check import seeded_workload, to_device, without_dropout
@@ -241,7 +249,7 @@ def _one_run(spec, recipe, settings: ParitySettings, data, *, steps: int, refere
         first = FirstGradients(names, reference_grads, settings.seed)
         handle = optimizer.register_step_pre_hook(first)
         step = runtime.TrainStep(model, optimizer, workload.loss_fn, recipe)
-        losses, skipped, retries = [], 0, max_retries(steps)
+        losses, skipped, retries, stopped = [], 0, max_retries(steps), None
         torch.manual_seed(settings.seed)
         order = list(batch_order(len(data.train), settings.batch_size, steps, settings.seed))
         # the first batch again after the run: its loss then, against the first step's, is what the
@@ -255,20 +263,24 @@ def _one_run(spec, recipe, settings: ParitySettings, data, *, steps: int, refere
                     break
                 skipped, retries = skipped + 1, retries - 1  # skipped by the scaler: again, at its lower scale
             losses.append(loss)
-            if first.active:
+            if first.active:  # the first gradients are final: a step the scaler skipped was taken again
                 stepped = time.perf_counter()
                 logged(f"run {len(RUN_PHASES) + 1}: built in {built - started:.2f} s, "
                        f"first step in {stepped - perturbed:.2f} s")
+                worst = gradients_out_of_band(first.sums, calibration, settings) if calibration else None
+                if worst is not None and math.isfinite(loss):
+                    stopped = "gradients"
+                    logged(f"run {len(RUN_PHASES) + 1}: stopped: first gradients out of band (worst {worst})")
             first.active = False
-            if not math.isfinite(loss):
+            if not math.isfinite(loss) or stopped:
                 break
         handle.remove()
     end = time.perf_counter()
     RUN_PHASES.append({"build": round(built - started, 2), "perturb": round(perturbed - built, 2),
                        "first step": round(stepped - perturbed, 2), "steps": round(end - stepped, 2),
-                       "steps_run": len(losses), "compared": reference_grads is not None})
+                       "steps_run": len(losses), "compared": reference_grads is not None, "stopped": stopped})
     logged(f"run {len(RUN_PHASES)}: {json.dumps(RUN_PHASES[-1])}")
-    return {"losses": losses, "grads": first.kept, "sums": first.sums, "skipped": skipped,
+    return {"losses": losses, "grads": first.kept, "sums": first.sums, "skipped": skipped, "stopped": stopped,
             "wall_s": end - started}
 
 
@@ -358,7 +370,8 @@ def check_parity(spec, knobs: Mapping[str, Any], settings: ParitySettings, *, de
     if taken and on_grads is not None:
         on_grads(reference_grads)
     recipe = recipe if recipe is not None else parity_recipe(knobs, device)
-    run = _one_run(spec, recipe, settings, data, steps=settings.steps, reference_grads=reference_grads)
+    run = _one_run(spec, recipe, settings, data, steps=settings.steps, reference_grads=reference_grads,
+                   calibration=reference["calibration"])  # out of band on its first gradients: stops there
     result = judge(run, reference, settings, label=label or describe_numerics(knobs),
                    seconds=time.perf_counter() - started)
     return result, dict(reference)

@@ -44,7 +44,7 @@ class ParityResult:
     """The verdict in one line, for a user."""
     label: str
     steps: int
-    """Steps run (fewer where the loss went NaN/Inf)."""
+    """Steps run (fewer where the loss went NaN/Inf, 1 where the run stopped on its first gradients)."""
     band: ParityBand
     loss_deviation: float
     """max over the steps of |loss - FP32's| / |FP32's|."""
@@ -76,6 +76,10 @@ class ParityResult:
     """Wall time of the check, with the reference's runs where it trained them."""
     tensors: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per parameter tensor: rel_error, cosine, calibration_rel_error, band."""
+    stopped: str | None = None
+    """"gradients" where the run stopped after its first step, whose gradients were already out of band
+    (gradients_out_of_band): its losses and ``steps`` are that step's, its progress is not judged. None
+    where it ran every step (or to a NaN/Inf loss)."""
 
     @property
     def passed(self) -> bool:
@@ -146,26 +150,51 @@ def global_figures(sums: Mapping[str, tuple[float, float, float, float]]) -> tup
     return _ratio(d2, r2), _cosine(dot, g2, r2)
 
 
+def tensor_bands(sums: Mapping[str, tuple[float, float, float, float]], calibration: Mapping[str, Any],
+                 settings) -> tuple[dict[str, dict[str, float]], list[str], str, float]:
+    """Per tensor of ``sums``: its figures (tensor_figures) with its calibration error and its band,
+    ``k`` x that error + ``grad_floor``; the tensors whose FP32 gradient is rounding noise (NOISE_TENSOR:
+    not judged on their own); and the judged tensor that came closest to its band or went furthest past
+    it, with its error's share of that band ("" and -1 where none was compared)."""
+    tensors = tensor_figures(sums)
+    errors = calibration["grad_rel_errors"]
+    noise = sorted(n for n, v in errors.items() if v > NOISE_TENSOR)
+    worst_name, worst_share = "", -1.0
+    for name, fig in tensors.items():
+        fig["calibration_rel_error"] = errors.get(name, 0.0)
+        fig["band"] = settings.k * fig["calibration_rel_error"] + settings.grad_floor
+        share = fig["rel_error"] / fig["band"] if fig["band"] > 0 else (0.0 if fig["rel_error"] == 0 else math.inf)
+        if name not in noise and share > worst_share:
+            worst_name, worst_share = name, share
+    return tensors, noise, worst_name, worst_share
+
+
+def gradients_out_of_band(sums: Mapping[str, tuple[float, float, float, float]], calibration: Mapping[str, Any],
+                          settings) -> str | None:
+    """The judged tensor whose first gradient went furthest past its band (a NaN/Inf one is infinitely
+    past it), or None where every one is within its band: the check's gradient rule, by which ``judge``
+    decides and a configuration's run stops after its first step (parity._one_run), since whatever its
+    other steps do its verdict is then "violated" (or "unstable")."""
+    _, _, name, share = tensor_bands(sums, calibration, settings)
+    return name if share > 1.0 else None
+
+
 def judge(run: Mapping[str, Any], reference: Mapping[str, Any], settings, *,
           label: str = "configuration", seconds: float = 0.0) -> ParityResult:
     """The verdict on a run (its losses, and its first gradients' sums against the reference's) from
-    the reference (its losses and the calibration's figures) and the band of ``settings``."""
-    calib = reference["calibration"]
-    loss_dev = loss_deviation(run["losses"], reference["losses"])
-    tensors = tensor_figures(run["sums"])
-    noise = sorted(n for n, v in calib["grad_rel_errors"].items() if v > NOISE_TENSOR)
-    worst_name, worst_ratio = "", -1.0
-    for name, fig in tensors.items():
-        fig["calibration_rel_error"] = calib["grad_rel_errors"].get(name, 0.0)
-        fig["band"] = settings.k * fig["calibration_rel_error"] + settings.grad_floor
-        ratio = fig["rel_error"] / fig["band"] if fig["band"] > 0 else (0.0 if fig["rel_error"] == 0 else math.inf)
-        if name not in noise and ratio > worst_ratio:
-            worst_name, worst_ratio = name, ratio
+    the reference (its losses and the calibration's figures) and the band of ``settings``. A run that
+    stopped on its first gradients (``stopped``: "gradients") is judged on the steps it ran: its loss
+    deviation over them, its progress not at all (it did not run the trajectory); it never passes."""
+    calib, stopped = reference["calibration"], run.get("stopped")
+    ran = reference["losses"][:len(run["losses"])] if stopped else reference["losses"]
+    loss_dev = loss_deviation(run["losses"], ran)
+    tensors, noise, worst_name, _ = tensor_bands(run["sums"], calib, settings)
     # no gradients to compare: every step skipped, or no parameter of the configuration's model is FP32's
     worst = tensors.get(worst_name, {"rel_error": math.nan, "band": settings.grad_floor,
                                      "calibration_rel_error": math.nan})
     rel, cos = global_figures(run["sums"]) if run["sums"] else (math.nan, math.nan)
-    drift, cal_drift = progress_drift(run["losses"], reference["losses"]), calib.get("progress_drift")
+    drift = None if stopped else progress_drift(run["losses"], reference["losses"])
+    cal_drift = calib.get("progress_drift")
     band = ParityBand(k=settings.k, loss_floor=settings.loss_floor, grad_floor=settings.grad_floor,
                       loss=settings.k * calib["loss_deviation"] + settings.loss_floor, grad=worst["band"],
                       drift_floor=settings.drift_floor,
@@ -174,7 +203,8 @@ def judge(run: Mapping[str, Any], reference: Mapping[str, Any], settings, *,
         verdict = "unstable"
     else:
         lost = drift is not None and drift > band.drift
-        verdict = "passed" if loss_dev <= band.loss and worst_ratio <= 1.0 and not lost else "violated"
+        in_band = loss_dev <= band.loss and gradients_out_of_band(run["sums"], calib, settings) is None
+        verdict = "passed" if in_band and not lost and not stopped else "violated"
     result = ParityResult(
         verdict=verdict, reason="", label=label, steps=len(run["losses"]), band=band, loss_deviation=loss_dev,
         grad_deviation=worst["rel_error"], grad_tensor=worst_name, grad_rel_error=rel, grad_cosine=cos,
@@ -183,31 +213,36 @@ def judge(run: Mapping[str, Any], reference: Mapping[str, Any], settings, *,
         progress_drift=drift, calibration_drift=cal_drift,
         losses=list(run["losses"]), reference_losses=list(reference["losses"]), skipped_steps=run.get("skipped", 0),
         noise_tensors=noise, reference_source=reference.get("reference_source", "trained"), seconds=seconds,
-        tensors=tensors)
+        tensors=tensors, stopped=stopped)
     result.reason = describe(result)
     return result
 
 
 def describe(result: ParityResult) -> str:
-    """The verdict in one line: what deviated from FP32, by how much, against which band."""
+    """The verdict in one line: what deviated from FP32, by how much, against which band; what failed
+    first leads, and a run that stopped on its first gradients says so last."""
     b = result.band
     if result.verdict == "unstable":
         where = (f"the loss was NaN/Inf at step {result.steps}" if not math.isfinite(result.loss_deviation)
                  else "a first-step gradient was NaN/Inf")
-        return f"{result.label}: unstable: {where} (FP32's stayed finite)"
-    loss = (f"loss {_pct(result.loss_deviation)} off FP32 at worst over {result.steps} steps (band "
+        stop = "; stopped after its first step" if result.stopped else ""
+        return f"{result.label}: unstable: {where} (FP32's stayed finite){stop}"
+    loss = (f"loss {_pct(result.loss_deviation)} off FP32 at worst over {result.steps} "
+            f"step{'' if result.steps == 1 else 's'} (band "
             f"{_pct(b.loss)} = {b.k:g} x the calibration's {_pct(result.calibration_loss_deviation)} + {_pct(b.loss_floor)})")
     grad = (f"first gradients {_pct(result.grad_rel_error)} off (cosine {result.grad_cosine:.4f}), worst tensor "
             f"{result.grad_tensor} {_pct(result.grad_deviation)} (band {_pct(b.grad)})" if result.grad_tensor
             else "first gradients not compared (no parameter of the configuration's model is FP32's)")
     parts = [loss, grad]
-    if result.loss_deviation <= b.loss and result.grad_deviation > b.grad:
+    if result.stopped or result.loss_deviation <= b.loss and result.grad_deviation > b.grad:
         parts.reverse()  # what failed first
     if result.progress_drift is not None and b.drift is not None:
         learnt = (f"made {_pct(1 - result.progress_drift)} of FP32's progress on the first batch (at least "
                   f"{_pct(1 - b.drift)} = 100% - {b.k:g} x the calibration's {_pct(abs(result.calibration_drift or 0.0))} "
                   f"lost - {_pct(b.drift_floor)})")
         parts.insert(0 if result.progress_drift > b.drift and result.loss_deviation <= b.loss else 1, learnt)
+    if result.stopped:
+        parts.append("stopped after its first step: the first gradients were already out of band")
     return f"{result.label}: {result.verdict}: " + "; ".join(parts)
 
 
@@ -244,7 +279,8 @@ def evidence(result: ParityResult, *, numerics_key: str | None = None) -> dict[s
             "grad_deviation": result.grad_deviation, "allowed_grad": b.grad, "grad_tensor": result.grad_tensor,
             "grad_rel_error": result.grad_rel_error, "grad_cosine": result.grad_cosine,
             "calibration_loss_deviation": result.calibration_loss_deviation,
-            "skipped_steps": result.skipped_steps, "reference_source": result.reference_source,
+            "skipped_steps": result.skipped_steps, "stopped": result.stopped,
+            "reference_source": result.reference_source,
             "seconds": round(result.seconds, 3), "losses": result.losses, "reference_losses": result.reference_losses,
             "numerics_key": numerics_key}
 
