@@ -650,3 +650,30 @@ def test_under_a_memory_cap_a_winner_gets_no_cuda_graph_on_top_and_nothing_expec
     for change in changed(free):
         assert change.get("compile.mode") != "regional" and "optimizer.set_to_none" not in change
     assert changed(capped)
+
+
+def test_a_side_stream_or_a_cuda_graph_the_profile_says_gives_nothing_is_not_new_hope():
+    """A knob value no trial measured may give NOVELTY more than predicted; not where the bar's profile
+    says what it can give: no copies to hide, no idle time to fill (ResNet-50's plain recipe at batch
+    1,024 on the H200 was never idle)."""
+    space = dataclasses.replace(IMAGE_SPACE, cuda_graphs=[False, True])
+    study = _study()
+    quiet = {**COPYING, "memcpy_share": 0.0, "idle_share": 0.0}
+    bar = _measured(study, space, plain_recipe.params(space, 1024), 6888.0, role=plain_recipe.ROLE, profile=quiet)
+    Neighbours(space, limit_bytes=None)(study, bar)
+    plans = {p.number: p for p in Planner(space, walls=[(15.0, False), (68.0, True)]).plans(study)}
+    by_change = {}
+    for number, plan in plans.items():
+        fixed = study.trials[number].system_attrs["fixed_params"]
+        change = {k: v for k, v in fixed.items() if bar.params.get(k) != v}
+        by_change[tuple(sorted(change.items()))] = plan
+    assert by_change[(("streams.num_streams", 2),)].gain == 0.0
+    assert by_change[(("cuda_graphs.enabled", True),)].gain == 0.0
+    # with time to fill, a CUDA graph is hoped for as before
+    study = _study()
+    bar = _measured(study, space, plain_recipe.params(space, 1024), 6888.0, role=plain_recipe.ROLE,
+                    profile={**quiet, "idle_share": 0.2})
+    Neighbours(space, limit_bytes=None)(study, bar)
+    graphs = [p for p in Planner(space, walls=[(15.0, False), (68.0, True)]).plans(study)
+              if study.trials[p.number].system_attrs["fixed_params"].get("cuda_graphs.enabled")]
+    assert graphs[0].gain == pytest.approx(6888.0 * (1.02 * 1.05 - 1))

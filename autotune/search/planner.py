@@ -155,9 +155,9 @@ class Planner:
         params = complete_params(planned_params(t), self.space)
         cost = self._cost(params.get("compile.mode", "off"), params.get("precision.mode"))
         peak, verdict = self._memory(memory, params)
-        predicted, source = self._predict(params, done, gains)
+        predicted, source, profiled = self._predict(params, done, gains)
         novel = [f"{k}={v}" for k, v in params.items() if k in seen and v not in seen[k]
-                 and k != "batch_size.batch_size"]
+                 and k != "batch_size.batch_size" and k not in profiled]
         gain = 0.0
         if best is not None and predicted is not None:
             # a knob value never measured may give NOVELTY more than predicted, not more than that:
@@ -304,11 +304,13 @@ class Planner:
             return None, None
         return memory.predict(knobs), memory.verdict(knobs)
 
-    def _predict(self, params: dict[str, Any], done, gains: dict[str, float]) -> tuple[float | None, str]:
-        """Predicted value of ``params`` from its nearest measured configuration, and the words saying how."""
-        best: tuple[tuple, float, str] | None = None  # (rank: unknown knobs, known ones, -value; value; words)
+    def _predict(self, params: dict[str, Any], done, gains: dict[str, float]) -> tuple[float | None, str, set[str]]:
+        """Predicted value of ``params`` from its nearest measured configuration, the words saying how,
+        and the knobs whose factor that trial's profile bounded (a side stream, a CUDA graph): no
+        NOVELTY for them, the profile says what they can give (a 1B Llama's tokens take no time to copy)."""
+        best: tuple[tuple, float, str, set[str]] | None = None  # (rank; value; words; profiled knobs)
         for t, measured, record in done:
-            apart, known, factor, stretch, notes = 0, 0, 1.0, 0.0, []
+            apart, known, factor, stretch, notes, profiled = 0, 0, 1.0, 0.0, [], set()
             for key in sorted(set(params) | set(measured)):
                 if key.startswith(_IGNORED) or params.get(key) == measured.get(key):
                     continue
@@ -317,9 +319,11 @@ class Planner:
                     continue
                 f = self._factor(key, measured, params, gains)
                 if key == "streams.num_streams":  # from the copies this trial's profile measured
-                    f = streams_factor(record.profile, int(measured.get(key, 1)), int(params.get(key, 1))) or f
+                    seen = streams_factor(record.profile, int(measured.get(key, 1)), int(params.get(key, 1)))
+                    f, profiled = (seen, profiled | {key}) if seen is not None else (f, profiled)
                 elif _graphed(params, key) and not _graphed(measured, key) and measured.get(key, "off") != "off":
-                    f = graphs_factor(record.profile, f)  # at most its idle time back (compiling's gain aside)
+                    bound = graphs_factor(record.profile, f)  # at most its idle time back (compiling's gain aside)
+                    f, profiled = bound, (profiled | {key} if bound != f else profiled)
                 if f is None:  # what this knob gives is not known: the analog is that much further off
                     apart += 1
                     continue
@@ -337,8 +341,8 @@ class Planner:
             rank = (apart, known, round(stretch, 3),
                     -value if self.maximize else value)
             if best is None or rank < best[0]:
-                best = (rank, value, words)
-        return (None, "") if best is None else (best[1], best[2])
+                best = (rank, value, words, profiled)
+        return (None, "", set()) if best is None else best[1:]
 
     def _step_cost_s(self, params: dict[str, Any]) -> float:
         """Seconds a step of ``params``' memory knobs whose cost is per optimizer step (levers.step_costs)."""
