@@ -52,6 +52,9 @@ class SearchView:
             if self.task is not None:
                 self.progress.update(self.task, description=f"{self.summary} · {payload}")
             return
+        if kind == "stopped":
+            self.progress.console.print(f"  {escape(payload)}")
+            return
         if kind == "fixed":
             for param, entry in payload.items():
                 self.progress.console.print(f"  no longer explored: {param} = {entry['value']!r} ({entry['reason']})")

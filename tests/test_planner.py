@@ -320,3 +320,49 @@ def test_of_equally_near_measurements_the_least_extrapolated_predicts():
                         user_attrs={"role": "steered"})
     plan = Planner(space, walls=_compiled_walls()).plans(study)[0]
     assert plan.predicted == pytest.approx(6888.0 * 1.02) and plan.why.startswith("predicted") and "#0" in plan.why
+
+
+def _stop_rule(budget_s: float, started: float, walls):
+    import types
+
+    from autotune.search.budget import StopRule
+
+    said = []
+    config = types.SimpleNamespace(budget_s=budget_s, trials=None, steer=False)
+    rule = StopRule(config, shared=None, started=started, emit=lambda kind, payload: said.append((kind, payload)))
+    rule.walls = list(walls)
+    rule.planner = Planner(SPACE, walls=rule.walls)
+    return rule, said
+
+
+def _told(rule, study):
+    """The stop rule told of the study's first trial, as Optuna calls its callbacks (inside optimize)."""
+    study._thread_local.in_optimize_loop = True
+    study._stop_flag = False
+    rule(study, study.trials[0])
+
+
+def test_the_search_ends_when_no_compile_fits_and_nothing_queued_is_expected_to_beat_the_best():
+    """On the H200 a 1B Llama's 5-minute search under 24 GiB spent its last 50 s after its winner on
+    eager candidates predicted far below it; two ran out of memory at the cap's edge."""
+    import time
+
+    from autotune.search.budget import STOP_ATTR
+
+    study = _study()
+    _measured(study, _params("bf16", 64, "default"), 2000.0, role="plain-recipe")
+    _queue(study, _params("fp16", 32), role="steered")  # eager, far below the compiled best: gains nothing
+    walls = [(10.0, False), (80.0, True)]
+    rule, said = _stop_rule(300.0, time.time() - 240.0, walls)  # about 50 s left: no 80 s compile fits
+    _told(rule, study)
+    assert study._stop_flag and "not expected to beat the best" in study.user_attrs[STOP_ATTR]
+    assert said[-1][0] == "stopped"
+    # with time for a compile, or a candidate that may gain, it goes on
+    for started, queued in ((time.time() - 60.0, None), (time.time() - 240.0, _params("bf16", 64, "default", **{
+            "optimizer.implementation": "foreach"}))):
+        study = _study()
+        _measured(study, _params("bf16", 64, "default"), 2000.0, role="plain-recipe")
+        _queue(study, queued or _params("fp16", 32), role="steered")
+        rule, said = _stop_rule(300.0, started, walls)
+        _told(rule, study)
+        assert not study._stop_flag and STOP_ATTR not in study.user_attrs
