@@ -127,10 +127,12 @@ STREAM_OVERLAP = 0.82
 1,024 (their profiles' copy_overlap)."""
 
 
-def streams_factor(profile: dict[str, Any] | None, was: int, now: int) -> float | None:
+def streams_factor(profile: dict[str, Any] | None, was: int, now: int,
+                   overlap: float = STREAM_OVERLAP) -> float | None:
     """Expected speed of ``now`` CUDA streams over ``was`` for a trial measured with ``was`` and this
-    ``profile`` (autotune.trial.profile): one stream to two hides STREAM_OVERLAP of the copies exposed
-    in the step (memcpy_share); two to one adds back the copy time that overlapped. None where the
+    ``profile`` (autotune.trial.profile): one stream to two hides ``overlap`` of the copies exposed in
+    the step (memcpy_share; 1.0: the most it can give); two to one adds back the copy time that
+    overlapped. None where the
     profile did not see the copies. On the H200 (b092e42) ResNet-50's plain recipe at batch 1,024 spent
     7.8% of its step copying its 616 MB of images in series with compute (about 53 GB/s): about 1.07x,
     where the move had no prior and the compiled trial waited behind regional compile's 0.77x until
@@ -141,7 +143,7 @@ def streams_factor(profile: dict[str, Any] | None, was: int, now: int) -> float 
         return None
     if was == 1:
         exposed = float(profile.get("memcpy_share") or 0.0)
-        return 1.0 / (1.0 - min(exposed, 0.9) * STREAM_OVERLAP)
+        return 1.0 / (1.0 - min(exposed, 0.9) * overlap)
     step, copy, overlap = (profile.get(k) for k in ("gpu_time_per_step_ms", "h2d_ms_per_step", "copy_overlap"))
     if not step or copy is None or overlap is None:
         return None

@@ -156,13 +156,14 @@ class Planner:
         cost = self._cost(params.get("compile.mode", "off"), params.get("precision.mode"))
         peak, verdict = self._memory(memory, params)
         predicted, source, profiled = self._predict(params, done, gains)
-        novel = [f"{k}={v}" for k, v in params.items() if k in seen and v not in seen[k]
-                 and k != "batch_size.batch_size" and k not in profiled]
+        new = [k for k, v in params.items() if k in seen and v not in seen[k] and k != "batch_size.batch_size"]
+        novel = [f"{k}={params[k]}" for k in new if k not in profiled]
         gain = 0.0
         if best is not None and predicted is not None:
             # a knob value never measured may give NOVELTY more than predicted, not more than that:
-            # an eager trial predicted far below a compiled best gains nothing by being new
-            spread = (1 + NOVELTY) if novel else 1.0
+            # an eager trial predicted far below a compiled best gains nothing by being new; one whose
+            # factor the profile bounded, at most what the profile allows
+            spread = max([1 + NOVELTY if novel else 1.0] + [profiled[k] for k in new if k in profiled])
             hope = predicted * spread if self.maximize else predicted / spread
             gain = max(0.0, (hope - best.value) if self.maximize else (best.value - hope))
         elif best is not None and novel:
@@ -304,13 +305,15 @@ class Planner:
             return None, None
         return memory.predict(knobs), memory.verdict(knobs)
 
-    def _predict(self, params: dict[str, Any], done, gains: dict[str, float]) -> tuple[float | None, str, set[str]]:
+    def _predict(self, params: dict[str, Any], done, gains: dict[str, float]
+                 ) -> tuple[float | None, str, dict[str, float]]:
         """Predicted value of ``params`` from its nearest measured configuration, the words saying how,
-        and the knobs whose factor that trial's profile bounded (a side stream, a CUDA graph): no
-        NOVELTY for them, the profile says what they can give (a 1B Llama's tokens take no time to copy)."""
-        best: tuple[tuple, float, str, set[str]] | None = None  # (rank; value; words; profiled knobs)
+        and the knobs whose factor that trial's profile bounded (a side stream, a CUDA graph), each with
+        the most the profile allows over its prediction: their hope instead of NOVELTY (a 1B Llama's
+        tokens take no time to copy, ConvNeXt-T's images 4.9% of its step)."""
+        best: tuple[tuple, float, str, dict[str, float]] | None = None  # (rank; value; words; profiled knobs)
         for t, measured, record in done:
-            apart, known, factor, stretch, notes, profiled = 0, 0, 1.0, 0.0, [], set()
+            apart, known, factor, stretch, notes, profiled = 0, 0, 1.0, 0.0, [], {}
             for key in sorted(set(params) | set(measured)):
                 if key.startswith(_IGNORED) or params.get(key) == measured.get(key):
                     continue
@@ -319,11 +322,14 @@ class Planner:
                     continue
                 f = self._factor(key, measured, params, gains)
                 if key == "streams.num_streams":  # from the copies this trial's profile measured
-                    seen = streams_factor(record.profile, int(measured.get(key, 1)), int(params.get(key, 1)))
-                    f, profiled = (seen, profiled | {key}) if seen is not None else (f, profiled)
+                    was, now = int(measured.get(key, 1)), int(params.get(key, 1))
+                    seen = streams_factor(record.profile, was, now)
+                    if seen is not None:
+                        f, profiled[key] = seen, streams_factor(record.profile, was, now, overlap=1.0) / seen
                 elif _graphed(params, key) and not _graphed(measured, key) and measured.get(key, "off") != "off":
                     bound = graphs_factor(record.profile, f)  # at most its idle time back (compiling's gain aside)
-                    f, profiled = bound, (profiled | {key} if bound != f else profiled)
+                    if bound != f:
+                        f, profiled[key] = bound, 1.0
                 if f is None:  # what this knob gives is not known: the analog is that much further off
                     apart += 1
                     continue
@@ -342,7 +348,7 @@ class Planner:
                     -value if self.maximize else value)
             if best is None or rank < best[0]:
                 best = (rank, value, words, profiled)
-        return (None, "", set()) if best is None else best[1:]
+        return (None, "", {}) if best is None else best[1:]
 
     def _step_cost_s(self, params: dict[str, Any]) -> float:
         """Seconds a step of ``params``' memory knobs whose cost is per optimizer step (levers.step_costs)."""
