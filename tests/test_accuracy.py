@@ -293,9 +293,13 @@ def test_search_never_recommends_a_configuration_that_fails_the_check(tmp_path):
     checked = trials[trials["accuracy_verdict"].notna()]
     bf16_plain = checked[checked["config"].str.startswith("bf16") & ~checked["config"].str.contains("fp32 .*head")]
     assert len(bf16_plain) >= 1 and (bf16_plain["accuracy_verdict"] == "violated").all()
-    # the fastest trial was a broken one, and it was not recommended
-    fastest = trials.loc[trials["samples_per_s"].idxmax()]
-    assert fastest["accuracy_verdict"] == "violated" and data["study"]["trial_number"] != fastest["number"]
+    # a broken one ran faster than the recommendation, and was not recommended (a bf16 trial with its head
+    # in FP32, which passes, may have been faster still: which ones TPE samples, and their times, vary)
+    recommended = trials.loc[trials["number"] == data["study"]["trial_number"]].iloc[0]
+    broken = trials[(trials["accuracy_verdict"] == "violated") & trials["samples_per_s"].notna()]
+    assert recommended["accuracy_verdict"] == "passed"
+    assert len(broken) >= 1 and broken["samples_per_s"].max() > recommended["samples_per_s"] or \
+        recommended["config"].startswith("bf16")
     assert "accuracy drop" in (out / "report.md").read_text()
 
 
