@@ -132,8 +132,7 @@ def streams_factor(profile: dict[str, Any] | None, was: int, now: int,
     """Expected speed of ``now`` CUDA streams over ``was`` for a trial measured with ``was`` and this
     ``profile`` (autotune.trial.profile): one stream to two hides ``overlap`` of the copies exposed in
     the step (memcpy_share; 1.0: the most it can give); two to one adds back the copy time that
-    overlapped. None where the
-    profile did not see the copies. On the H200 (b092e42) ResNet-50's plain recipe at batch 1,024 spent
+    overlapped. None where the profile did not see the copies. On the H200 (b092e42) ResNet-50's plain recipe at batch 1,024 spent
     7.8% of its step copying its 616 MB of images in series with compute (about 53 GB/s): about 1.07x,
     where the move had no prior and the compiled trial waited behind regional compile's 0.77x until
     the budget ended."""
@@ -144,10 +143,10 @@ def streams_factor(profile: dict[str, Any] | None, was: int, now: int,
     if was == 1:
         exposed = float(profile.get("memcpy_share") or 0.0)
         return 1.0 / (1.0 - min(exposed, 0.9) * overlap)
-    step, copy, overlap = (profile.get(k) for k in ("gpu_time_per_step_ms", "h2d_ms_per_step", "copy_overlap"))
-    if not step or copy is None or overlap is None:
+    step, copy, hidden = (profile.get(k) for k in ("gpu_time_per_step_ms", "h2d_ms_per_step", "copy_overlap"))
+    if not step or copy is None or hidden is None:
         return None
-    return float(step) / (float(step) + float(overlap) * float(copy))
+    return float(step) / (float(step) + float(hidden) * float(copy))
 
 
 def graphs_factor(profile: dict[str, Any] | None, prior: float | None) -> float | None:
@@ -159,6 +158,30 @@ def graphs_factor(profile: dict[str, Any] | None, prior: float | None) -> float 
     if prior is None or not profile or not profile.get("steps") or profile.get("idle_share") is None:
         return prior
     return min(prior, 1.0 / (1.0 - min(float(profile["idle_share"]), 0.9)))
+
+
+def profiled_factor(key: str, measured: dict[str, Any], params: dict[str, Any], profile: dict[str, Any] | None,
+                    f: float | None) -> tuple[float | None, float | None]:
+    """The factor ``f`` of the knob ``key`` from ``measured`` (a trial with this ``profile``) to
+    ``params``, where the profile bounds it, and the most the profile allows over it (None where it does
+    not bound it): a side stream from the copies the trial saw in series with compute, up to every copy
+    hidden; a CUDA graph at most the time the GPU sat idle (compiling's own gain aside)."""
+    if key == "streams.num_streams":
+        was, now = int(measured.get(key, 1)), int(params.get(key, 1))
+        seen = streams_factor(profile, was, now)
+        return (f, None) if seen is None else (seen, streams_factor(profile, was, now, overlap=1.0) / seen)
+    # from a trial that recorded the knob (for compile.mode: a compiled one, compiling's own gain aside)
+    if _graphed(params, key) and not _graphed(measured, key) and measured.get(key, "off") != "off":
+        bound = graphs_factor(profile, f)
+        return (f, None) if bound == f else (bound, 1.0)
+    return f, None
+
+
+def _graphed(params: dict[str, Any], key: str) -> bool:
+    """Whether ``params`` run their step in a CUDA graph by ``key`` (the whole step, or cudagraph trees)."""
+    if key == "cuda_graphs.enabled":
+        return bool(params.get(key))
+    return key == "compile.mode" and params.get(key) == "reduce-overhead"
 
 
 def offered(space: SearchSpace, params: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any] | None:
@@ -189,13 +212,19 @@ class Neighbours:
                       for t in trials)
         bar = max((t for t in trials if TrialRecord.of(t).role == plain_recipe.ROLE
                    and t.state == TrialState.COMPLETE and t.value is not None), key=lambda t: t.value)
+        self._queue(study, trials, bar, self.levers(study, bar) if growing else self.candidates(study, bar))
+
+    def _queue(self, study: optuna.Study, trials: list[optuna.trial.FrozenTrial], start: optuna.trial.FrozenTrial,
+               proposals: list[tuple[dict[str, Any], str]]) -> None:
+        """Queue each of ``proposals`` (complete parameters, why) that no trial of the study has, steered
+        from ``start`` by RULE."""
         known = [complete_params(planned_params(t), self.space) for t in trials]
-        for params, why in (self.levers(study, bar) if growing else self.candidates(study, bar)):
+        for params, why in proposals:
             if params in known:
                 continue
             known.append(params)
             study.enqueue_trial(params, user_attrs=queue_attrs(
-                role="steered", steered_by={"trial": bar.number, "rule": RULE, "why": why}))
+                role="steered", steered_by={"trial": start.number, "rule": RULE, "why": why}))
 
     def climb(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         """A move that beat the plain recipe and every trial measured so far gets the other moves on
@@ -209,17 +238,8 @@ class Neighbours:
                     and t.number != trial.number]
         if not measured or trial.value <= max(measured) or study.direction != optuna.study.StudyDirection.MAXIMIZE:
             return
-        known = [complete_params(planned_params(t), self.space) for t in trials]
-        for move in MOVES:
-            if trial.params.get(move.param) == move.value or not self._climbs(move):
-                continue
-            params = offered(self.space, trial.params, {move.param: move.value})
-            if params is None or params in known:
-                continue
-            known.append(params)
-            study.enqueue_trial(params, user_attrs=queue_attrs(
-                role="steered", steered_by={"trial": trial.number, "rule": RULE,
-                                            "why": f"{move.why}, on #{trial.number}, which beat the plain recipe"}))
+        self._queue(study, trials, trial, [(params, f"{why}, on #{trial.number}, which beat the plain recipe")
+                                           for params, why in self._moves(trial.params, self._climbs)])
 
     def _climbs(self, move: Move) -> bool:
         """Whether ``move`` goes on a move that won: not one expected slower (regional compile) or one
@@ -232,13 +252,7 @@ class Neighbours:
 
     def candidates(self, study: optuna.Study, bar: optuna.trial.FrozenTrial) -> list[tuple[dict[str, Any], str]]:
         """The moves and the memory levers offered here, as complete parameters with their words."""
-        out = []
-        for move in MOVES:
-            if move.param == "precision.mode" and bar.params.get(move.param) == move.value:
-                continue
-            params = offered(self.space, bar.params, {move.param: move.value})
-            if params is not None and params != bar.params:
-                out.append((params, move.why))
+        out = self._moves(bar.params)
         batch = int(bar.params.get("batch_size.batch_size", 0))
         larger = [b for b in self.space.batch_sizes if b > batch]
         if larger:  # the planner sizes it down first where the memory model says it does not fit
@@ -246,6 +260,17 @@ class Neighbours:
                         "a larger batch than the plain recipe's"))
         out += self.levers(study, bar)
         return [(p, why) for p, why in out if p != bar.params]
+
+    def _moves(self, start: dict[str, Any], keep=lambda move: True) -> list[tuple[dict[str, Any], str]]:
+        """``start`` with each of MOVES that ``keep`` and the space offer and that changes it, with its words."""
+        out = []
+        for move in MOVES:
+            if start.get(move.param) == move.value or not keep(move):
+                continue
+            params = offered(self.space, start, {move.param: move.value})
+            if params is not None and params != start:
+                out.append((params, move.why))
+        return out
 
     def levers(self, study: optuna.Study, bar: optuna.trial.FrozenTrial) -> list[tuple[dict[str, Any], str]]:
         """Under a memory cap that holds the plain recipe below MAX_BATCH_FACTOR x the base batch: for

@@ -40,7 +40,7 @@ from optuna.trial import TrialState
 
 from autotune.deploy.space import SearchSpace
 from autotune.search.levers import step_costs
-from autotune.search.neighbours import compile_mode_factor, fp8_speed, graphs_factor, prior_factor, streams_factor
+from autotune.search.neighbours import compile_mode_factor, fp8_speed, prior_factor, profiled_factor
 from autotune.search.trials import planned_params
 from autotune.search.walls import trial_cost_s
 from autotune.trial.record import TrialRecord
@@ -321,15 +321,9 @@ class Planner:
                     known += 1  # a cost a step, added below
                     continue
                 f = self._factor(key, measured, params, gains)
-                if key == "streams.num_streams":  # from the copies this trial's profile measured
-                    was, now = int(measured.get(key, 1)), int(params.get(key, 1))
-                    seen = streams_factor(record.profile, was, now)
-                    if seen is not None:
-                        f, profiled[key] = seen, streams_factor(record.profile, was, now, overlap=1.0) / seen
-                elif _graphed(params, key) and not _graphed(measured, key) and measured.get(key, "off") != "off":
-                    bound = graphs_factor(record.profile, f)  # at most its idle time back (compiling's gain aside)
-                    if bound != f:
-                        f, profiled[key] = bound, 1.0
+                f, headroom = profiled_factor(key, measured, params, record.profile, f)
+                if headroom is not None:
+                    profiled[key] = headroom
                 if f is None:  # what this knob gives is not known: the analog is that much further off
                     apart += 1
                     continue
@@ -465,13 +459,6 @@ def accuracy_suspects(study: optuna.Study, trials: list[optuna.trial.FrozenTrial
             values = {("precision.mode", mode)} | {(k, v) for k, v in t.params.items() if k == "fp8_layers.layers"}
             out.append((f"#{t.number}'s accuracy check", frozenset(values)))
     return out
-
-
-def _graphed(params: dict[str, Any], key: str) -> bool:
-    """Whether ``params`` run their step in a CUDA graph by ``key`` (the whole step, or cudagraph trees)."""
-    if key == "cuda_graphs.enabled":
-        return bool(params.get(key))
-    return key == "compile.mode" and params.get(key) == "reduce-overhead"
 
 
 def _batch_half(study: optuna.Study) -> float:
