@@ -250,7 +250,7 @@ def test_a_trials_cost_scales_its_compile_by_the_mode_and_the_precision() -> Non
     assert trial_cost_s(walls, "off", "fp8") == 11.0  # no compile, nothing to scale
     assert trial_cost_s(walls, "default", "bf16") == 80.0
     assert trial_cost_s(walls, "default", "fp8") == pytest.approx(11.0 + 69.0 * 1.6)
-    assert trial_cost_s(walls, "max-autotune", "bf16") == pytest.approx(11.0 + 69.0 * 3.0)
+    assert trial_cost_s(walls, "max-autotune", "bf16") == pytest.approx(11.0 + 69.0 * 5.0)
     assert trial_cost_s(walls, "regional", "fp8") == pytest.approx(11.0 + 69.0 * 0.4 * 1.6)
     # before any compiled trial: the prior is the compile's share; before any trial, unmeasured_s too
     assert trial_cost_s(walls[:2], "default", "fp8", compile_prior_s=60.0) == pytest.approx(11.0 + 96.0)

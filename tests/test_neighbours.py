@@ -317,12 +317,12 @@ def test_8_bit_states_cost_a_step_whatever_the_batch_where_the_models_size_is_kn
     assert plans[2].predicted == pytest.approx(47.5 * 1.2 * 0.72)
 
 
-def test_a_max_autotune_compile_is_costed_at_three_default_compiles_and_regional_below_one():
+def test_a_max_autotune_compile_is_costed_at_five_default_compiles_and_regional_below_one():
     study = _study()
     bar = _measured(study, LM_SPACE, plain_recipe.params(LM_SPACE, 16), 450.0, role=plain_recipe.ROLE)
     planner = Planner(LM_SPACE, walls=[(10.0, False), (12.0, False), (70.0, True)])
     eager, default = planner._cost("off"), planner._cost("default")
-    assert planner._cost("max-autotune-no-cudagraphs") == pytest.approx(eager + 3 * (default - eager))
+    assert planner._cost("max-autotune-no-cudagraphs") == pytest.approx(eager + 5 * (default - eager))
     assert eager < planner._cost("regional") < default
     # two moves of the same prior gain: the one that compiles in a third of the time runs first
     slow = complete_params({**bar.params, "compile.mode": "max-autotune-no-cudagraphs"}, LM_SPACE)
@@ -695,3 +695,24 @@ def test_a_side_stream_is_hoped_for_up_to_every_copy_hidden_ahead_of_an_untried_
     assert [p.number for p in plans] == [2, 1]
     assert plans[0].gain == pytest.approx(4436.0 * (1 / (1 - 0.049) - 1))
     assert plans[1].gain == pytest.approx(4436.0 * 0.05)
+
+
+def test_a_long_compile_hoped_for_as_much_as_a_side_stream_does_not_run_before_it():
+    """On the H100 at 9443e57 ResNet-50's plain recipe copied for 6.6% of its step: the side stream was
+    hoped at 404 img/s over the bar from its profile (57 s), max-autotune at 406 from its prior (153 s).
+    With 191 s left, after the side stream the compile would no longer fit, so it ran first, and was cut
+    off by the budget's end: nothing measured after the bar. Hopes 0.6% apart are a tie; the cheaper runs."""
+    study = _study()
+    bar = _measured(study, IMAGE_SPACE, plain_recipe.params(IMAGE_SPACE, 1024), 5720.0, role=plain_recipe.ROLE,
+                    profile={**COPYING, "memcpy_share": 0.066, "idle_share": 0.0})
+    autotuned = complete_params({**bar.params, "compile.mode": "max-autotune-no-cudagraphs"}, IMAGE_SPACE)
+    streams = complete_params({**bar.params, "streams.num_streams": 2}, IMAGE_SPACE)
+    for params in (autotuned, streams):
+        study.enqueue_trial(params, user_attrs={"role": "steered", "steered_by": {"rule": RULE}})
+    planner = Planner(IMAGE_SPACE, walls=[(15.0, False), (57.0, True)])
+    plans = {study.trials[p.number].system_attrs["fixed_params"]["compile.mode"]: p for p in planner.plans(study)}
+    slow, cheap = plans["max-autotune-no-cudagraphs"], plans["default"]
+    assert slow.gain > cheap.gain > 0.99 * slow.gain and slow.cost_s > 2 * cheap.cost_s
+    left = cheap.cost_s + slow.cost_s - 10.0  # holds either, not both
+    assert planner.choose(study, left_s=left).number == cheap.number
+    # hoped for clearly more (test_planner's budget test: 265 against 55), the compile still runs first

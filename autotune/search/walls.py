@@ -12,10 +12,11 @@ COMPILE_PRIOR_S = 60.0
 ResNet-50 (126 leaf modules) compiled in 58-66 s on an H200 (reports/resnet50-h200-8m); a model's
 prior is scaled by its own count of leaf modules (compile_prior_s)."""
 _PRIOR_MODULES = 126
-COMPILE_MODE_COST = {"max-autotune-no-cudagraphs": 3.0, "max-autotune": 3.0, "regional": 0.4}
+COMPILE_MODE_COST = {"max-autotune-no-cudagraphs": 5.0, "max-autotune": 5.0, "regional": 0.4}
 """A compile's seconds in a mode against default mode's: max-autotune benchmarks kernel candidates for
 every matmul and convolution (minutes for a ResNet-50: its trial timeout allows 1,200 s against
-default's 300); regional compiles one block (a held-out 24-layer LM on the H200: 13.6 s to its first
+default's 300; on the H100 at 9443e57 it was still compiling 191 s into its trial, the default mode's
+compile having taken 42 s: at least 4.2x, taken at 3 it was queued at 153 s); regional compiles one block (a held-out 24-layer LM on the H200: 13.6 s to its first
 two steps against 57.5 s for the whole model)."""
 COMPILE_PRECISION_COST = {"fp8": 1.6}
 """A compile's seconds in a precision mode against bf16's: fp8 (torchao's float8 training) traces
