@@ -329,10 +329,15 @@ class Objective:
         for other in trial.study.get_trials(deepcopy=False):
             if planned_params(other) == params:
                 return
-        role = TrialRecord.of(trial).role
-        # the baseline is measured next, not after the seeds: every figure is compared with it
+        record = TrialRecord.of(trial)
+        role = record.role
+        # the baseline is measured next, not after the seeds: every figure is compared with it. A
+        # neighbour of the plain recipe keeps what steered it, so it is still ranked from the bar and
+        # not screened eagerly: on the H100 hf:gpt2's moves, sized down from batch 64 to 48, each
+        # waited for an eager twin that the planner predicted below the compiled bar
         queued = queue_attrs(role=role if role == "baseline" else "backed-off", backoff_of=trial.number,
-                       **({"urgent": True} if role == "baseline" else {}))
+                             **({"urgent": True} if role == "baseline" else {}),
+                             **({"steered_by": record.steered_by} if record.steered_by else {}))
         trial.study.enqueue_trial(params, user_attrs=queued, skip_if_exists=False)
         write(trial, backed_off_to=batch)
 
