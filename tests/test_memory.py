@@ -430,3 +430,32 @@ def test_a_family_recorded_before_a_knob_existed_is_the_family_with_that_knob_un
     assert normalized_family("eager") == "eager"  # a name, not a recorded family
     changed = {**now, "compile": {"mode": "off"}}
     assert family(changed) != family(now)
+
+
+def test_a_move_one_knob_from_a_measured_compiled_step_is_held_to_its_peak_not_the_eager_probes():
+    """On the H100 at 9443e57 hf:gpt2's compiled plain recipe peaked at 35.7 GiB at batch 64, and every
+    one-knob move there (a side stream, a CUDA graph, another compile mode, fp16) was pruned as needing
+    about 96 GiB of 79, from the eager memory probe's bytes per sample."""
+    model = MemoryModel(79 * GiB)
+    model.prior = ("eager", 4.23e9, 1.57e9)
+
+    def knobs(batch=64, **changes):
+        values = {"precision": {"mode": "bf16"}, "compile": {"mode": "default"}, "batch_size": {"batch_size": batch}}
+        for key, value in changes.items():
+            name, field_ = key.split("__")
+            values[name] = {**values.get(name, {}), field_: value}
+        return values
+
+    model.add(family(knobs()), 64, 35.7 * GiB)
+    assert model.verdict(knobs()) is None
+    for move in ({"streams__num_streams": 2}, {"cuda_graphs__enabled": True}, {"precision__mode": "fp16"},
+                 {"compile__mode": "max-autotune-no-cudagraphs"}, {"vocab_padding__multiple": 64}):
+        assert model.verdict(knobs(**move)) is None, move
+        assert model.sibling_peak(knobs(**move), 64) == pytest.approx(35.7 * GiB)
+    assert model.sibling_peak(knobs(96, streams__num_streams=2), 96) == pytest.approx(35.7 * GiB * 1.5)
+    # not a sibling: eager, regional, gradients kept between steps, 8-bit states; or too near the limit
+    for other in ({"compile__mode": "off"}, {"compile__mode": "regional"}, {"optimizer__set_to_none": False}):
+        assert model.sibling_peak(knobs(**other), 64) is None, other
+        assert model.verdict(knobs(**other)).startswith("predicted not to fit"), other
+    assert model.sibling_peak(knobs(optimizer_state__state="8bit-bnb"), 64) is None  # the memory knobs' model
+    assert model.verdict(knobs(128, streams__num_streams=2)).startswith("predicted not to fit")  # 71 GiB > 0.8 x 79

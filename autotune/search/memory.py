@@ -72,6 +72,17 @@ measured yet. On the 1B Llama under 24 GiB (strategies.allocator) 5% of the 20.1
 about 1.3 of the 2.31 GiB gap as the saving: a saving predicted too large queues a batch that runs out of
 memory (a trial lost), one too small only a smaller batch."""
 
+SIBLING_KNOBS = frozenset({"streams.num_streams", "cuda_graphs.enabled", "vocab_padding.multiple",
+                           "channel_alignment.multiple", "cudnn.benchmark", "compile.mode", "precision.mode"})
+"""Knobs that change a compiled 16-bit step's memory by a few percent at most (a prefetched batch, a
+graph's pool, a padded row or channel, a workspace, another whole-model compile mode, fp16 for bf16):
+a configuration one of them away from a measured one is held to that one's peak (:meth:`MemoryModel.sibling_peak`)."""
+SIBLING_FILL = 0.8
+"""A measured sibling's peak, scaled to the batch, under this share of the limit overrides the memory
+probe's prediction of does-not-fit. On the H100 at 9443e57 hf:gpt2's compiled plain recipe peaked at
+35.7 GiB at batch 64, and each of its one-knob moves there was pruned as needing about 96 GiB of 79 (the
+eager probe's bytes per sample): the search measured none of them."""
+
 # knobs that do not change device memory: the batch is the model's variable, the rest act on the
 # host (threads, the data loader) or only on the loss scale's arithmetic (GradScaler settings)
 _NOT_MEMORY = ("batch_size", "threads", "dataloader", "grad_scaler")
@@ -368,6 +379,9 @@ class MemoryModel:
         fam = family(analog)  # the line its prediction came from, if one
         margin = LINE_MARGIN if self.line(fam) is not None else PREDICT_MARGIN
         if self.limit_bytes and predicted is not None and predicted > self.limit_bytes * margin:
+            sibling = self.sibling_peak(knobs, batch) if margin == PREDICT_MARGIN else None
+            if sibling is not None and sibling <= self.limit_bytes * SIBLING_FILL:
+                return None
             twin = " of its bf16 twin" if analog is not knobs else ""
             source = (f"fitted from the peaks{twin} measured at batch "
                       f"{', '.join(str(b) for b in sorted(self.peaks[fam]))}"
@@ -375,6 +389,22 @@ class MemoryModel:
             return (f"predicted not to fit: needs about {predicted / 2**30:.0f} GiB of "
                     f"{self.limit_bytes / 2**30:.0f} (batch {batch}; {source})")
         return None
+
+    def sibling_peak(self, knobs: Mapping[str, Mapping[str, Any]], batch: int) -> float | None:
+        """The highest peak of a measured compiled 16-bit family ``knobs`` differs from in SIBLING_KNOBS
+        only (whole-model compiles, 16-bit autocast, on both sides), scaled from its largest measured
+        batch to ``batch`` in proportion (so from above: its fixed part grows with it); None without one."""
+        own = _parts(family(knobs))
+        if not _compiled_16bit(own):
+            return None
+        found = []
+        for fam, peaks in self.peaks.items():
+            other = _parts(fam)
+            differ = {k for k in own.keys() | other.keys() if own.get(k) != other.get(k)}
+            if peaks and differ and differ <= SIBLING_KNOBS and _compiled_16bit(other):
+                b, peak = max(peaks.items())
+                found.append(peak * max(1.0, batch / b))
+        return max(found, default=None)
 
     def backoff_batch(self, knobs: Mapping[str, Mapping[str, Any]], candidates: list[int],
                       fits_at: int | None = None) -> int | None:
@@ -446,6 +476,15 @@ def _kind(fam: str) -> tuple[str, str]:
     GPT-2 at 64 sequences held 42 GiB; eager, 94)."""
     values = dict(part.split("=", 1) for part in fam.split(",") if "=" in part)
     return values.get("precision.mode", "fp32"), values.get("compile.mode", "off")
+
+
+def _parts(fam: str) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in fam.split(",") if "=" in part)
+
+
+def _compiled_16bit(values: Mapping[str, str]) -> bool:
+    return (values.get("precision.mode") in ("bf16", "fp16")
+            and values.get("compile.mode", "off") not in ("off", "regional"))
 
 
 def _but_implementation(fam: str) -> str:
