@@ -274,9 +274,9 @@ def test_a_search_whose_accuracy_check_is_slow_ends_within_its_budget_and_says_i
     assert "accuracy: not checked: the search budget ran out" in " ".join(proc.stderr.split())
 
 
-def test_a_worker_over_the_limit_outside_the_allocator_is_an_oom_with_its_peak_and_backs_off(tmp_path, monkeypatch):
-    """The worker's answer when memory outside PyTorch's allocator took a capped trial over the limit
-    (seen on the H200: bf16 + compile at batch 512 peaked at 24.1 GiB under --memory-limit 24GiB)."""
+def _over_the_limit_at_512(tmp_path, monkeypatch, **attrs):
+    """A study whose one trial, queued at batch 512 with ``attrs``, gets the worker's answer when memory
+    outside PyTorch's allocator took it over a 24 GiB cap."""
     import autotune.search.objective as objective_module
 
     over = {"status": "oom", "reason": "peak 24.1 GiB is over the memory limit of 24.0 GiB",
@@ -286,8 +286,15 @@ def test_a_worker_over_the_limit_outside_the_allocator_is_an_oom_with_its_peak_a
     study = optuna.create_study(direction="maximize")
     objective = Objective(space=space, workload={"model": "not-built"}, measure={}, input_on_device=False, seed=0,
                           trial_timeout_s=60, log_dir=tmp_path, memory_limit_bytes=24 * GiB)
-    study.enqueue_trial({"batch_size.batch_size": 512})
+    study.enqueue_trial({"batch_size.batch_size": 512}, user_attrs=attrs or None)
     study.optimize(objective, n_trials=1)
+    return study
+
+
+def test_a_worker_over_the_limit_outside_the_allocator_is_an_oom_with_its_peak_and_backs_off(tmp_path, monkeypatch):
+    """The worker's answer when memory outside PyTorch's allocator took a capped trial over the limit
+    (seen on the H200: bf16 + compile at batch 512 peaked at 24.1 GiB under --memory-limit 24GiB)."""
+    study = _over_the_limit_at_512(tmp_path, monkeypatch)
     trial = study.trials[0]
     assert trial.state == TrialState.PRUNED and trial.user_attrs["status"] == "oom"
     assert trial.user_attrs["reason"] == "does not fit at batch 512: peak 24.1 GiB is over the memory limit of 24.0 GiB"
@@ -299,21 +306,12 @@ def test_a_worker_over_the_limit_outside_the_allocator_is_an_oom_with_its_peak_a
 def test_a_neighbour_of_the_plain_recipe_backs_off_as_one_and_is_not_screened_eagerly(tmp_path, monkeypatch):
     """On the H100 at 9443e57 hf:gpt2's one-knob moves at batch 64 were sized down to 48 as "backed-off"
     trials without what steered them, and each was then pruned to wait for an eager twin."""
-    import autotune.search.objective as objective_module
     from autotune.search.neighbours import RULE
     from autotune.search.objective import _ranked_from_the_bar
     from autotune.trial.record import TrialRecord
 
-    over = {"status": "oom", "reason": "peak 24.1 GiB is over the memory limit of 24.0 GiB",
-            "fit": {"peaks": {"512": int(24.1 * GiB)}}, "wall_s": 30.0, "worker_start_s": 0.5}
-    monkeypatch.setattr(objective_module, "run_worker", lambda request, **kw: dict(over))
-    space = SearchSpace(device="cpu", precisions=["fp32"], batch_sizes=[128, 256, 384, 512], base_batch_size=256)
-    study = optuna.create_study(direction="maximize")
-    objective = Objective(space=space, workload={"model": "not-built"}, measure={}, input_on_device=False, seed=0,
-                          trial_timeout_s=60, log_dir=tmp_path, memory_limit_bytes=24 * GiB)
     steered = {"trial": 1, "rule": RULE, "why": "a side stream"}
-    study.enqueue_trial({"batch_size.batch_size": 512}, user_attrs={"role": "steered", "steered_by": steered})
-    study.optimize(objective, n_trials=1)
+    study = _over_the_limit_at_512(tmp_path, monkeypatch, role="steered", steered_by=steered)
     (queued,) = study.get_trials(states=(TrialState.WAITING,))
     record = TrialRecord.of(queued)
     assert record.role == "backed-off" and record.backoff_of == 0 and record.steered_by == steered
