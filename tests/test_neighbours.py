@@ -716,3 +716,24 @@ def test_a_long_compile_hoped_for_as_much_as_a_side_stream_does_not_run_before_i
     left = cheap.cost_s + slow.cost_s - 10.0  # holds either, not both
     assert planner.choose(study, left_s=left).number == cheap.number
     # hoped for clearly more (test_planner's budget test: 265 against 55), the compile still runs first
+
+
+def test_a_side_stream_on_the_compiled_bar_costs_a_cached_compile_and_fits_the_end_of_a_short_budget():
+    """The H100's 3-minute ResNet-50 at 6c61222 stopped with 33 s left: the side stream was costed as a
+    cold compile (57 s) where it traces the bar's graph, which Inductor's cache loads (GPT-2's loaded in
+    3.7 s against 25.4)."""
+    from autotune.search.walls import CACHED_COMPILE_SHARE
+
+    study = _study()
+    bar = _measured(study, IMAGE_SPACE, plain_recipe.params(IMAGE_SPACE, 1024), 5558.0, role=plain_recipe.ROLE,
+                    profile={**COPYING, "memcpy_share": 0.066, "idle_share": 0.0},
+                    timing={"wall_s": 56.8, "compile_s": 41.9, "compile_cache": "miss"})
+    streams = complete_params({**bar.params, "streams.num_streams": 2}, IMAGE_SPACE)
+    fp16 = complete_params({**bar.params, "precision.mode": "fp16"}, IMAGE_SPACE)
+    for params in (fp16, streams):
+        study.enqueue_trial(params, user_attrs={"role": "steered", "steered_by": {"rule": RULE}})
+    planner = Planner(IMAGE_SPACE, walls=[(8.9, False), (56.8, True)])
+    plans = {p.number: p for p in planner.plans(study)}
+    assert plans[2].cost_s == pytest.approx(56.8 - 41.9 * (1 - CACHED_COMPILE_SHARE))
+    assert plans[1].cost_s == pytest.approx(56.8)  # fp16 is another graph: compiled cold
+    assert planner.choose(study, left_s=33.0).number == 2

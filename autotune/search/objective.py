@@ -14,7 +14,7 @@ import strategies
 from autotune import stop
 from autotune.search.screening import queue_eager_twin, screen_eagerly
 from autotune.search.trials import planned_params
-from autotune.search.walls import expected_wall, trial_cost_s
+from autotune.search.walls import cached_compile_saving, expected_wall, trial_cost_s
 from autotune.trial.instruments import cache_outcome
 from autotune.trial.record import TrialRecord, copy, queue_attrs, write
 from autotune.trial.runner import run_worker
@@ -224,6 +224,9 @@ class Objective:
             return  # no trial measured yet: nothing says what one takes
         left = self.deadline - time.time()
         need = trial_cost_s(self.walls, knobs["compile"].mode, knobs["precision"].mode, self.compile_prior_s)
+        compiled = [(dict(t.params), TrialRecord.of(t).timing) for t in trial.study.get_trials(
+            deepcopy=False, states=(TrialState.COMPLETE,)) if t.params.get("compile.mode", "off") != "off"]
+        need = max(expected_wall(self.walls, False), need - cached_compile_saving(dict(trial.params), compiled))
         if need <= left or expected_wall(self.walls, False) > left:
             return  # it fits; or nothing does, and the stop rule ends the search
         measured = "" if any(c for _, c in self.walls) else " (no compiled trial measured yet: an estimate)"

@@ -13,7 +13,8 @@ proposes from a TrialScheduler that chooses), from the whole picture:
   FP32 (AUTOCAST_GAIN_PRIOR), a larger batch (BATCH_HALF), a side stream from the copies the
   measured trial's profile saw in series with compute, a CUDA graph at most the time it sat idle;
 * its predicted cost in seconds: this run's measured walls of its kind (compiled or eager), a first
-  compile's cost from the model's size before any compile ran (autotune.search.walls);
+  compile's cost from the model's size before any compile ran, a measured graph's from Inductor's cache
+  (autotune.search.walls);
 * its predicted peak memory (autotune.search.memory, which the memory probe primes).
 
 Fixed roles first: a baseline backed off to a batch that fits, then a configuration predicted not to
@@ -42,7 +43,7 @@ from autotune.deploy.space import SearchSpace
 from autotune.search.levers import step_costs
 from autotune.search.neighbours import compile_mode_factor, fp8_speed, prior_factor, profiled_factor
 from autotune.search.trials import planned_params
-from autotune.search.walls import trial_cost_s
+from autotune.search.walls import cached_compile_saving, trial_cost_s
 from autotune.trial.record import TrialRecord
 
 COMPILE_GAIN_PRIOR = 1.3
@@ -154,6 +155,9 @@ class Planner:
         record = TrialRecord.of(t)
         params = complete_params(planned_params(t), self.space)
         cost = self._cost(params.get("compile.mode", "off"), params.get("precision.mode"))
+        # the graph a measured compile traced is loaded from Inductor's cache, not compiled again
+        cost = max(self._cost("off"), cost - cached_compile_saving(
+            params, [(p, r.timing) for _, p, r in done if p.get("compile.mode", "off") != "off"]))
         peak, verdict = self._memory(memory, params)
         predicted, source, profiled = self._predict(params, done, gains)
         new = [k for k, v in params.items() if k in seen and v not in seen[k] and k != "batch_size.batch_size"]
