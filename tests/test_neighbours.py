@@ -701,7 +701,8 @@ def test_a_long_compile_hoped_for_as_much_as_a_side_stream_does_not_run_before_i
     """On the H100 at 9443e57 ResNet-50's plain recipe copied for 6.6% of its step: the side stream was
     hoped at 404 img/s over the bar from its profile (57 s), max-autotune at 406 from its prior (153 s).
     With 191 s left, after the side stream the compile would no longer fit, so it ran first, and was cut
-    off by the budget's end: nothing measured after the bar. Hopes 0.6% apart are a tie; the cheaper runs."""
+    off by the budget's end: nothing measured after the bar. Hopes 0.6% apart are a tie; the cheaper runs.
+    Hoped for clearly more, a compile still runs first (test_planner's budget test: 265 against 55)."""
     study = _study()
     bar = _measured(study, IMAGE_SPACE, plain_recipe.params(IMAGE_SPACE, 1024), 5720.0, role=plain_recipe.ROLE,
                     profile={**COPYING, "memcpy_share": 0.066, "idle_share": 0.0})
@@ -715,7 +716,6 @@ def test_a_long_compile_hoped_for_as_much_as_a_side_stream_does_not_run_before_i
     assert slow.gain > cheap.gain > 0.99 * slow.gain and slow.cost_s > 2 * cheap.cost_s
     left = cheap.cost_s + slow.cost_s - 10.0  # holds either, not both
     assert planner.choose(study, left_s=left).number == cheap.number
-    # hoped for clearly more (test_planner's budget test: 265 against 55), the compile still runs first
 
 
 def test_a_side_stream_on_the_compiled_bar_costs_a_cached_compile_and_fits_the_end_of_a_short_budget():

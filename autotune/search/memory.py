@@ -231,7 +231,7 @@ class MemoryModel:
         parameter (torch._foreach_sqrt of the second moments), which the fused kernel never makes.
         On the H200 under 24 GiB the 1B Llama's eager bf16 step with foreach AdamW was predicted at
         the fused probe's 22.8 GiB and ran out of memory at batch 1."""
-        probed = dict(part.split("=", 1) for part in self.prior[0].split(",") if "=" in part) if self.prior else {}
+        probed = _parts(self.prior[0]) if self.prior else {}
         optimizer = knobs.get("optimizer") or {}
         if (optimizer.get("implementation") != "foreach" or probed.get("optimizer.implementation") != "fused"
                 or (knobs.get("optimizer_state") or {}).get("state", "full") != "full"
@@ -377,15 +377,16 @@ class MemoryModel:
         predicted = self.predict(knobs)
         analog = self.analog(knobs)
         fam = family(analog)  # the line its prediction came from, if one
-        margin = LINE_MARGIN if self.line(fam) is not None else PREDICT_MARGIN
+        own_line = self.line(fam) is not None
+        margin = LINE_MARGIN if own_line else PREDICT_MARGIN
         if self.limit_bytes and predicted is not None and predicted > self.limit_bytes * margin:
-            sibling = self.sibling_peak(knobs, batch) if margin == PREDICT_MARGIN else None
+            sibling = None if own_line else self.sibling_peak(knobs, batch)
             if sibling is not None and sibling <= self.limit_bytes * SIBLING_FILL:
                 return None
             twin = " of its bf16 twin" if analog is not knobs else ""
             source = (f"fitted from the peaks{twin} measured at batch "
                       f"{', '.join(str(b) for b in sorted(self.peaks[fam]))}"
-                      if self.line(fam) is not None else "from the memory probe's bytes per sample")
+                      if own_line else "from the memory probe's bytes per sample")
             return (f"predicted not to fit: needs about {predicted / 2**30:.0f} GiB of "
                     f"{self.limit_bytes / 2**30:.0f} (batch {batch}; {source})")
         return None
@@ -474,7 +475,7 @@ def held_line(probed: Mapping[str, Any]) -> tuple[float, float]:
 def _kind(fam: str) -> tuple[str, str]:
     """A family's precision mode and compile mode, the knobs that change memory the most (compiled,
     GPT-2 at 64 sequences held 42 GiB; eager, 94)."""
-    values = dict(part.split("=", 1) for part in fam.split(",") if "=" in part)
+    values = _parts(fam)
     return values.get("precision.mode", "fp32"), values.get("compile.mode", "off")
 
 

@@ -26,7 +26,8 @@ runs; on the H200 eager hf:gpt2 candidates predicted at 0.77x the compiled plain
 3-minute search's time for compiles, as "new"). When
 the budget left holds the candidate of most gain but not after the one of most gain per second, and
 it is expected to gain clearly more (by NOVELTY of the best so far), it runs first. Each chosen trial
-records its plan (predicted value, cost, peak, why) as its ``planned`` user attribute: "why did this trial run now?" is answered on the trial itself.
+records its plan (predicted value, cost, peak, why) as its ``planned`` user attribute: "why did this
+trial run now?" is answered on the trial itself.
 """
 
 from __future__ import annotations
@@ -154,9 +155,8 @@ class Planner:
 
         record = TrialRecord.of(t)
         params = complete_params(planned_params(t), self.space)
-        cost = self._cost(params.get("compile.mode", "off"), params.get("precision.mode"))
         # the graph a measured compile traced is loaded from Inductor's cache, not compiled again
-        cost = max(self._cost("off"), cost - cached_compile_saving(
+        cost = self._cost(params.get("compile.mode", "off"), params.get("precision.mode"), cached_compile_saving(
             params, [(p, r.timing) for _, p, r in done if p.get("compile.mode", "off") != "off"]))
         peak, verdict = self._memory(memory, params)
         predicted, source, profiled = self._predict(params, done, gains)
@@ -212,8 +212,8 @@ class Planner:
             return first  # nothing fits: the objective and the stop rule decide what is left
         first = affordable[0]
         most = max(affordable, key=lambda p: (p.gain, -p.number))
-        if (most is not first and most.gain > first.gain + self._clear_gain(study)
-                and left_s - first.cost_s < most.cost_s):
+        if (most is not first and left_s - first.cost_s < most.cost_s
+                and most.gain > first.gain + self._clear_gain(study)):
             # after the most gain per second, the budget would no longer hold the most gain
             return Plan(**{**asdict(most), "why": most.why + f"; the {left_s:.0f} s left hold it, but not after "
                                                           f"#{first.number} ({first.cost_s:.0f} s)"})
@@ -306,9 +306,9 @@ class Planner:
                 seen.setdefault(k, set()).add(v)
         return seen
 
-    def _cost(self, mode: str, precision: str | None = None) -> float:
-        """A trial's expected seconds in compile ``mode`` and ``precision`` (autotune.search.walls.trial_cost_s)."""
-        return trial_cost_s(self.walls, mode, precision, self.compile_prior_s, UNMEASURED_COST_S)
+    def _cost(self, mode: str, precision: str | None = None, saved_s: float = 0.0) -> float:
+        """A trial's expected seconds in ``mode`` and ``precision``, a cached compile's ``saved_s`` less (walls)."""
+        return trial_cost_s(self.walls, mode, precision, self.compile_prior_s, UNMEASURED_COST_S, saved_s)
 
     def _memory(self, memory, params: dict[str, Any]) -> tuple[float | None, str | None]:
         """Predicted peak bytes of ``params``, and the memory model's reason it cannot fit (None: it may)."""

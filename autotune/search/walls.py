@@ -16,8 +16,9 @@ COMPILE_MODE_COST = {"max-autotune-no-cudagraphs": 5.0, "max-autotune": 5.0, "re
 """A compile's seconds in a mode against default mode's: max-autotune benchmarks kernel candidates for
 every matmul and convolution (minutes for a ResNet-50: its trial timeout allows 1,200 s against
 default's 300; on the H100 at 9443e57 it was still compiling 191 s into its trial, the default mode's
-compile having taken 42 s: at least 4.2x, taken at 3 it was queued at 153 s); regional compiles one block (a held-out 24-layer LM on the H200: 13.6 s to its first
-two steps against 57.5 s for the whole model)."""
+compile having taken 42 s: at least 4.2x, taken at 3 it was queued at 153 s); regional compiles one
+block (a held-out 24-layer LM on the H200: 13.6 s to its first two steps against 57.5 s for the whole
+model)."""
 COMPILE_PRECISION_COST = {"fp8": 1.6}
 """A compile's seconds in a precision mode against bf16's: fp8 (torchao's float8 training) traces
 and fuses a cast and a scale around every eligible Linear. Measured on the H200 (a 12-layer causal
@@ -40,10 +41,11 @@ def compile_cost_factor(mode: str, precision: str | None = None) -> float:
 
 
 def trial_cost_s(walls: list[tuple[float, bool]], mode: str, precision: str | None = None,
-                 compile_prior_s: float = 0.0, unmeasured_s: float = 0.0) -> float:
+                 compile_prior_s: float = 0.0, unmeasured_s: float = 0.0, saved_s: float = 0.0) -> float:
     """Expected seconds of a trial in compile ``mode`` and ``precision``: this run's walls of its kind
     (expected_wall), its compile's share (the compiled median over the eager one) scaled by
-    compile_cost_factor; ``unmeasured_s`` plus the compile prior before any trial was measured."""
+    compile_cost_factor; ``unmeasured_s`` plus the compile prior before any trial was measured. Less
+    ``saved_s`` (cached_compile_saving: a compile loaded from Inductor's cache), down to an eager trial's."""
     compiled = mode != "off"
     if walls:
         wall = expected_wall(walls, compiled, compile_prior_s)
@@ -51,7 +53,8 @@ def trial_cost_s(walls: list[tuple[float, bool]], mode: str, precision: str | No
     else:
         eager = unmeasured_s
         wall = eager + (compile_prior_s if compiled else 0.0)
-    return eager + (wall - eager) * compile_cost_factor(mode, precision) if wall > eager else wall
+    cost = eager + (wall - eager) * compile_cost_factor(mode, precision) if wall > eager else wall
+    return max(eager, cost - saved_s) if saved_s > 0 else cost
 
 
 def expected_wall(walls: list[tuple[float, bool]], compiled: bool, compile_prior_s: float = 0.0) -> float:
@@ -84,14 +87,13 @@ def cached_compile_saving(params: dict[str, Any], compiled: list[tuple[dict[str,
     (the same parameters but GRAPH_NEUTRAL knobs) and compiled cold, that compile less what loading it
     from the cache takes (this run's median cache hit, else CACHED_COMPILE_SHARE of it); 0 otherwise."""
     def graph(p: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in p.items() if not k.startswith(GRAPH_NEUTRAL) and k != "batch_size.batch_size"}
+        return {k: v for k, v in p.items() if not k.startswith(GRAPH_NEUTRAL)}
 
     if params.get("compile.mode", "off") == "off":
         return 0.0
     hits = [float(t["compile_s"]) for _, t in compiled if t.get("compile_cache") == "hit" and t.get("compile_s")]
     same = [float(t["compile_s"]) for p, t in compiled
-            if t.get("compile_s") and t.get("compile_cache") != "hit" and graph(p) == graph(params)
-            and p.get("batch_size.batch_size") == params.get("batch_size.batch_size")]
+            if t.get("compile_s") and t.get("compile_cache") != "hit" and graph(p) == graph(params)]
     if not same:
         return 0.0
     cold = max(same)
