@@ -12,8 +12,8 @@ batch (a 1B Llama under 24 GiB fits the plain recipe at batch 1 or 2), the knobs
 expandable segments, traded for a batch that fits and runs faster.
 
 ``Neighbours`` is a proposer (Optuna's callback after each trial): once the plain recipe is measured,
-it queues those candidates once each, as steered trials of RULE (the one-knob moves only when no
-larger batch of the plain recipe is still queued by GrowToFit: they start from the faster one). The planner (autotune.search.planner) orders them by expected gain per
+it queues those candidates once each, as steered trials of RULE, from the fastest plain recipe
+measured (and again from a larger batch of it, GrowToFit's, once that one is measured faster). The planner (autotune.search.planner) orders them by expected gain per
 second, from each move's prior (MOVES, LEVERS: what the knob gave elsewhere) until this search
 measures it. They are compiled like the bar and skip eager screening: a compiled configuration
 one knob away from a measured compiled one is ranked from it. A move that beats the bar and every
@@ -63,7 +63,9 @@ MOVES: tuple[Move, ...] = (
     Move("streams.num_streams", 2, 1.0, "the next batch copied on a side stream while the step computes"),
     Move("cuda_graphs.enabled", True, 1.02, "the whole step in one CUDA graph: no launch gaps"),
     Move("compile.mode", "reduce-overhead", 1.02, "compiled with CUDA graphs (cudagraph trees)"),
-    Move("optimizer.set_to_none", False, 1.0, "gradients zeroed in place"),
+    # not gradients zeroed in place (optimizer.set_to_none False): measured at 0.998x the bar on the H200
+    # (hf:gpt2, 3445a3e) and 0.997x on the H100 (5ece370), it was still hoped NOVELTY more and, loaded
+    # from the bar's compile, ran first where a side stream the profile bounded at 1.047x waited
     # measured on the H200 against the whole-model compile (3445a3e): 0.96x on ViT-B/16, 0.61x on GPT-2;
     # it starts sooner (17 s and 10 s against 39 s and 25 s), which a search saves and a training run does not
     Move("compile.mode", "regional", 0.77, "each repeated block compiled once: a shorter first step"),
@@ -205,14 +207,12 @@ class Neighbours:
             self.climb(study, trial)
             return
         trials = study.get_trials(deepcopy=False)
-        # a larger batch of it queued (GrowToFit): its one-knob moves start from the faster one, but the
-        # memory knobs go in now, to be weighed against it (a 1B Llama's compiled trial is 60-90 s of a
-        # 5-minute budget: the grown plain recipe and a lever are all that fit after the bar)
-        growing = any(TrialRecord.of(t).role == plain_recipe.ROLE and t.state in (TrialState.WAITING, TrialState.RUNNING)
-                      for t in trials)
+        # from the fastest plain recipe measured, even while a larger batch of it is queued (GrowToFit):
+        # the planner weighs them against it. Held back until that one ran, ConvNeXt-T's moves on the H100
+        # (5ece370) never ran: the grown batch was hoped 0.5% for a cold compile, the budget ended first
         bar = max((t for t in trials if TrialRecord.of(t).role == plain_recipe.ROLE
                    and t.state == TrialState.COMPLETE and t.value is not None), key=lambda t: t.value)
-        self._queue(study, trials, bar, self.levers(study, bar) if growing else self.candidates(study, bar))
+        self._queue(study, trials, bar, self.candidates(study, bar))
 
     def _queue(self, study: optuna.Study, trials: list[optuna.trial.FrozenTrial], start: optuna.trial.FrozenTrial,
                proposals: list[tuple[dict[str, Any], str]]) -> None:
@@ -242,10 +242,9 @@ class Neighbours:
                                            for params, why in self._moves(trial.params, self._climbs)])
 
     def _climbs(self, move: Move) -> bool:
-        """Whether ``move`` goes on a move that won: not one expected slower (regional compile) or one
-        with nothing to give (gradients zeroed in place); under a memory cap, not a CUDA graph, whose
-        pool holds memory the winner, sized near the cap, does not have."""
-        if move.gain < 1.0 or move.param == "optimizer.set_to_none":
+        """Whether ``move`` goes on a move that won: not one expected slower (regional compile); under a
+        memory cap, not a CUDA graph, whose pool holds memory the winner, sized near the cap, does not have."""
+        if move.gain < 1.0:
             return False
         graphs = move.param == "cuda_graphs.enabled" or (move.param, move.value) == ("compile.mode", "reduce-overhead")
         return not (graphs and self.limit_bytes)
