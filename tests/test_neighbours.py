@@ -749,3 +749,27 @@ def test_a_side_stream_on_the_compiled_bar_costs_a_cached_compile_and_fits_the_e
     assert plans[2].cost_s == pytest.approx(56.8 - 41.9 * (1 - CACHED_COMPILE_SHARE))
     assert plans[1].cost_s == pytest.approx(56.8)  # fp16 is another graph: compiled cold
     assert planner.choose(study, left_s=33.0).number == 2
+
+
+def test_a_side_stream_runs_first_while_a_larger_batch_of_the_plain_recipe_waits():
+    """ConvNeXt-T on the H100 (5ece370): the plain recipe ran at batch 768 (compiled in 68 s; 4.5% of
+    its step copying), its growth to 1,024 was queued, and the one-knob moves waited for it. Channel
+    padding and the growth, each a cold compile, were all the budget held: the search stopped with 27 s
+    left and no side stream. Now the moves go in at once, and the side stream, its compile loaded from
+    the bar's, runs first."""
+    study = _study()
+    bar = _measured(study, IMAGE_SPACE, plain_recipe.params(IMAGE_SPACE, 512), 3953.0, role=plain_recipe.ROLE,
+                    profile={**COPYING, "memcpy_share": 0.0447, "idle_share": 0.0},
+                    timing={"compile_s": 67.9, "compile_cache": "miss", "wall_s": 116.6})
+    study.enqueue_trial(plain_recipe.params(IMAGE_SPACE, 1024), user_attrs={"role": plain_recipe.ROLE,
+                                                                            "grown_from": bar.number})
+    Neighbours(IMAGE_SPACE, limit_bytes=None)(study, bar)
+    planner = Planner(IMAGE_SPACE, walls=[(15.0, False), (116.6, True)])
+    plans = planner.plans(study)
+    first = study.trials[plans[0].number].system_attrs["fixed_params"]
+    assert {k: v for k, v in first.items() if bar.params.get(k) != v} == {"streams.num_streams": 2}
+    assert plans[0].cost_s < min(p.cost_s for p in plans[1:] if p.gain > 0)  # loaded, not compiled again
+    grown = next(p for p in plans if study.trials[p.number].user_attrs.get("grown_from") == bar.number)
+    assert grown.gain_per_s < plans[0].gain_per_s
+    assert not any("optimizer.set_to_none" in {k for k, v in study.trials[p.number].system_attrs["fixed_params"].items()
+                                               if bar.params.get(k) != v} for p in plans)
