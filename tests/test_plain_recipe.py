@@ -135,6 +135,36 @@ def test_a_plain_recipe_whose_compiled_step_left_room_is_measured_at_the_next_ba
     assert not top.get_trials(states=(TrialState.WAITING,))
 
 
+GPT2_PROBE = {1: 4234149888, 8: 15202254848}
+"""hf:gpt2's memory probe on the H100 (5ece370): 1.46 GiB a sequence above 2.48 GiB fixed, eager."""
+
+
+def _grown_batch(limit_gib, compiled_gib_a_sample=0.42, batch=8):
+    study = optuna.create_study(direction="maximize")
+    study.set_user_attr(PROBE_ATTR, _probed(LM, GPT2_PROBE))
+    study.enqueue_trial(plain_recipe.params(LM, batch), user_attrs={"role": "plain-recipe"})
+    trial = study.ask()
+    strategies.sample(trial, LM)
+    fixed = GPT2_PROBE[1] - (GPT2_PROBE[8] - GPT2_PROBE[1]) / 7
+    allocated = fixed + batch * compiled_gib_a_sample * GIB
+    trial.set_user_attr("figures", {"peak_allocated_bytes": allocated, "peak_memory_bytes": allocated + 1.5 * GIB})
+    study.tell(trial, 300.0)
+    plain_recipe.GrowToFit(LM, limit_gib * GIB)(study, study.trials[trial.number])
+    queued = study.get_trials(states=(TrialState.WAITING,))
+    assert len(queued) <= 1
+    return queued[0].system_attrs["fixed_params"]["batch_size.batch_size"] if queued else None
+
+
+def test_a_plain_recipe_whose_activations_set_its_peak_grows_to_the_largest_batch_they_leave_room_for():
+    """hf:gpt2 on the H100 (5ece370): the compiled plain recipe allocated 0.42 GiB a sequence above the
+    probe's fixed part (22.68 GiB at batch 48, 29.66 at 64), where the eager probe held 1.46. Sized at 8
+    by the probe under 24 GiB, it grows to 32 in one trial, not to 16, 24 and 32 in three."""
+    assert _grown_batch(24) == 32  # 48 would allocate about 22.6 GiB, over 92% of 24
+    assert _grown_batch(79) == 64  # the card's whole memory: 4x the base batch, the plain recipe's most
+    assert _grown_batch(24, compiled_gib_a_sample=1.0) == 16  # a step that holds more: one batch up
+    assert _grown_batch(24, compiled_gib_a_sample=2.5) is None
+
+
 def test_the_plain_recipe_measured_at_two_batches_is_the_faster_of_them():
     study, first = _plain_study(allocated_gib=20.2, value=34.0)
     study.enqueue_trial(plain_recipe.params(LM, 2), user_attrs={"role": "plain-recipe", "grown_from": 0})

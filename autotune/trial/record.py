@@ -70,8 +70,8 @@ class TrialRecord:
     urgent: bool = False
     """Measured next, before the queued seeds (a backed-off baseline: every figure is compared with it)."""
     grown_from: int | None = None
-    """The plain-recipe trial this one measures again at the next larger batch (its compiled step
-    left room: autotune.search.plain_recipe.GrowToFit)."""
+    """The plain-recipe trial this one measures again at a larger batch (its compiled step left room:
+    autotune.search.plain_recipe.GrowToFit)."""
     planned: dict[str, Any] | None = None
     """Why the planner ran this trial when it did: its predicted value, cost in seconds, peak
     memory and the words (autotune.search.planner.Plan)."""
