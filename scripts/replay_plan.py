@@ -1,0 +1,122 @@
+"""What would the planner run next? A stored search's study, replayed on a CPU without its GPU.
+
+    python3 scripts/replay_plan.py STUDY_DB [--after N] [--left SECONDS] [--memory-gib G]
+
+A GPU session is short (30 minutes here), and a change to the planner or its proposers
+(autotune.search.planner, neighbours, plain_recipe.GrowToFit) is first checked against the
+searches already run: this rebuilds the study as it stood when trial N finished (default: the first
+plain-recipe trial, the bar), runs the proposers' callbacks for N with the code checked out now,
+and prints every queued candidate in the order the planner would run them (predicted value, cost,
+expected gain a second, why), then its choice with ``--left`` seconds of the budget left.
+
+The study as it stood: the trials finished by then, as they finished; the trials queued by then,
+waiting again; none that N's callbacks made (those steered by N or grown from it, and everything
+numbered after the first of them). The memory limit is the study's ``--memory-limit`` if it had
+one, else ``--memory-gib`` (the card's: the study does not record it). The stop rule's measured walls
+are the finished trials' own. Not replayed: the findings' remedies, which the objective queues from
+a trial's profile while it runs, and the seed feeder's next seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState, create_trial
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from autotune.deploy.space import SearchSpace  # noqa: E402
+from autotune.search.neighbours import Neighbours  # noqa: E402
+from autotune.search.plain_recipe import ROLE, GrowToFit  # noqa: E402
+from autotune.search.planner import Planner  # noqa: E402
+from autotune.search.trials import planned_params  # noqa: E402
+from autotune.trial.record import TrialRecord  # noqa: E402
+
+GIB = 2**30
+KEPT_ATTRS = ("role", "steered_by", "grown_from", "urgent")
+"""A waiting trial's user attributes that say why it was queued (autotune.trial.record.queue_attrs)."""
+
+
+def as_of(src: optuna.Study, after: int) -> tuple[optuna.Study, optuna.trial.FrozenTrial]:
+    """An in-memory copy of ``src`` as it stood when trial ``after`` finished, and that trial."""
+    told = src.trials[after]
+    if told.datetime_complete is None:
+        raise SystemExit(f"trial {after} never finished ({told.state.name}): give --after a finished trial")
+    made_by = [t.number for t in src.trials if t.number > after
+               and ((t.user_attrs.get("steered_by") or {}).get("trial") == after or t.user_attrs.get("grown_from") == after)]
+    cut = min(made_by, default=len(src.trials))
+    dst = optuna.create_study(directions=src.directions)
+    for key, value in src.user_attrs.items():
+        dst.set_user_attr(key, value)
+    for t in src.trials[:cut]:
+        if t.state.is_finished() and t.datetime_complete <= told.datetime_complete:
+            dst.add_trial(create_trial(state=t.state, params=t.params, distributions=t.distributions,
+                                       values=t.values, user_attrs=t.user_attrs, system_attrs=t.system_attrs))
+        else:  # waiting then: queued again with what it was queued with
+            dst.enqueue_trial(planned_params(t), user_attrs={k: t.user_attrs[k] for k in KEPT_ATTRS if k in t.user_attrs},
+                              skip_if_exists=False)
+    return dst, dst.trials[after]
+
+
+def walls(study: optuna.Study) -> list[tuple[float, bool]]:
+    """The stop rule's (wall seconds, compiled) of each measured trial (autotune.search.budget)."""
+    return [(float((TrialRecord.of(t).timing or {}).get("wall_s", 0.0)), t.params.get("compile.mode", "off") != "off")
+            for t in study.trials if t.state == TrialState.COMPLETE]
+
+
+def replay(path: str, after: int | None = None, left_s: float | None = None,
+           memory_gib: float | None = None) -> dict[str, Any]:
+    """The plan after trial ``after`` of the study in ``path`` (a SQLite file): its rows and choice."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    src = optuna.load_study(study_name=None, storage=f"sqlite:///{Path(path).resolve()}")
+    if after is None:
+        bars = [t.number for t in src.trials if TrialRecord.of(t).role == ROLE and t.state == TrialState.COMPLETE]
+        if not bars:
+            raise SystemExit(f"{path}: no plain-recipe trial finished; give --after N")
+        after = bars[0]
+    space = SearchSpace.from_dict(src.user_attrs["space"])
+    limit = src.user_attrs.get("memory_limit_bytes") or (memory_gib * GIB if memory_gib else None)
+    study, told = as_of(src, after)
+    maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
+    if told.state == TrialState.COMPLETE:
+        for proposer in (GrowToFit(space, limit), Neighbours(space, limit)):
+            proposer(study, told)
+    planner = Planner(space, maximize=maximize, limit_bytes=limit, walls=walls(study))
+    rows = []
+    for plan in planner.plans(study):
+        fixed = study.trials[plan.number].system_attrs.get("fixed_params") or {}
+        change = {k: v for k, v in fixed.items() if told.params.get(k) != v and not k.startswith("grad_scaler.")}
+        rows.append({"number": plan.number, "role": plan.role, "change": change, "predicted": plan.predicted,
+                     "cost_s": plan.cost_s, "gain_per_s": plan.gain_per_s, "rank": plan.rank, "why": plan.why})
+    choice = None
+    if left_s is not None:
+        planner.deadline = time.time() + left_s
+        chosen = planner.choose(study, left_s=left_s)
+        choice = None if chosen is None else {"number": chosen.number, "why": chosen.why}
+    return {"after": after, "limit_bytes": limit, "rows": rows, "choice": choice}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("study_db", help="a search's study.db")
+    parser.add_argument("--after", type=int, help="the finished trial to replay from (default: the first plain recipe)")
+    parser.add_argument("--left", type=float, help="seconds of the budget left, for the planner's choice")
+    parser.add_argument("--memory-gib", type=float, help="the card's memory, where the search had no --memory-limit")
+    args = parser.parse_args(argv)
+    out = replay(args.study_db, args.after, args.left, args.memory_gib)
+    limit = f"{out['limit_bytes'] / GIB:.0f} GiB" if out["limit_bytes"] else "no memory limit"
+    print(f"after #{out['after']} ({limit}), the queue in the planner's order:")
+    for row in out["rows"]:
+        print(f"  #{row['number']:<3} {row['role'] or '':<12} {row['change'] or 'as measured'}\n       {row['why']}")
+    if out["choice"] is not None:
+        print(f"with {args.left:.0f} s left it runs #{out['choice']['number']}: {out['choice']['why']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
