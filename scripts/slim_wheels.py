@@ -1,7 +1,7 @@
 """Cut the wheels in a folder (scripts/device_wheels.sh's .whl/) to what the GPU runs import, so that
 they fit the device tool's carry: transformers' model packages other than the ones liger-kernel
 imports (found in the liger wheel beside it) and what those import, plus KEEP_MODELS; bitsandbytes'
-native libraries other than CUDA 13's and the CPU one. Each wheel's RECORD loses the lines of the files
+native libraries other than CUDA 13.0's and the CPU one. Each wheel's RECORD loses the lines of the files
 left out, so pip installs it as it is.
 
     python3 scripts/slim_wheels.py .whl
@@ -17,7 +17,10 @@ from pathlib import Path
 
 KEEP_MODELS = {"auto", "gpt2", "llama", "gemma", "mistral", "qwen2"}
 """transformers model types the project's tests and examples build (hf:gpt2, hf:llama...)."""
-BNB_LIBRARY = re.compile(r"libbitsandbytes_(cuda13\d|cpu)\.so$")
+BNB_LIBRARY = re.compile(r"libbitsandbytes_(cuda130|cpu)\.so$")
+"""bitsandbytes loads the library of the running torch's CUDA (torch.version.cuda "13.0": cuda130); the
+GPU machine's torch is 2.11.0+cu130 (printed by every device call of 2026-12-06). CUDA 13.2's library
+(3.9 MB) went along unused, and the device's carry (64 MiB with the checkout) was full."""
 MODEL_NAMED = re.compile(rb"transformers\.models\.([a-z0-9_]+)")
 """A transformers model package named in Python source (an import, a monkey patch's target)."""
 
@@ -77,7 +80,7 @@ def main(folder: Path) -> None:
         print(f"{wheel.name}: {len(keep)} model types kept")
     for wheel in folder.glob("bitsandbytes-*.whl"):
         rewrite(wheel, lambda name: not name.endswith(".so") or BNB_LIBRARY.search(name) is not None)
-        print(f"{wheel.name}: CUDA 13 and CPU libraries kept")
+        print(f"{wheel.name}: CUDA 13.0 and CPU libraries kept")
 
 
 if __name__ == "__main__":
