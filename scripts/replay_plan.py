@@ -12,9 +12,9 @@ expected gain a second, why), then its choice with ``--left`` seconds of the bud
 The study as it stood: the trials finished by then, as they finished; the trials queued by then,
 waiting again; none that N's callbacks made (those steered by N or grown from it, and everything
 numbered after the first of them). The memory limit is the study's ``--memory-limit`` if it had
-one, else ``--memory-gib`` (the card's: the study does not record it). The stop rule's measured walls
-are the finished trials' own. Not replayed: the findings' remedies, which the objective queues from
-a trial's profile while it runs, and the seed feeder's next seed.
+one, else ``--memory-gib`` (the card's: the study does not record it). The stop rule's measured
+walls are the finished trials' own, counted as it counts them. Not replayed: the findings' remedies,
+which the objective queues from a trial's profile while it runs, and the seed feeder's next seed.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from autotune.search.neighbours import Neighbours  # noqa: E402
 from autotune.search.plain_recipe import ROLE, GrowToFit  # noqa: E402
 from autotune.search.planner import Planner  # noqa: E402
 from autotune.search.trials import planned_params  # noqa: E402
+from autotune.search.walls import trial_wall  # noqa: E402
 from autotune.trial.record import TrialRecord  # noqa: E402
 
 GIB = 2**30
@@ -47,8 +48,8 @@ def as_of(src: optuna.Study, after: int) -> tuple[optuna.Study, optuna.trial.Fro
     told = src.trials[after]
     if told.datetime_complete is None:
         raise SystemExit(f"trial {after} never finished ({told.state.name}): give --after a finished trial")
-    made_by = [t.number for t in src.trials if t.number > after
-               and ((t.user_attrs.get("steered_by") or {}).get("trial") == after or t.user_attrs.get("grown_from") == after)]
+    made_by = [t.number for t in src.trials if t.number > after and after in (
+        (t.user_attrs.get("steered_by") or {}).get("trial"), t.user_attrs.get("grown_from"))]
     cut = min(made_by, default=len(src.trials))
     dst = optuna.create_study(directions=src.directions)
     for key, value in src.user_attrs.items():
@@ -58,15 +59,14 @@ def as_of(src: optuna.Study, after: int) -> tuple[optuna.Study, optuna.trial.Fro
             dst.add_trial(create_trial(state=t.state, params=t.params, distributions=t.distributions,
                                        values=t.values, user_attrs=t.user_attrs, system_attrs=t.system_attrs))
         else:  # waiting then: queued again with what it was queued with
-            dst.enqueue_trial(planned_params(t), user_attrs={k: t.user_attrs[k] for k in KEPT_ATTRS if k in t.user_attrs},
-                              skip_if_exists=False)
+            dst.enqueue_trial(planned_params(t), user_attrs={k: t.user_attrs[k] for k in KEPT_ATTRS
+                                                             if k in t.user_attrs})
     return dst, dst.trials[after]
 
 
 def walls(study: optuna.Study) -> list[tuple[float, bool]]:
-    """The stop rule's (wall seconds, compiled) of each measured trial (autotune.search.budget)."""
-    return [(float((TrialRecord.of(t).timing or {}).get("wall_s", 0.0)), t.params.get("compile.mode", "off") != "off")
-            for t in study.trials if t.state == TrialState.COMPLETE]
+    """The stop rule's (wall seconds, compiled) of the trials finished by then (autotune.search.budget)."""
+    return [wall for t in study.trials if (wall := trial_wall(TrialRecord.of(t))) is not None]
 
 
 def replay(path: str, after: int | None = None, left_s: float | None = None,

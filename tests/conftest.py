@@ -75,6 +75,19 @@ def accuracy_cache_dir(tmp_path_factory):
         os.environ[CACHE_ENV] = before
 
 
+def measured(study, space, params, value, **attrs):
+    """A trial that ran, without a worker: queued with the user attributes ``attrs``, claimed, its
+    ``params`` suggested as a trial's are (strategies.sample, from ``space``) and told its scripted
+    ``value``. The frozen trial."""
+    import strategies
+
+    study.enqueue_trial(params, user_attrs=attrs)
+    trial = study.ask()
+    strategies.sample(trial, space)
+    study.tell(trial, value)
+    return study.trials[trial.number]
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     """This process's environment for a child Python: tests/ (fake_models) and the checkout first on
     PYTHONPATH, and the caller's own PYTHONPATH kept (on the GPU machine it holds the carried wheels)."""

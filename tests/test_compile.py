@@ -453,3 +453,7 @@ def test_a_compile_that_traces_a_measured_graph_is_costed_as_loaded_from_the_cac
                   {"compile.mode": "max-autotune-no-cudagraphs"}, {"compile.mode": "off"}):
         assert cached_compile_saving({**side_stream, **other}, [(bar, cold)]) == 0.0, other
     assert cached_compile_saving(side_stream, [(in_place, hit)]) == 0.0  # a hit saved nothing to repeat
+    # the measured trials are passed whole: an eager one, its side stream's graph uncompiled, counts for nothing
+    eager = ({**side_stream, "compile.mode": "off"}, {"compile_s": 0.0, "wall_s": 10.2})
+    assert cached_compile_saving(side_stream, [eager, (bar, cold)]) == pytest.approx(25.4 * (1 - CACHED_COMPILE_SHARE))
+    assert cached_compile_saving(side_stream, [eager]) == 0.0

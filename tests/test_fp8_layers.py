@@ -19,6 +19,7 @@ from autotune.search.planner import Planner, accuracy_suspects
 from autotune.search.steering import complete_params
 from strategies import precision
 from strategies.fp8_layers import FP8Layers
+from conftest import measured
 
 pytest.importorskip("torchao")
 pytest.importorskip("transformers")
@@ -94,11 +95,7 @@ def _study():
 
 
 def _measured(study, params, value, **attrs):
-    study.enqueue_trial(params, user_attrs=attrs)
-    trial = study.ask()
-    strategies.sample(trial, SPACE)
-    study.tell(trial, value)
-    return trial.number
+    return measured(study, SPACE, params, value, **attrs).number
 
 
 def test_the_planner_predicts_it_from_its_share_and_does_not_suspect_it_where_fp8_on_every_layer_failed():

@@ -17,6 +17,7 @@ from autotune.search.levers import LEVERS, lever_bytes
 from autotune.search.neighbours import RULE, Neighbours, prior_factor
 from autotune.search.planner import Planner
 from autotune.search.steering import complete_params
+from conftest import measured
 
 GIB = 2**30
 
@@ -32,21 +33,13 @@ def _study():
     return optuna.create_study(direction="maximize")
 
 
-def _measured(study, space, params, value, **attrs):
-    study.enqueue_trial(params, user_attrs=attrs)
-    trial = study.ask()
-    strategies.sample(trial, space)
-    study.tell(trial, value)
-    return study.trials[-1]
-
-
 def _queued(study):
     return [t for t in study.trials if t.state == optuna.trial.TrialState.WAITING]
 
 
 def test_the_measured_plain_recipe_gets_its_one_knob_neighbours_each_once():
     study = _study()
-    bar = _measured(study, LM_SPACE, plain_recipe.params(LM_SPACE, 16), 450.0, role=plain_recipe.ROLE)
+    bar = measured(study, LM_SPACE, plain_recipe.params(LM_SPACE, 16), 450.0, role=plain_recipe.ROLE)
     proposer = Neighbours(LM_SPACE, limit_bytes=None)
     proposer(study, study.trials[-1])
     queued = _queued(study)
@@ -64,7 +57,7 @@ def test_one_knob_moves_go_in_beside_a_larger_batch_of_the_plain_recipe_and_agai
     # ConvNeXt-T on the H100 (5ece370): the grown plain recipe, hoped 0.5% for a cold compile, held its
     # moves back until the budget ended; now the planner weighs them against it
     study = _study()
-    bar = _measured(study, LM_SPACE, plain_recipe.params(LM_SPACE, 8), 400.0, role=plain_recipe.ROLE)
+    bar = measured(study, LM_SPACE, plain_recipe.params(LM_SPACE, 8), 400.0, role=plain_recipe.ROLE)
     study.enqueue_trial(plain_recipe.params(LM_SPACE, 16), user_attrs={"role": plain_recipe.ROLE})
     proposer = Neighbours(LM_SPACE, limit_bytes=None)
     proposer(study, bar)
@@ -83,7 +76,7 @@ def test_one_knob_moves_go_in_beside_a_larger_batch_of_the_plain_recipe_and_agai
 def test_a_grown_plain_recipe_is_weighed_against_a_memory_lever_by_gain_per_second():
     space = _capped_space()
     study = _study()
-    bar = _measured(study, space, plain_recipe.params(space, 1), 33.0, role=plain_recipe.ROLE)
+    bar = measured(study, space, plain_recipe.params(space, 1), 33.0, role=plain_recipe.ROLE)
     grown = complete_params({**bar.params, "batch_size.batch_size": 2}, space)
     study.enqueue_trial(grown, user_attrs={"role": plain_recipe.ROLE, "grown_from": bar.number})
     levered = complete_params({**bar.params, "batch_size.batch_size": 8, "optimizer_state.state": "8bit-bnb"}, space)
@@ -96,7 +89,7 @@ def test_a_grown_plain_recipe_is_weighed_against_a_memory_lever_by_gain_per_seco
 
 def test_the_planner_ranks_a_padded_vocabulary_above_an_eager_candidate_below_the_bar():
     study = _study()
-    bar = _measured(study, LM_SPACE, plain_recipe.params(LM_SPACE, 16), 450.0, role=plain_recipe.ROLE)
+    bar = measured(study, LM_SPACE, plain_recipe.params(LM_SPACE, 16), 450.0, role=plain_recipe.ROLE)
     eager = complete_params({**bar.params, "compile.mode": "off"}, LM_SPACE)
     study.enqueue_trial(eager, user_attrs={"role": "known-good"})
     padded = complete_params({**bar.params, "vocab_padding.multiple": 64}, LM_SPACE)
@@ -140,7 +133,7 @@ def _capped_study(space):
                                      "sizes": sizes})
     for batch, value, peak in ((1, 33.0, 22.7), (2, 46.5, 23.5)):
         params = plain_recipe.params(space, batch)
-        _measured(study, space, params, value, role=plain_recipe.ROLE, status="ok", knobs=_knobs(space, params),
+        measured(study, space, params, value, role=plain_recipe.ROLE, status="ok", knobs=_knobs(space, params),
                   figures={"peak_memory_bytes": peak * GIB})
     return study
 
@@ -194,7 +187,7 @@ def test_a_measured_memory_knob_configuration_is_predicted_from_its_own_peak():
     knobs = _knobs(space, params)
     before = MemoryModel.from_study(study, 24 * GIB)
     slope = before.predict(knobs, 16) - before.predict(knobs, 8)
-    _measured(study, space, params, 50.0, role="steered", status="ok", knobs=knobs,
+    measured(study, space, params, 50.0, role="steered", status="ok", knobs=knobs,
               figures={"peak_memory_bytes": 18.0 * GIB})
     after = MemoryModel.from_study(study, 24 * GIB)
     assert before.predict(knobs, 8) == pytest.approx(28.3 * GIB - 5.97 * 1.236e9)  # the plain recipe less the states
@@ -222,7 +215,7 @@ def _one_batch_study(space, forward_held=None):
     study.set_user_attr(PROBE_ATTR, {"family": family(eager), "peaks": {"1": 22.6 * GIB}, "does_not_fit_at": 2,
                                      "sizes": sizes, "forward_held": forward_held or {}})
     params = plain_recipe.params(space, 1)
-    _measured(study, space, params, 33.0, role=plain_recipe.ROLE, status="ok", knobs=_knobs(space, params),
+    measured(study, space, params, 33.0, role=plain_recipe.ROLE, status="ok", knobs=_knobs(space, params),
               figures={"peak_memory_bytes": 23.2 * GIB})
     return study
 
@@ -269,7 +262,7 @@ def test_peaks_near_the_cap_give_a_sample_what_its_forward_keeps_when_that_is_mo
         study.set_user_attr(PROBE_ATTR, {"family": family(eager), "peaks": {"1": 22.75 * GIB, "2": 24.17 * GIB},
                                          "does_not_fit_at": 4, "sizes": sizes, "forward_held": held})
         params = plain_recipe.params(space, 1)
-        _measured(study, space, params, 28.7, role=plain_recipe.ROLE, status="ok", knobs=_knobs(space, params),
+        measured(study, space, params, 28.7, role=plain_recipe.ROLE, status="ok", knobs=_knobs(space, params),
                   figures={"peak_memory_bytes": 23.04 * GIB})
         model = MemoryModel.from_study(study, 24 * GIB)
         Neighbours(space, limit_bytes=24 * GIB)(study, study.trials[-1])
@@ -294,7 +287,7 @@ def test_a_memory_knob_configuration_that_ran_out_of_memory_backs_off_by_what_it
     space = _capped_space()
     study = _one_batch_study(space)
     params = {**plain_recipe.params(space, 8), "optimizer_state.state": "8bit-bnb"}
-    _measured(study, space, params, float("nan"), role="steered", status="oom", knobs=_knobs(space, params))
+    measured(study, space, params, float("nan"), role="steered", status="oom", knobs=_knobs(space, params))
     model = MemoryModel.from_study(study, 24 * GIB)
     assert model.backoff_batch(_knobs(space, params), space.batch_sizes) == 4
     plain = plain_recipe.params(space, 2)  # without the knobs: nothing predicted to fit, the smallest
@@ -312,7 +305,7 @@ def test_8_bit_states_cost_a_step_whatever_the_batch_where_the_models_size_is_kn
     study = _one_batch_study(space)
     study.set_user_attr(ATTR, {"sample_unit": "sequence", "tokens_per_sample": 1024})
     params = plain_recipe.params(space, 2)
-    _measured(study, space, params, 47.5, role=plain_recipe.ROLE, status="ok", knobs=_knobs(space, params),
+    measured(study, space, params, 47.5, role=plain_recipe.ROLE, status="ok", knobs=_knobs(space, params),
               figures={"peak_memory_bytes": 23.9 * GIB})
     for batch in (4, 16):
         levered = complete_params({**params, "batch_size.batch_size": batch, "optimizer_state.state": "8bit-bnb"},
@@ -331,7 +324,7 @@ def test_8_bit_states_cost_a_step_whatever_the_batch_where_the_models_size_is_kn
 
 def test_a_max_autotune_compile_is_costed_at_five_default_compiles_and_regional_below_one():
     study = _study()
-    bar = _measured(study, LM_SPACE, plain_recipe.params(LM_SPACE, 16), 450.0, role=plain_recipe.ROLE)
+    bar = measured(study, LM_SPACE, plain_recipe.params(LM_SPACE, 16), 450.0, role=plain_recipe.ROLE)
     planner = Planner(LM_SPACE, walls=[(10.0, False), (12.0, False), (70.0, True)])
     eager, default = planner._cost("off"), planner._cost("default")
     assert planner._cost("max-autotune-no-cudagraphs") == pytest.approx(eager + 5 * (default - eager))
@@ -352,7 +345,7 @@ def test_one_compile_mode_is_predicted_from_another_by_the_moves_priors():
 
     space = dataclasses.replace(LM_SPACE, compile_modes=["off", "default", "regional", "max-autotune-no-cudagraphs"])
     study = _study()
-    bar = _measured(study, space, plain_recipe.params(space, 16), 6888.0, role=plain_recipe.ROLE)
+    bar = measured(study, space, plain_recipe.params(space, 16), 6888.0, role=plain_recipe.ROLE)
     for mode in ("regional", "max-autotune-no-cudagraphs"):
         study.enqueue_trial(complete_params({**bar.params, "compile.mode": mode}, space),
                             user_attrs={"role": "steered", "steered_by": {"rule": RULE}})
@@ -382,7 +375,7 @@ def test_the_memory_knobs_speeds_predict_the_h200s_checkpointed_trials_from_the_
     study = _one_batch_study(space)
     study.set_user_attr(ATTR, {"sample_unit": "sequence", "tokens_per_sample": 1024})
     params = plain_recipe.params(space, 2)
-    _measured(study, space, params, 47.5, role=plain_recipe.ROLE, status="ok", knobs=_knobs(space, params),
+    measured(study, space, params, 47.5, role=plain_recipe.ROLE, status="ok", knobs=_knobs(space, params),
               figures={"peak_memory_bytes": 23.9 * GIB})
     for batch, every in ((16, 2), (24, 1)):
         levered = complete_params({**params, "batch_size.batch_size": batch, "optimizer_state.state": "8bit-bnb",
@@ -433,7 +426,7 @@ def test_fp8_is_a_neighbour_of_a_bf16_bar_ranked_by_its_prior_where_the_probe_si
     space = dataclasses.replace(LM_SPACE, precisions=["fp32", "fp16", "bf16", "fp8"])
     study = _study()
     study.set_user_attr(PROBE_ATTR, {"family": "eager", "peaks": {"1": 2 * GIB, "2": 3 * GIB}, "sizes": FP8_SIZES})
-    bar = _measured(study, space, plain_recipe.params(space, 16), 450.0, role=plain_recipe.ROLE)
+    bar = measured(study, space, plain_recipe.params(space, 16), 450.0, role=plain_recipe.ROLE)
     Neighbours(space, limit_bytes=None)(study, bar)
     fp8 = [t for t in _queued(study) if t.system_attrs["fixed_params"]["precision.mode"] == "fp8"]
     assert len(fp8) == 1 and fp8[0].system_attrs["fixed_params"]["compile.mode"] == "default"
@@ -485,7 +478,7 @@ def test_under_a_cap_the_memory_knobs_are_queued_on_the_fp8_twin_too_and_it_is_s
     first = study.trials[plans[0].number].system_attrs["fixed_params"]
     assert first["precision.mode"] == "fp8"
     # once fp8 ran, its own peak says what it needs
-    _measured(study, space, fp8, 60.0, role="steered", status="ok", knobs=_knobs(space, fp8),
+    measured(study, space, fp8, 60.0, role="steered", status="ok", knobs=_knobs(space, fp8),
               figures={"peak_memory_bytes": 22.0 * GIB})
     assert MemoryModel.from_study(study, 24 * GIB).predict(_knobs(space, fp8)) == pytest.approx(22.0 * GIB)
 
@@ -501,7 +494,7 @@ def test_a_cost_a_step_is_taken_off_a_measured_rate_before_its_batch_is_scaled()
     study.set_user_attr(ATTR, {"sample_unit": "sequence", "tokens_per_sample": 1024})
     base = plain_recipe.params(space, 4)
     levered = complete_params({**base, "optimizer_state.state": "8bit-bnb"}, space)
-    _measured(study, space, levered, 39.4, role="steered", status="ok", knobs=_knobs(space, levered),
+    measured(study, space, levered, 39.4, role="steered", status="ok", knobs=_knobs(space, levered),
               figures={"peak_memory_bytes": 18.0 * GIB})
     at_16 = complete_params({**levered, "batch_size.batch_size": 16}, space)
     study.enqueue_trial(at_16, user_attrs={"role": "steered", "steered_by": {"rule": RULE}})
@@ -591,7 +584,7 @@ def test_a_side_stream_is_predicted_from_the_copies_the_bars_profile_measured_an
     stream had no prior, and its compiled trial waited behind regional compile (0.77x) until the
     5-minute budget ended."""
     study = _study()
-    bar = _measured(study, IMAGE_SPACE, plain_recipe.params(IMAGE_SPACE, 1024), 6888.0, role=plain_recipe.ROLE,
+    bar = measured(study, IMAGE_SPACE, plain_recipe.params(IMAGE_SPACE, 1024), 6888.0, role=plain_recipe.ROLE,
                     profile=COPYING)
     Neighbours(IMAGE_SPACE, limit_bytes=None)(study, bar)
     plans = Planner(IMAGE_SPACE, walls=[(15.0, False), (68.0, True)]).plans(study)
@@ -614,12 +607,12 @@ def test_streams_factor_reads_the_copies_both_ways_and_nothing_without_a_profile
 
 def test_a_move_that_beats_everything_gets_the_other_moves_on_top_of_it_once():
     study = _study()
-    bar = _measured(study, IMAGE_SPACE, plain_recipe.params(IMAGE_SPACE, 1024), 6888.0, role=plain_recipe.ROLE,
+    bar = measured(study, IMAGE_SPACE, plain_recipe.params(IMAGE_SPACE, 1024), 6888.0, role=plain_recipe.ROLE,
                     profile=COPYING)
     streams = complete_params({**bar.params, "streams.num_streams": 2}, IMAGE_SPACE)
-    slower = _measured(study, IMAGE_SPACE, complete_params({**bar.params, "compile.mode": "regional"}, IMAGE_SPACE),
+    slower = measured(study, IMAGE_SPACE, complete_params({**bar.params, "compile.mode": "regional"}, IMAGE_SPACE),
                        6068.0, role="steered", steered_by={"rule": RULE})
-    won = _measured(study, IMAGE_SPACE, streams, 7450.0, role="steered", steered_by={"rule": RULE})
+    won = measured(study, IMAGE_SPACE, streams, 7450.0, role="steered", steered_by={"rule": RULE})
     proposer = Neighbours(IMAGE_SPACE, limit_bytes=None)
     proposer(study, bar)
     before = len(_queued(study))
@@ -642,8 +635,8 @@ def test_under_a_memory_cap_a_winner_gets_no_cuda_graph_on_top_and_nothing_expec
     space = dataclasses.replace(IMAGE_SPACE, cuda_graphs=[False, True],
                                 compile_modes=[*IMAGE_SPACE.compile_modes, "reduce-overhead"])
     study = _study()
-    bar = _measured(study, space, plain_recipe.params(space, 1024), 6888.0, role=plain_recipe.ROLE)
-    won = _measured(study, space, complete_params({**bar.params, "streams.num_streams": 2}, space), 7450.0,
+    bar = measured(study, space, plain_recipe.params(space, 1024), 6888.0, role=plain_recipe.ROLE)
+    won = measured(study, space, complete_params({**bar.params, "streams.num_streams": 2}, space), 7450.0,
                     role="steered", steered_by={"rule": RULE})
     capped, free = _study(), _study()
     for target in (capped, free):
@@ -671,7 +664,7 @@ def test_a_side_stream_or_a_cuda_graph_the_profile_says_gives_nothing_is_not_new
     space = dataclasses.replace(IMAGE_SPACE, cuda_graphs=[False, True])
     study = _study()
     quiet = {**COPYING, "memcpy_share": 0.0, "idle_share": 0.0}
-    bar = _measured(study, space, plain_recipe.params(space, 1024), 6888.0, role=plain_recipe.ROLE, profile=quiet)
+    bar = measured(study, space, plain_recipe.params(space, 1024), 6888.0, role=plain_recipe.ROLE, profile=quiet)
     Neighbours(space, limit_bytes=None)(study, bar)
     plans = {p.number: p for p in Planner(space, walls=[(15.0, False), (68.0, True)]).plans(study)}
     by_change = {}
@@ -683,7 +676,7 @@ def test_a_side_stream_or_a_cuda_graph_the_profile_says_gives_nothing_is_not_new
     assert by_change[(("cuda_graphs.enabled", True),)].gain == 0.0
     # with time to fill, a CUDA graph is hoped for as before
     study = _study()
-    bar = _measured(study, space, plain_recipe.params(space, 1024), 6888.0, role=plain_recipe.ROLE,
+    bar = measured(study, space, plain_recipe.params(space, 1024), 6888.0, role=plain_recipe.ROLE,
                     profile={**quiet, "idle_share": 0.2})
     Neighbours(space, limit_bytes=None)(study, bar)
     graphs = [p for p in Planner(space, walls=[(15.0, False), (68.0, True)]).plans(study)
@@ -697,7 +690,7 @@ def test_a_side_stream_is_hoped_for_up_to_every_copy_hidden_ahead_of_an_untried_
     and 5% hope), which gained 0.65%; no compile fitted after it."""
     space = dataclasses.replace(IMAGE_SPACE, alignments=[1, 8])
     study = _study()
-    bar = _measured(study, space, plain_recipe.params(space, 1024), 4436.0, role=plain_recipe.ROLE,
+    bar = measured(study, space, plain_recipe.params(space, 1024), 4436.0, role=plain_recipe.ROLE,
                     profile={**COPYING, "memcpy_share": 0.049, "idle_share": 0.0})
     padded = complete_params({**bar.params, "channel_alignment.multiple": 8}, space)
     streams = complete_params({**bar.params, "streams.num_streams": 2}, space)
@@ -716,7 +709,7 @@ def test_a_long_compile_hoped_for_as_much_as_a_side_stream_does_not_run_before_i
     off by the budget's end: nothing measured after the bar. Hopes 0.6% apart are a tie; the cheaper runs.
     Hoped for clearly more, a compile still runs first (test_planner's budget test: 265 against 55)."""
     study = _study()
-    bar = _measured(study, IMAGE_SPACE, plain_recipe.params(IMAGE_SPACE, 1024), 5720.0, role=plain_recipe.ROLE,
+    bar = measured(study, IMAGE_SPACE, plain_recipe.params(IMAGE_SPACE, 1024), 5720.0, role=plain_recipe.ROLE,
                     profile={**COPYING, "memcpy_share": 0.066, "idle_share": 0.0})
     autotuned = complete_params({**bar.params, "compile.mode": "max-autotune-no-cudagraphs"}, IMAGE_SPACE)
     streams = complete_params({**bar.params, "streams.num_streams": 2}, IMAGE_SPACE)
@@ -737,7 +730,7 @@ def test_a_side_stream_on_the_compiled_bar_costs_a_cached_compile_and_fits_the_e
     from autotune.search.walls import CACHED_COMPILE_SHARE
 
     study = _study()
-    bar = _measured(study, IMAGE_SPACE, plain_recipe.params(IMAGE_SPACE, 1024), 5558.0, role=plain_recipe.ROLE,
+    bar = measured(study, IMAGE_SPACE, plain_recipe.params(IMAGE_SPACE, 1024), 5558.0, role=plain_recipe.ROLE,
                     profile={**COPYING, "memcpy_share": 0.066, "idle_share": 0.0},
                     timing={"wall_s": 56.8, "compile_s": 41.9, "compile_cache": "miss"})
     streams = complete_params({**bar.params, "streams.num_streams": 2}, IMAGE_SPACE)
@@ -758,7 +751,7 @@ def test_a_side_stream_runs_first_while_a_larger_batch_of_the_plain_recipe_waits
     left and no side stream. Now the moves go in at once, and the side stream, its compile loaded from
     the bar's, runs first."""
     study = _study()
-    bar = _measured(study, IMAGE_SPACE, plain_recipe.params(IMAGE_SPACE, 512), 3953.0, role=plain_recipe.ROLE,
+    bar = measured(study, IMAGE_SPACE, plain_recipe.params(IMAGE_SPACE, 512), 3953.0, role=plain_recipe.ROLE,
                     profile={**COPYING, "memcpy_share": 0.0447, "idle_share": 0.0},
                     timing={"compile_s": 67.9, "compile_cache": "miss", "wall_s": 116.6})
     study.enqueue_trial(plain_recipe.params(IMAGE_SPACE, 1024), user_attrs={"role": plain_recipe.ROLE,

@@ -14,7 +14,7 @@ from autotune.deploy.space import SearchSpace
 from autotune.search.memory import PROBE_ATTR
 from autotune.search.planner import COMPILE_GAIN_PRIOR, Planner
 from autotune.search.steering import complete_params
-from conftest import workers_answer_ok
+from conftest import measured, workers_answer_ok
 
 SPACE = SearchSpace(device="cuda", precisions=["fp32", "fp16", "bf16"], batch_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256],
                     base_batch_size=64, memory_formats=["contiguous"], compile_modes=["off", "default"],
@@ -32,12 +32,8 @@ def _study():
 
 
 def _measured(study, params, value, **attrs):
-    """A trial that ran: enqueued, claimed and told its scripted value."""
-    study.enqueue_trial(params, user_attrs=attrs)
-    trial = study.ask()
-    strategies.sample(trial, SPACE)  # the queued params, suggested as a trial's are
-    study.tell(trial, value)
-    return trial.number
+    """A trial that ran in SPACE (conftest.measured): its number."""
+    return measured(study, SPACE, params, value, **attrs).number
 
 
 def _queue(study, params, role="known-good"):

@@ -9,11 +9,10 @@ import sys
 import optuna
 import pytest
 
-import strategies
 from autotune.deploy.space import SearchSpace
 from autotune.search import plain_recipe
 from autotune.search.neighbours import RULE
-from conftest import ROOT
+from conftest import ROOT, measured
 
 IMAGE_SPACE = SearchSpace(device="cuda", precisions=["fp32", "fp16", "bf16"], batch_sizes=[256, 512, 1024],
                           base_batch_size=256, memory_formats=["contiguous", "channels_last"],
@@ -33,26 +32,19 @@ def replay_plan():
     return module
 
 
-def _tell(study, params, value, **attrs):
-    study.enqueue_trial(params, user_attrs=attrs)
-    trial = study.ask()
-    strategies.sample(trial, IMAGE_SPACE)
-    study.tell(trial, value)
-
-
 def test_the_plan_after_the_plain_recipe_is_rebuilt_from_the_stored_study(tmp_path, replay_plan):
     path = tmp_path / "study.db"
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(storage=f"sqlite:///{path}", direction="maximize")
     study.set_user_attr("space", IMAGE_SPACE.to_dict())
     baseline = {**plain_recipe.params(IMAGE_SPACE, 256), "precision.mode": "fp32", "compile.mode": "off"}
-    _tell(study, baseline, 337.0, role="baseline", timing={"wall_s": 20.6})
+    measured(study, IMAGE_SPACE, baseline, 337.0, role="baseline", status="ok", timing={"wall_s": 20.6})
     bar = plain_recipe.params(IMAGE_SPACE, 512)
-    _tell(study, bar, 3953.0, role=plain_recipe.ROLE, profile=PROFILE,
-          timing={"compile_s": 67.9, "compile_cache": "miss", "wall_s": 116.6})
+    measured(study, IMAGE_SPACE, bar, 3953.0, role=plain_recipe.ROLE, status="ok", profile=PROFILE,
+             timing={"compile_s": 67.9, "compile_cache": "miss", "wall_s": 116.6})
     # what the search's callbacks queued after it, and ran: not in the replay
     regional = {**bar, "compile.mode": "regional"}
-    _tell(study, regional, 3050.0, role="steered", steered_by={"trial": 1, "rule": RULE})
+    measured(study, IMAGE_SPACE, regional, 3050.0, role="steered", status="ok", steered_by={"trial": 1, "rule": RULE})
     out = replay_plan.replay(str(path), left_s=150.0)
     assert out["after"] == 1 and out["limit_bytes"] is None
     assert out["rows"][0]["change"] == {"streams.num_streams": 2}  # its compile loaded from the bar's
@@ -70,7 +62,7 @@ def test_it_prints_the_order_and_says_what_to_give_when_nothing_finished(tmp_pat
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(storage=f"sqlite:///{path}", direction="maximize")
     study.set_user_attr("space", IMAGE_SPACE.to_dict())
-    _tell(study, plain_recipe.params(IMAGE_SPACE, 512), 3953.0, role=plain_recipe.ROLE, profile=PROFILE)
+    measured(study, IMAGE_SPACE, plain_recipe.params(IMAGE_SPACE, 512), 3953.0, role=plain_recipe.ROLE, profile=PROFILE)
     assert replay_plan.main([str(path), "--left", "100"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("after #0 (no memory limit), the queue in the planner's order:")

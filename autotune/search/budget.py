@@ -13,7 +13,7 @@ from autotune.search.distributed import SharedStudy
 from autotune.search.knob_effects import fix_no_effect_knobs
 from autotune.search.options import SearchConfig
 from autotune.search.trials import planned_params
-from autotune.search.walls import expected_wall
+from autotune.search.walls import expected_wall, trial_wall
 from autotune.trial.record import TrialRecord
 
 STOP_ATTR = "stopped_early"
@@ -85,8 +85,8 @@ class StopRule:
         config, started, record = self.config, self.started, TrialRecord.of(trial)
         if record.status is not None:
             self.new_trials += 1
-            if record.duplicate_of is None:
-                self.walls.append((record.timing.get("wall_s", 0.0), record.knob("compile", "mode", "off") != "off"))
+            if (wall := trial_wall(record)) is not None:
+                self.walls.append(wall)
         if config.steer and record.status is not None:
             # knobs whose measured effect is below noise stop being explored
             newly = fix_no_effect_knobs(study)

@@ -13,8 +13,8 @@ expandable segments, traded for a batch that fits and runs faster.
 
 ``Neighbours`` is a proposer (Optuna's callback after each trial): once the plain recipe is measured,
 it queues those candidates once each, as steered trials of RULE, from the fastest plain recipe
-measured (and again from a larger batch of it, GrowToFit's, once that one is measured faster). The planner (autotune.search.planner) orders them by expected gain per
-second, from each move's prior (MOVES, LEVERS: what the knob gave elsewhere) until this search
+measured (and again from a larger batch of it, GrowToFit's, once that one is measured faster). The
+planner (autotune.search.planner) orders them by expected gain per second, from each move's prior (MOVES, LEVERS: what the knob gave elsewhere) until this search
 measures it. They are compiled like the bar and skip eager screening: a compiled configuration
 one knob away from a measured compiled one is ranked from it. A move that beats the bar and every
 trial so far gets the other moves on top of it (``climb``): each move starts from the bar, so

@@ -223,10 +223,10 @@ class Objective:
         if self.deadline is None or not self.walls or knobs["compile"].mode == "off":
             return  # no trial measured yet: nothing says what one takes
         left = self.deadline - time.time()
-        compiled = [(dict(t.params), TrialRecord.of(t).timing) for t in trial.study.get_trials(
-            deepcopy=False, states=(TrialState.COMPLETE,)) if t.params.get("compile.mode", "off") != "off"]
+        done = [(dict(t.params), TrialRecord.of(t).timing)
+                for t in trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
         need = trial_cost_s(self.walls, knobs["compile"].mode, knobs["precision"].mode, self.compile_prior_s,
-                            saved_s=cached_compile_saving(dict(trial.params), compiled))
+                            saved_s=cached_compile_saving(dict(trial.params), done))
         if need <= left or expected_wall(self.walls, False) > left:
             return  # it fits; or nothing does, and the stop rule ends the search
         measured = "" if any(c for _, c in self.walls) else " (no compiled trial measured yet: an estimate)"

@@ -156,8 +156,8 @@ class Planner:
         record = TrialRecord.of(t)
         params = complete_params(planned_params(t), self.space)
         # the graph a measured compile traced is loaded from Inductor's cache, not compiled again
-        cost = self._cost(params.get("compile.mode", "off"), params.get("precision.mode"), cached_compile_saving(
-            params, [(p, r.timing) for _, p, r in done if p.get("compile.mode", "off") != "off"]))
+        cost = self._cost(params.get("compile.mode", "off"), params.get("precision.mode"),
+                          cached_compile_saving(params, [(p, r.timing) for _, p, r in done]))
         peak, verdict = self._memory(memory, params)
         predicted, source, profiled = self._predict(params, done, gains)
         new = [k for k, v in params.items() if k in seen and v not in seen[k] and k != "batch_size.batch_size"]

@@ -57,6 +57,14 @@ def trial_cost_s(walls: list[tuple[float, bool]], mode: str, precision: str | No
     return max(eager, cost - saved_s) if saved_s > 0 else cost
 
 
+def trial_wall(record) -> tuple[float, bool] | None:
+    """A finished trial's entry in the stop rule's walls, from its TrialRecord: (wall seconds, compiled);
+    None for one not counted (no status: it never ran; a duplicate: its result was copied)."""
+    if record.status is None or record.duplicate_of is not None:
+        return None
+    return record.timing.get("wall_s", 0.0), record.knob("compile", "mode", "off") != "off"
+
+
 def expected_wall(walls: list[tuple[float, bool]], compiled: bool, compile_prior_s: float = 0.0) -> float:
     """Expected seconds of a trial of one kind (compiled or eager), from this run's measured walls
     ``(seconds, compiled)``: the kind's median; before any compiled trial, the eager median plus the
@@ -81,18 +89,19 @@ CACHED_COMPILE_SHARE = 0.15
 measured one (hf:gpt2: 3.7 s against 25.4; its regional compile, 2.6 against 10.5)."""
 
 
-def cached_compile_saving(params: dict[str, Any], compiled: list[tuple[dict[str, Any], dict[str, Any]]]) -> float:
+def cached_compile_saving(params: dict[str, Any], measured: list[tuple[dict[str, Any], dict[str, Any]]]) -> float:
     """Seconds less than a cold compile that a compiled configuration ``params`` is expected to take,
-    from ``compiled``'s (params, timing) of measured compiled trials: where one traced the same graph
-    (the same parameters but GRAPH_NEUTRAL knobs) and compiled cold, that compile less what loading it
-    from the cache takes (this run's median cache hit, else CACHED_COMPILE_SHARE of it); 0 otherwise."""
+    from ``measured``'s (params, timing) of measured trials (those that compiled: a ``compile_s``):
+    where one traced the same graph (the same parameters but GRAPH_NEUTRAL knobs) and compiled cold,
+    that compile less what loading it from the cache takes (this run's median cache hit, else
+    CACHED_COMPILE_SHARE of it); 0 otherwise."""
     def graph(p: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in p.items() if not k.startswith(GRAPH_NEUTRAL)}
 
     if params.get("compile.mode", "off") == "off":
         return 0.0
-    hits = [float(t["compile_s"]) for _, t in compiled if t.get("compile_cache") == "hit" and t.get("compile_s")]
-    same = [float(t["compile_s"]) for p, t in compiled
+    hits = [float(t["compile_s"]) for _, t in measured if t.get("compile_cache") == "hit" and t.get("compile_s")]
+    same = [float(t["compile_s"]) for p, t in measured
             if t.get("compile_s") and t.get("compile_cache") != "hit" and graph(p) == graph(params)]
     if not same:
         return 0.0
