@@ -24,11 +24,12 @@ from autotune.trial.instruments import cache_outcome
 from autotune.trial.runner import run_worker
 from autotune.deploy.space import SearchSpace
 from autotune.search.budget import estimate_next_wall
-from autotune.search.walls import compile_prior_s, expected_wall, trial_cost_s
+from autotune.search.walls import compile_prior_s, expected_wall, trial_cost_s, trial_wall
 from autotune.search.options import SearchConfig
 from autotune.search.space import build_space
+from autotune.trial.record import TrialRecord
 from autotune.workload.models import WorkloadSpec
-from conftest import TESTS, workers_answer_ok
+from conftest import TESTS, measured, workers_answer_ok
 from strategies import compile as compile_strategy
 from strategies.compile import Compile
 
@@ -257,6 +258,31 @@ def test_a_trials_cost_scales_its_compile_by_the_mode_and_the_precision() -> Non
     assert trial_cost_s([], "default", "bf16", compile_prior_s=60.0, unmeasured_s=10.0) == 70.0
     # compiled trials measured shorter than eager ones (caches warm): their median, unscaled
     assert trial_cost_s([(30.0, False), (20.0, True)], "default", "fp8") == 20.0
+
+
+def test_a_compile_loaded_from_the_cache_counts_as_an_eager_wall_not_as_a_compiles_cost() -> None:
+    """ViT-B/16 on the H100 (ec835cb): the FP32 baseline (20.1 s), the plain recipe compiled cold (52.6 s),
+    then two one-knob moves whose compile loaded from its cache (22.0 and 22.4 s). A max-autotune compile
+    is 5x the cold compile's share; counted among the compiled walls, the hits made it 32 s."""
+    space = dataclasses.replace(CPU_SPACE, compile_modes=["off", "default", "max-autotune-no-cudagraphs"])
+    study = optuna.create_study(direction="maximize")
+    runs = [("off", None, 20.1), ("default", "miss", 52.6), ("default", "hit", 22.0), ("default", "hit", 22.4),
+            ("default", "partial", 40.0)]
+    records = [TrialRecord.of(measured(study, space, {"compile.mode": mode}, 1.0, status="ok",
+                                       knobs={"compile": {"mode": mode}},
+                                       timing={"wall_s": wall, **({"compile_cache": cache} if cache else {})}))
+               for mode, cache, wall in runs]
+    assert [trial_wall(r) for r in records] == [(20.1, False), (52.6, True), (22.0, False), (22.4, False),
+                                                (40.0, True)]  # a partial hit compiled some graphs cold
+    walls = [trial_wall(r) for r in records[:4]]
+    assert trial_cost_s(walls, "max-autotune-no-cudagraphs", "bf16") == pytest.approx(22.0 + (52.6 - 22.0) * 5)
+    assert trial_cost_s(walls, "default", "bf16") == 52.6
+    # what the hits' figures had predicted, counted as compiles
+    as_compiled = [(20.1, False), (52.6, True), (22.0, True), (22.4, True)]
+    assert trial_cost_s(as_compiled, "max-autotune-no-cudagraphs", "bf16") == pytest.approx(31.6, abs=0.1)
+    # a trial that never ran, or whose result was copied, is not counted
+    queued = TrialRecord.of(measured(study, space, {"compile.mode": "default"}, 1.0))
+    assert trial_wall(queued) is None
 
 
 def test_a_compile_that_would_end_past_the_budget_is_not_started_and_its_eager_twin_runs(

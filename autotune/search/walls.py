@@ -58,11 +58,19 @@ def trial_cost_s(walls: list[tuple[float, bool]], mode: str, precision: str | No
 
 
 def trial_wall(record) -> tuple[float, bool] | None:
-    """A finished trial's entry in the stop rule's walls, from its TrialRecord: (wall seconds, compiled);
-    None for one not counted (no status: it never ran; a duplicate: its result was copied)."""
+    """A finished trial's entry in the stop rule's walls, from its TrialRecord: (wall seconds, compiled
+    cold); None for one not counted (no status: it never ran; a duplicate: its result was copied).
+
+    A trial whose every graph was loaded from Inductor's cache counts among the eager walls: its wall
+    is an eager trial's and a load, and a cold compile's cost is what the compiled walls predict
+    (a cached one's is that less cached_compile_saving). Counted as compiled, on the H100 (ec835cb)
+    ViT-B/16's two cache hits (22.0 and 22.4 s) outvoted its plain recipe's cold 52.6 s: a
+    max-autotune compile was predicted at 32 s (175 s from the cold compile), started with 129 s left,
+    and was cut off by the budget, still compiling."""
     if record.status is None or record.duplicate_of is not None:
         return None
-    return record.timing.get("wall_s", 0.0), record.knob("compile", "mode", "off") != "off"
+    compiled = record.knob("compile", "mode", "off") != "off" and record.timing.get("compile_cache") != "hit"
+    return record.timing.get("wall_s", 0.0), compiled
 
 
 def expected_wall(walls: list[tuple[float, bool]], compiled: bool, compile_prior_s: float = 0.0) -> float:
