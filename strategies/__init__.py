@@ -22,6 +22,7 @@ from strategies.compile import Compile
 from strategies.cuda_graphs import CudaGraphs
 from strategies.cudnn import Cudnn
 from strategies.dataloader import DataLoaderStrategy
+from strategies.depthwise_conv import DepthwiseConv
 from strategies.ddp import DDP
 from strategies.fp32_layers import FP32Layers
 from strategies.fp8_layers import FP8Layers
@@ -44,6 +45,8 @@ REGISTRY: list[Strategy] = [
     # before channel padding: the padded LM head is no plain nn.Linear, so channel padding leaves it
     VocabPadding(),
     ChannelAlignment(),
+    # depthwise convolutions (groups == channels) that channel padding leaves: their class swapped
+    DepthwiseConv(),
     # liger-kernel's kernels bound on a transformers LLM's layers: before fp32_layers, whose wrapper
     # (the class's forward, in FP32) then holds on a layer both touch
     LLMKernels(),
@@ -79,10 +82,10 @@ BY_NAME: dict[str, Strategy] = {s.name: s for s in REGISTRY}
 
 # How a configuration is shown: the order of its words in a one-line description, and of the knobs
 # in the report. A knob left out of a list comes after the listed ones, in registry order.
-DESCRIBED = ["precision", "memory_format", "batch_size", "cudnn", "channel_alignment", "vocab_padding", "attention",
-             "streams", "dataloader", "threads", "fp32_layers", "optimizer", "optimizer_state", "allocator", "compile",
+DESCRIBED = ["precision", "memory_format", "batch_size", "cudnn", "channel_alignment", "depthwise_conv", "vocab_padding",
+             "attention", "streams", "dataloader", "threads", "fp32_layers", "optimizer", "optimizer_state", "allocator", "compile",
              "cuda_graphs", "ddp"]
-REPORTED = ["precision", "memory_format", "batch_size", "channel_alignment", "vocab_padding", "attention", "cudnn",
+REPORTED = ["precision", "memory_format", "batch_size", "channel_alignment", "depthwise_conv", "vocab_padding", "attention", "cudnn",
             "streams", "threads", "grad_scaler", "ddp"]
 
 

@@ -17,6 +17,16 @@ def tiny_cnn(num_classes: int = 10) -> nn.Module:
     )
 
 
+def tiny_depthwise_cnn(num_classes: int = 10) -> nn.Module:
+    """tiny_cnn with a ConvNeXt-style 7x7 depthwise convolution (stride 1) and a stride-2 one (not the
+    depthwise_conv knob's)."""
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.Conv2d(16, 16, 7, padding=3, groups=16), nn.GELU(),
+        nn.Conv2d(16, 16, 3, stride=2, padding=1, groups=16), nn.Conv2d(16, 32, 1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, num_classes),
+    )
+
+
 class _Wrapped(nn.Module):
     def __init__(self, num_classes: int) -> None:
         super().__init__()

@@ -120,6 +120,10 @@ def _common_unsupported(values: dict[str, dict[str, Any]], target: str) -> list[
          values["channel_alignment"]["multiple"] > 1,
          f"{target} cannot change the model's layers: pad them with cfg.prepare(model) (or "
          "strategies.channel_alignment.align_channels) before training"),
+        ("depthwise_conv.input_grad", values["depthwise_conv"]["input_grad"],
+         values["depthwise_conv"]["input_grad"] != "framework",
+         f"{target} cannot change the model's layers: swap its depthwise convolutions with cfg.prepare(model) (or "
+         "strategies.depthwise_conv.flip_input_grad) before training"),
         ("fp32_layers.layers", values["fp32_layers"]["layers"], values["fp32_layers"]["layers"] != "none",
          f"{target}'s autocast covers the whole model: keep those layers in FP32 with "
          "strategies.fp32_layers.keep_fp32(model, kinds) before training"),

@@ -46,6 +46,8 @@ def fixed_knobs(space: SearchSpace, batch: int) -> dict[str, Any] | None:
         fixed["cuda_graphs.enabled"] = False
     if 1 in space.choices.get("vocab_padding", ()):
         fixed["vocab_padding.multiple"] = 1  # the model's own vocabulary, as the user built it
+    if "framework" in space.choices.get("depthwise_conv", ()):
+        fixed["depthwise_conv.input_grad"] = "framework"  # the convolution's own backward
     return fixed
 
 

@@ -44,6 +44,8 @@ def offered(space: SearchSpace) -> dict[str, list[Any]]:
         # a knob of its own module (strategies/vocab_padding.py) keeps its choices in space.choices
         **({"vocab_padding.multiple": list(space.choices["vocab_padding"])}
            if "vocab_padding" in space.choices else {}),
+        **({"depthwise_conv.input_grad": list(space.choices["depthwise_conv"])}
+           if "depthwise_conv" in space.choices else {}),
     }
 
 

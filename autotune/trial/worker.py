@@ -130,6 +130,7 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     from strategies.activation_checkpointing import num_blocks
     from strategies.attention import sdpa_calls
     from strategies.channel_alignment import misaligned_layers
+    from strategies.depthwise_conv import depthwise_layers
     from strategies.fp32_layers import kinds_present
     from strategies.loss_kernel import probe as lm_head
     from strategies.optimizer_state import class_name
@@ -171,6 +172,7 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     result["own_batches"] = workload.make_batch is not None
     result["misaligned"] = {str(m): misaligned_layers(workload.model, m) for m in (8, 16)}
     result["fp32_layer_kinds"] = kinds_present(workload.model)
+    result["depthwise_convs"] = depthwise_layers(workload.model)  # the depthwise_conv knob's question
     result["fp8_eligible_share"] = fp8_eligible_share(workload.model)
     result["fp8_width"] = fp8_width(workload.model)  # with the share, the planner's prior on fp8's speed
     # and on the feed-forward layers alone (strategies.fp8_layers)

@@ -1,0 +1,98 @@
+"""What the depthwise_conv knob's flipped input gradient does on a GPU: torchvision's ConvNeXt-T, a
+training step in the plain recipe (bf16 autocast, TF32, channels_last, cudnn.benchmark, fused AdamW,
+torch.compile), with its 18 depthwise convolutions' input gradient computed by cuDNN's backward-data
+kernel ("framework") and by the forward kernel with the filters turned ("flipped",
+strategies.depthwise_conv), alternating so that clocks and heat treat both alike.
+
+    python3 scripts/depthwise_bench.py --batch 256 --rounds 3
+
+It prints one JSON line per round and arm (median step milliseconds by CUDA events, images/s), then
+one with each arm's median and the ratio flipped / framework. GPU only; the knob's own code is all of
+autotune it uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torchvision
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from strategies.depthwise_conv import depthwise_layers, flip_input_grad  # noqa: E402
+
+
+def step_fn(flipped: bool, batch: int):
+    model = torchvision.models.convnext_tiny()
+    if flipped:
+        flip_input_grad(model)
+    model = model.cuda().to(memory_format=torch.channels_last)
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    @torch.compile
+    def forward_loss(x, y):
+        with torch.autocast("cuda", torch.bfloat16):
+            return loss_fn(model(x), y)
+
+    x = torch.randn(batch, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (batch,), device="cuda")
+
+    def step():
+        forward_loss(x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return model, step
+
+
+def timed_ms(step, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    args = parser.parse_args()
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    arms = {}
+    for name in ("framework", "flipped"):
+        model, step = step_fn(name == "flipped", args.batch)
+        for _ in range(args.warmup):
+            step()
+        torch.cuda.synchronize()
+        arms[name] = step
+        print(json.dumps({"arm": name, "depthwise_convs": depthwise_layers(model) if name == "framework"
+                          else sum(type(m).__name__ == "FlippedGradConv2d" for m in model.modules())}), flush=True)
+    medians: dict[str, list[float]] = {name: [] for name in arms}
+    for round_ in range(args.rounds):
+        for name, step in arms.items():
+            ms = timed_ms(step, args.steps)
+            medians[name].append(ms)
+            print(json.dumps({"round": round_, "arm": name, "step_ms": round(ms, 2),
+                              "images_per_s": round(args.batch * 1e3 / ms, 1)}), flush=True)
+    summary = {name: round(statistics.median(v), 2) for name, v in medians.items()}
+    print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": args.batch,
+                      "median_step_ms": summary, "flipped_over_framework_speed":
+                      round(summary["framework"] / summary["flipped"], 4)}))
+
+
+if __name__ == "__main__":
+    main()

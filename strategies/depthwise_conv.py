@@ -1,0 +1,157 @@
+"""depthwise_conv: a depthwise convolution's input gradient as a forward convolution of the output's gradient.
+
+A depthwise convolution (one filter a channel: ``groups == in_channels == out_channels``, ConvNeXt's
+7x7, MobileNet's and EfficientNet's 3x3 and 5x5) is memory-bound, and cuDNN's backward-data kernel
+for it is slower than its forward kernel on the same shapes. On the H100 (reports/search-yield/
+h100-ec835cb, the plain recipe's profile) timm's ConvNeXt-T at batch 768 in bf16 channels_last spent
+28.7 ms a step in the 18 depthwise convolutions' backward-data kernel (``dgrad2d_c1_k1_nhwc_specialized``)
+against 13.3 ms in their forward (``conv2d_c1_k1_nhwc_specialized``): 14.6% of the step against 6.8%.
+
+For stride 1 and dilation 1 the input's gradient is itself a depthwise convolution: the output's
+gradient convolved with each filter turned by 180 degrees, padded by ``kernel - 1 - padding``. With
+``input_grad="flipped"`` the eligible layers compute it so, with the forward kernel; the weight's and
+the bias's gradients stay the framework's (``aten.convolution_backward`` for the weight alone). The
+result is the same sum taken in another order: equal up to rounding, which the accuracy check compares
+with FP32 as it does a precision. Whether it is faster is the search's measurement, not assumed here:
+the planner's prior for it is 1.0 until a GPU has measured it.
+
+Eligible: exact ``nn.Conv2d`` modules with ``groups == in_channels == out_channels``, stride 1,
+dilation 1, zero padding of at most ``kernel - 1`` on each side (``padding="same"`` included). The
+module keeps its parameters, its state_dict and its class's other behaviour (the class is swapped for
+:class:`FlippedGradConv2d`, as channel padding swaps classes); eval-mode and no-grad forwards are the
+framework's. Offered on CUDA for a model the probe found such layers in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import optuna
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autotune.deploy.recipe import Recipe
+from autotune.deploy.space import SearchSpace
+from strategies.base import ReportKnob, Strategy
+
+CHOICES = ("framework", "flipped")
+
+
+def _padding(layer: nn.Conv2d) -> tuple[int, int] | None:
+    """The layer's zero padding (top/bottom, left/right) as numbers; None where it is not symmetric
+    numbers ("same" with an even kernel pads one side more)."""
+    kh, kw = layer.kernel_size
+    if layer.padding == "same":
+        if kh % 2 == 0 or kw % 2 == 0:
+            return None
+        return (kh - 1) // 2, (kw - 1) // 2
+    if isinstance(layer.padding, str):  # "valid"
+        return 0, 0
+    return int(layer.padding[0]), int(layer.padding[1])
+
+
+def eligible(layer: nn.Module) -> bool:
+    """Whether ``layer`` is a depthwise convolution whose input gradient this knob can compute."""
+    if type(layer) is not nn.Conv2d:
+        return False
+    padding = _padding(layer)
+    return (layer.groups == layer.in_channels == layer.out_channels and layer.groups > 1
+            and tuple(layer.stride) == (1, 1) and tuple(layer.dilation) == (1, 1)
+            and layer.padding_mode == "zeros" and padding is not None
+            and all(0 <= p <= k - 1 for p, k in zip(padding, layer.kernel_size)))
+
+
+def depthwise_layers(model: nn.Module) -> int:
+    """How many eligible depthwise convolutions ``model`` has (what the probe reports)."""
+    return sum(1 for m in model.modules() if eligible(m))
+
+
+class _FlippedGrad(torch.autograd.Function):
+    """A depthwise convolution (stride 1, dilation 1) whose input gradient is a forward convolution."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                padding: tuple[int, int]) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.padding, ctx.has_bias = padding, bias is not None
+        return F.conv2d(x, weight, bias, 1, padding, 1, weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        (ph, pw), (kh, kw), groups = ctx.padding, weight.shape[-2:], weight.shape[0]
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = F.conv2d(grad, weight.flip(-2, -1), None, 1, (kh - 1 - ph, kw - 1 - pw), 1, groups)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.ops.aten.convolution_backward(
+                grad, x, weight, None, [1, 1], [ph, pw], [1, 1], False, [0, 0], groups, [False, True, False])[1]
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad.sum((0, 2, 3))
+        return grad_x, grad_w, grad_b, None
+
+
+class FlippedGradConv2d(nn.Conv2d):
+    """:class:`torch.nn.Conv2d` (depthwise, stride 1) whose input gradient in training is a forward
+    convolution of the output's gradient with the turned filters (:class:`_FlippedGrad`)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return super().forward(input)
+        weight, bias = self.weight, self.bias
+        device_type = input.device.type
+        if torch.is_autocast_enabled(device_type):
+            # autocast's cast, made here: the backward's convolutions see the forward's dtypes
+            dtype = torch.get_autocast_dtype(device_type)
+            input, weight = input.to(dtype), weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+            with torch.autocast(device_type, enabled=False):
+                return _FlippedGrad.apply(input, weight, bias, _padding(self))
+        return _FlippedGrad.apply(input, weight, bias, _padding(self))
+
+
+def flip_input_grad(model: nn.Module) -> nn.Module:
+    """Swap every eligible depthwise convolution of ``model`` to :class:`FlippedGradConv2d`, in place
+    (the same module objects and parameters). Returns ``model``."""
+    for module in model.modules():
+        if eligible(module):
+            module.__class__ = FlippedGradConv2d
+    return model
+
+
+class DepthwiseConv(Strategy):
+    """A depthwise convolution's input gradient: the framework's, or a flipped forward convolution."""
+
+    name = "depthwise_conv"
+    label = "depthwise input gradient"
+
+    @dataclass(kw_only=True, frozen=True)
+    class Config:
+        input_grad: str = "framework"
+        """"framework" (the convolution's own backward) or "flipped" (see the module's docstring)."""
+
+    def applies(self, space: SearchSpace) -> bool:
+        return len(space.choices.get(self.name, [])) > 1
+
+    def offer(self, options, device: str, probe: Mapping[str, Any], offered: Mapping[str, Any]) -> dict[str, Any]:
+        return {"choices": {self.name: list(CHOICES)}} if device == "cuda" and probe.get("depthwise_convs") else {}
+
+    def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
+        return {self.param("input_grad"): "framework"} if self.applies(space) else {}
+
+    def words(self, values: Mapping[str, Any]) -> str:
+        return "depthwise grad flipped" if values.get("input_grad", "framework") == "flipped" else ""
+
+    def report_knobs(self) -> list[ReportKnob]:
+        return [ReportKnob("depthwise_conv", self.label, self.name, "input_grad", "framework")]
+
+    def suggest(self, trial: optuna.trial.BaseTrial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
+        return self.Config(input_grad=self.choose(trial, "input_grad", space.choices[self.name]))
+
+    def apply(self, config: Config, recipe: Recipe) -> None:
+        if config.input_grad not in CHOICES:
+            raise ValueError(f"depthwise_conv.input_grad {config.input_grad!r}: write one of {', '.join(CHOICES)}")
+        if config.input_grad == "flipped":
+            recipe.model_transforms.append(flip_input_grad)

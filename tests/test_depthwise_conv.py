@@ -1,0 +1,220 @@
+"""strategies/depthwise_conv.py: a depthwise convolution's input gradient as a forward convolution of the
+output's gradient with the filters turned. On a CPU: the gradients against nn.Conv2d's, which layers
+are eligible, what the search offers and proposes, and (slow) the same under torch.compile."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+import strategies
+from autotune.deploy.space import SearchSpace
+from autotune.search import neighbours, plain_recipe
+from autotune.search.neighbours import Neighbours
+from autotune.search.options import SearchConfig
+from autotune.workload.models import WorkloadSpec
+from conftest import measured
+from strategies.depthwise_conv import (DepthwiseConv, FlippedGradConv2d, depthwise_layers, eligible,
+                                       flip_input_grad)
+
+IMAGE_SPACE = SearchSpace(device="cuda", precisions=["fp32", "fp16", "bf16"], batch_sizes=[256, 512, 1024],
+                          base_batch_size=256, memory_formats=["contiguous", "channels_last"],
+                          compile_modes=["off", "default"], optimizer_implementations=["foreach", "fused"],
+                          cuda_graphs=[False], stream_counts=[1, 2],
+                          choices={"depthwise_conv": ["framework", "flipped"]})
+
+
+def _info(**extra) -> dict:
+    """What the probe finds on a GPU for an image model (tests/test_cuda_graphs.py's)."""
+    return {"precisions": ["fp32", "tf32", "fp16", "bf16"], "input_dim": 4, "misaligned": {},
+            "compile": {"works": True, "reason": ""}, **extra}
+
+
+def _pair(channels: int, kernel, padding, bias: bool = True, dtype=torch.float64):
+    """The same depthwise convolution twice: the framework's and the flipped one."""
+    framework = nn.Conv2d(channels, channels, kernel, padding=padding, groups=channels, bias=bias).to(dtype)
+    flipped = nn.Conv2d(channels, channels, kernel, padding=padding, groups=channels, bias=bias).to(dtype)
+    flipped.load_state_dict(framework.state_dict())
+    flip_input_grad(flipped)
+    return framework, flipped
+
+
+def _grads(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, autocast: bool = False):
+    x = x.detach().clone().requires_grad_()
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        out = module(x)
+    out.backward(grad.to(out.dtype))
+    return out, x.grad, [p.grad for p in module.parameters()]
+
+
+@pytest.mark.parametrize("kernel,padding,bias", [(7, 3, True), (3, 1, False), (3, 0, True), (3, 2, True),
+                                                 (5, "same", True), ((3, 5), (1, 2), True), (3, "valid", False)])
+def test_the_gradients_are_the_convolutions_own(kernel, padding, bias) -> None:
+    torch.manual_seed(0)
+    framework, flipped = _pair(6, kernel, padding, bias)
+    assert type(flipped) is FlippedGradConv2d
+    x = torch.randn(2, 6, 11, 9, dtype=torch.float64)
+    grad = torch.randn_like(framework(x))
+    (out_a, gx_a, gp_a), (out_b, gx_b, gp_b) = _grads(framework, x, grad), _grads(flipped, x, grad)
+    assert torch.equal(out_a, out_b)
+    torch.testing.assert_close(gx_b, gx_a, rtol=0, atol=1e-12)
+    for a, b in zip(gp_a, gp_b):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-12)
+
+
+def test_under_bf16_autocast_in_channels_last_the_dtypes_and_gradients_are_the_convolutions_own() -> None:
+    torch.manual_seed(0)
+    framework, flipped = _pair(8, 7, 3, dtype=torch.float32)
+    framework, flipped = (m.to(memory_format=torch.channels_last) for m in (framework, flipped))
+    x = torch.randn(2, 8, 14, 14).to(memory_format=torch.channels_last)
+    grad = torch.randn(2, 8, 14, 14)
+    (out_a, gx_a, gp_a), (out_b, gx_b, gp_b) = (_grads(m, x, grad, autocast=True) for m in (framework, flipped))
+    assert out_a.dtype == out_b.dtype == torch.bfloat16 and torch.equal(out_a, out_b)
+    assert gx_b.dtype == torch.float32 and all(g.dtype == torch.float32 for g in gp_b)  # the master weights' grads
+    torch.testing.assert_close(gx_b, gx_a, rtol=1e-2, atol=1e-2)  # bf16 sums in another order
+    for a, b in zip(gp_a, gp_b):
+        torch.testing.assert_close(b, a, rtol=1e-2, atol=1e-2)
+
+
+def test_without_gradients_it_is_the_framework_forward_and_the_state_dict_is_unchanged() -> None:
+    framework, flipped = _pair(4, 3, 1)
+    assert list(flipped.state_dict()) == list(framework.state_dict())
+    x = torch.randn(1, 4, 5, 5, dtype=torch.float64)
+    with torch.no_grad():
+        assert torch.equal(flipped(x), framework(x))
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1, groups=4))
+    model.load_state_dict(nn.Sequential(flipped).state_dict())  # checkpoints load either way
+
+
+def test_only_stride_1_depthwise_convolutions_with_zero_padding_within_the_kernel_are_eligible() -> None:
+    assert eligible(nn.Conv2d(8, 8, 7, padding=3, groups=8))
+    assert eligible(nn.Conv2d(8, 8, 3, padding="same", groups=8))
+    for layer in (nn.Conv2d(8, 8, 3, padding=1),  # dense
+                  nn.Conv2d(8, 8, 3, padding=1, groups=4),  # grouped, not depthwise
+                  nn.Conv2d(8, 16, 3, padding=1, groups=8),  # a channel multiplier of 2
+                  nn.Conv2d(8, 8, 3, padding=1, groups=8, stride=2),
+                  nn.Conv2d(8, 8, 3, padding=2, groups=8, dilation=2),
+                  nn.Conv2d(8, 8, 3, padding=1, groups=8, padding_mode="reflect"),
+                  nn.Conv2d(8, 8, 3, padding=3, groups=8),  # padding past the kernel
+                  nn.Conv2d(8, 8, 4, padding="same", groups=8),  # uneven "same"
+                  nn.Conv1d(8, 8, 3, padding=1, groups=8),
+                  nn.Conv2d(1, 1, 3, padding=1, groups=1)):
+        assert not eligible(layer), layer
+    # ConvNeXt-T: 18 blocks, each a 7x7 depthwise convolution; MobileNetV2's stride-2 ones are left
+    assert depthwise_layers(torchvision.models.convnext_tiny()) == 18
+    mobilenet = torchvision.models.mobilenet_v2()
+    strided = [m for m in mobilenet.modules() if isinstance(m, nn.Conv2d) and m.groups > 1 and m.stride != (1, 1)]
+    assert strided and depthwise_layers(mobilenet) == sum(
+        1 for m in mobilenet.modules() if isinstance(m, nn.Conv2d) and m.groups > 1) - len(strided)
+    flip_input_grad(mobilenet)
+    assert all(type(m) is nn.Conv2d for m in strided)
+
+
+def test_the_probe_counts_the_models_eligible_depthwise_convolutions() -> None:
+    from autotune.trial.worker import probe
+
+    for model, count in (("fake_models:tiny_depthwise_cnn", 1), ("fake_models:tiny_cnn", 0)):
+        found = probe({"device": "cpu", "workload": WorkloadSpec(model=model, num_classes=10).to_dict()})
+        assert found["depthwise_convs"] == count, model
+
+
+def test_it_is_offered_on_a_gpu_for_a_model_with_depthwise_convolutions_and_the_plain_recipe_keeps_the_framework():
+    knob = DepthwiseConv()
+    options = SearchConfig(workload=WorkloadSpec(model="convnext_tiny"))
+    assert knob.offer(options, "cuda", {"depthwise_convs": 18}, {}) == {"choices": {"depthwise_conv": ["framework", "flipped"]}}
+    assert knob.offer(options, "cuda", {"depthwise_convs": 0}, {}) == {}
+    assert knob.offer(options, "cpu", {"depthwise_convs": 18}, {}) == {}
+    space = strategies.offer(options, "cuda", _info(depthwise_convs=18))
+    assert knob.applies(space)
+    assert plain_recipe.params(space, 256)["depthwise_conv.input_grad"] == "framework"
+    assert strategies.seed_params(space, tuned=False)["depthwise_conv.input_grad"] == "framework"
+    knobs = strategies.knobs_of({**plain_recipe.params(space, 256), "depthwise_conv.input_grad": "flipped"}, space)
+    assert knobs["depthwise_conv"] == {"input_grad": "flipped"}
+    assert "depthwise grad flipped" in strategies.describe(knobs)
+    recipe = strategies.build_recipe(strategies.knobs_from_dict(knobs, fill_missing=True), "cuda")
+    assert flip_input_grad in recipe.model_transforms
+    assert flip_input_grad not in strategies.build_recipe(
+        strategies.knobs_from_dict({"depthwise_conv": {"input_grad": "framework"}}, fill_missing=True),
+        "cuda").model_transforms
+    with pytest.raises(ValueError, match="framework, flipped"):
+        knob.apply(knob.Config(input_grad="cudnn"), recipe)
+    absent = strategies.offer(options, "cuda", _info())
+    assert not knob.applies(absent) and "depthwise_conv.input_grad" not in plain_recipe.params(absent, 256)
+
+
+def test_an_export_to_a_framework_says_how_to_swap_the_layers_itself() -> None:
+    from autotune.deploy.config import TunedConfig
+
+    params = {**plain_recipe.params(IMAGE_SPACE, 256), "depthwise_conv.input_grad": "flipped"}
+    cfg = TunedConfig.from_params(params, IMAGE_SPACE)
+    _, unsupported = cfg.hf_training_args()
+    [entry] = [u for u in unsupported if u["setting"] == "depthwise_conv.input_grad"]
+    assert entry["value"] == "flipped" and "flip_input_grad" in entry["why"]
+    framework = TunedConfig.from_params(plain_recipe.params(IMAGE_SPACE, 256), IMAGE_SPACE)
+    assert not [u for u in framework.hf_training_args()[1] if u["setting"] == "depthwise_conv.input_grad"]
+
+
+def test_the_measured_plain_recipe_gets_the_flipped_gradient_as_a_one_knob_move() -> None:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize")
+    bar = measured(study, IMAGE_SPACE, plain_recipe.params(IMAGE_SPACE, 512), 3922.0, role=plain_recipe.ROLE)
+    Neighbours(IMAGE_SPACE, limit_bytes=None)(study, bar)
+    changes = [{k: v for k, v in t.system_attrs["fixed_params"].items() if bar.params.get(k) != v}
+               for t in study.trials if t.state == optuna.trial.TrialState.WAITING]
+    assert {"depthwise_conv.input_grad": "flipped"} in changes
+    assert neighbours.PRIORS[("depthwise_conv.input_grad", "flipped")] == 1.0  # not measured on a GPU yet
+
+
+@pytest.mark.slow
+def test_compiled_it_traces_in_one_graph_and_gives_the_eager_gradients() -> None:
+    torch.manual_seed(0)
+
+    def net() -> nn.Module:
+        return nn.Sequential(nn.Conv2d(3, 8, 1), nn.Conv2d(8, 8, 7, padding=3, groups=8), nn.GELU(),
+                             nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False))
+
+    framework, flipped = net(), net()
+    flipped.load_state_dict(framework.state_dict())
+    flip_input_grad(flipped)
+    x = torch.randn(4, 3, 16, 16)
+
+    def loss(model, inputs):
+        with torch.autocast("cpu", torch.bfloat16):
+            return model(inputs).float().square().mean()
+
+    explained = torch._dynamo.explain(loss)(flipped, x)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    torch._dynamo.reset()
+    loss(framework, x).backward()
+    torch.compile(loss)(flipped, x).backward()
+    for a, b in zip(framework.parameters(), flipped.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_in_bf16_channels_last_compiled_the_gradients_are_cudnns() -> None:
+    """ConvNeXt-T's depthwise shape (96 channels, 7x7, 56x56) through cuDNN both ways, compiled."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(0)
+    torch.backends.cudnn.benchmark = True
+    framework, flipped = (m.cuda().to(memory_format=torch.channels_last)
+                          for m in _pair(96, 7, 3, dtype=torch.float32))
+    x = torch.randn(32, 96, 56, 56, device="cuda").to(memory_format=torch.channels_last)
+    grad = torch.randn(32, 96, 56, 56, device="cuda")
+
+    def run(module):
+        inputs = x.detach().clone().requires_grad_()
+        with torch.autocast("cuda", torch.bfloat16):
+            out = torch.compile(module)(inputs)
+        out.backward(grad.to(out.dtype))
+        return out, inputs.grad, [p.grad for p in module.parameters()]
+
+    (out_a, gx_a, gp_a), (out_b, gx_b, gp_b) = run(framework), run(flipped)
+    assert out_b.dtype == torch.bfloat16 and torch.equal(out_a, out_b)
+    torch.testing.assert_close(gx_b, gx_a, rtol=2e-2, atol=2e-2)
+    for a, b in zip(gp_a, gp_b):
+        torch.testing.assert_close(b, a, rtol=2e-2, atol=5e-1)  # sums over 32 x 56 x 56 terms in bf16
