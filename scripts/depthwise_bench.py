@@ -8,7 +8,8 @@ strategies.depthwise_conv), alternating so that clocks and heat treat both alike
 
 It prints one JSON line per round and arm (median step milliseconds by CUDA events, images/s), then
 one with each arm's median and the ratio flipped / framework. GPU only; the knob's own code is all of
-autotune it uses.
+autotune it uses. On the H100 (torch 2.11.0+cu130): 1.072x at batch 256 (65.11 against 60.76 ms), 1.077x
+at 768 (187.80 against 174.33 ms): reports/depthwise-h100.
 """
 
 from __future__ import annotations

@@ -62,9 +62,9 @@ MOVES: tuple[Move, ...] = (
     # the planner's prior for it is streams_factor, from the copies the bar's profile measured; 1.0 without one
     Move("streams.num_streams", 2, 1.0, "the next batch copied on a side stream while the step computes"),
     Move("cuda_graphs.enabled", True, 1.02, "the whole step in one CUDA graph: no launch gaps"),
-    # not measured on a GPU yet: cuDNN's depthwise backward-data kernel took 2.2x its forward's time on
-    # ConvNeXt-T (H100, ec835cb), 14.6% of the step; what the forward kernel does in its place is not known
-    Move("depthwise_conv.input_grad", "flipped", 1.0,
+    # torchvision's ConvNeXt-T's compiled plain-recipe step on the H100: 1.072x at batch 256, 1.077x at 768
+    # (reports/depthwise-h100); a model with fewer of its layers depthwise gains less, which its trial measures
+    Move("depthwise_conv.input_grad", "flipped", 1.07,
          "a depthwise convolution's input gradient computed by the forward kernel, with its filters turned"),
     Move("compile.mode", "reduce-overhead", 1.02, "compiled with CUDA graphs (cudagraph trees)"),
     # not gradients zeroed in place (optimizer.set_to_none False): measured at 0.998x the bar on the H200
