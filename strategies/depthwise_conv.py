@@ -19,8 +19,8 @@ the planner's prior for the move. Whether it pays on another model is that model
 Eligible: exact ``nn.Conv2d`` modules with ``groups == in_channels == out_channels``, stride 1,
 dilation 1, zero padding of at most ``kernel - 1`` on each side (``padding="same"`` included). The
 module keeps its parameters, its state_dict and its class's other behaviour (the class is swapped for
-:class:`FlippedGradConv2d`, as channel padding swaps classes); eval-mode and no-grad forwards are the
-framework's. Offered on CUDA for a model the probe found such layers in.
+:class:`FlippedGradConv2d`, as channel padding swaps classes); a forward without gradients
+(``torch.no_grad``, inference) is the framework's. Offered on CUDA for a model the probe found such layers in.
 """
 
 from __future__ import annotations
