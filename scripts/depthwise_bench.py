@@ -25,11 +25,14 @@ import torchvision
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from memory_parts_bench import timed  # noqa: E402  (this script's folder is on sys.path)
 from strategies.depthwise_conv import depthwise_layers, flip_input_grad  # noqa: E402
 
 
 def step_fn(flipped: bool, batch: int):
+    """ConvNeXt-T's compiled training step at ``batch``, and how many depthwise layers it has."""
     model = torchvision.models.convnext_tiny()
+    layers = depthwise_layers(model)
     if flipped:
         flip_input_grad(model)
     model = model.cuda().to(memory_format=torch.channels_last)
@@ -49,19 +52,7 @@ def step_fn(flipped: bool, batch: int):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return model, step
-
-
-def timed_ms(step, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return layers, step
 
 
 def main() -> None:
@@ -75,17 +66,15 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     arms = {}
     for name in ("framework", "flipped"):
-        model, step = step_fn(name == "flipped", args.batch)
-        for _ in range(args.warmup):
+        layers, step = step_fn(name == "flipped", args.batch)
+        for _ in range(args.warmup):  # compiles, and cuDNN picks its algorithms
             step()
-        torch.cuda.synchronize()
         arms[name] = step
-        print(json.dumps({"arm": name, "depthwise_convs": depthwise_layers(model) if name == "framework"
-                          else sum(type(m).__name__ == "FlippedGradConv2d" for m in model.modules())}), flush=True)
+        print(json.dumps({"arm": name, "depthwise_convs": layers}), flush=True)
     medians: dict[str, list[float]] = {name: [] for name in arms}
     for round_ in range(args.rounds):
         for name, step in arms.items():
-            ms = timed_ms(step, args.steps)
+            ms = timed(step, args.steps, 0)
             medians[name].append(ms)
             print(json.dumps({"round": round_, "arm": name, "step_ms": round(ms, 2),
                               "images_per_s": round(args.batch * 1e3 / ms, 1)}), flush=True)

@@ -27,6 +27,10 @@ MAX_STEERED_PER_TRIAL = 2
 """Remedies queued from one trial, the first findings first (they are ordered by the rules)."""
 
 
+CHOICE_PARAMS = ("vocab_padding.multiple", "depthwise_conv.input_grad")
+"""The parameters findings and moves may set whose knobs keep their choices in ``SearchSpace.choices``."""
+
+
 def offered(space: SearchSpace) -> dict[str, list[Any]]:
     """Parameter -> the values the space offers, for the knobs findings may suggest."""
     return {
@@ -41,11 +45,10 @@ def offered(space: SearchSpace) -> dict[str, list[Any]]:
         **({"ddp.bucket_cap_mb": list(space.ddp_bucket_caps_mb),
             "ddp.gradient_as_bucket_view": list(space.ddp_gradient_as_bucket_view),
             "ddp.static_graph": list(space.ddp_static_graph)} if space.ddp_world_size > 1 else {}),
-        # a knob of its own module (strategies/vocab_padding.py) keeps its choices in space.choices
-        **({"vocab_padding.multiple": list(space.choices["vocab_padding"])}
-           if "vocab_padding" in space.choices else {}),
-        **({"depthwise_conv.input_grad": list(space.choices["depthwise_conv"])}
-           if "depthwise_conv" in space.choices else {}),
+        # knobs of their own modules (strategies/vocab_padding.py, depthwise_conv.py) keep their choices
+        # in space.choices, under the knob's name
+        **{param: list(space.choices[param.partition(".")[0]]) for param in CHOICE_PARAMS
+           if param.partition(".")[0] in space.choices},
     }
 
 
