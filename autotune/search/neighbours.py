@@ -84,6 +84,12 @@ factor for a knob it has no measured pair for (autotune.search.planner)."""
 # liger-kernel's README claims up to 20% more throughput for its kernels together (its fused loss among
 # them) on HF LLMs; a modest share of that for the layer kernels alone, a claim, not measured here
 PRIORS[("llm_kernels.kernels", "liger")] = 1.05
+COMPILED_PRIORS: dict[tuple[str, Any], float] = {("vocab_padding.multiple", 64): 0.99}
+"""PRIORS where the configurations on both sides compile. A vocabulary padded to 64 against hf:gpt2's
+compiled plain recipe measured 0.986x on the H100 at 5ece370 (with channels padded to 8), 0.988x twice at
+2b09a74 (the same, and alone on the CUDA-graph best) and 1.012x on the H200 (reports/gpt2-h200's verify):
+Inductor already pads a GEMM's odd dimension (its shape_padding). Its move's 1.04, eager's (1.27x on the
+H200, with the Linear widths padded to 8), had queued it first after the bar in both H100 searches."""
 
 
 FP8_GEMM_GAIN = 1.73
@@ -343,14 +349,20 @@ def compile_mode_factor(was: str, now: str) -> float | None:
 
 
 def prior_factor(key: str, before: dict[str, Any], after: dict[str, Any]) -> float | None:
-    """The planner's factor for one knob from PRIORS: ``after``'s value against ``before``'s, where
-    one of them is a move's or lever's value and the other the knob's untuned one; None otherwise."""
+    """The planner's factor for one knob from PRIORS (COMPILED_PRIORS where both sides compile):
+    ``after``'s value against ``before``'s, where one of them is a move's or lever's value and the
+    other the knob's untuned one; None otherwise."""
     was, now = before.get(key), after.get(key)
     default = untuned(key)
-    if (key, now) in PRIORS and was in (None, default):
-        return PRIORS[(key, now)]
-    if (key, was) in PRIORS and now in (None, default):
-        return 1.0 / PRIORS[(key, was)]
+    priors = {**PRIORS, **COMPILED_PRIORS} if _compiles(before) and _compiles(after) else PRIORS
+    if (key, now) in priors and was in (None, default):
+        return priors[(key, now)]
+    if (key, was) in priors and now in (None, default):
+        return 1.0 / priors[(key, was)]
     return None
+
+
+def _compiles(params: dict[str, Any]) -> bool:
+    return params.get("compile.mode", "off") != "off"
 
 
