@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import torchvision
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from memory_parts_bench import timed  # noqa: E402  (this script's folder is on sys.path)
+from memory_parts_bench import alternate  # noqa: E402  (this script's folder is on sys.path)
 from strategies.depthwise_conv import depthwise_layers, flip_input_grad  # noqa: E402
 
 
@@ -71,14 +70,7 @@ def main() -> None:
             step()
         arms[name] = step
         print(json.dumps({"arm": name, "depthwise_convs": layers}), flush=True)
-    medians: dict[str, list[float]] = {name: [] for name in arms}
-    for round_ in range(args.rounds):
-        for name, step in arms.items():
-            ms = timed(step, args.steps, 0)
-            medians[name].append(ms)
-            print(json.dumps({"round": round_, "arm": name, "step_ms": round(ms, 2),
-                              "images_per_s": round(args.batch * 1e3 / ms, 1)}), flush=True)
-    summary = {name: round(statistics.median(v), 2) for name, v in medians.items()}
+    summary = alternate(arms, args.rounds, args.steps, args.batch)
     print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": args.batch,
                       "median_step_ms": summary, "flipped_over_framework_speed":
                       round(summary["framework"] / summary["flipped"], 4)}))

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,7 +37,7 @@ import torchvision
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from memory_parts_bench import timed  # noqa: E402  (this script's folder is on sys.path)
+from memory_parts_bench import alternate  # noqa: E402  (this script's folder is on sys.path)
 
 ARMS = {"default": None, "coordinate_descent": {"coordinate_descent_tuning": True},
         "pointwise": {"max_autotune_pointwise": True}}
@@ -99,14 +98,7 @@ def main() -> None:
         arms[name] = step
         print(json.dumps({"arm": name, "options": ARMS[name], "warmup_s": round(time.perf_counter() - start, 1)}),
               flush=True)
-    medians: dict[str, list[float]] = {name: [] for name in arms}
-    for round_ in range(args.rounds):
-        for name, step in arms.items():
-            ms = timed(step, args.steps, 1)
-            medians[name].append(ms)
-            print(json.dumps({"round": round_, "arm": name, "step_ms": round(ms, 2),
-                              "images_per_s": round(args.batch * 1e3 / ms, 1)}), flush=True)
-    summary = {name: round(statistics.median(v), 2) for name, v in medians.items()}
+    summary = alternate(arms, args.rounds, args.steps, args.batch, warmup=1)
     base = summary[names[0]]
     print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
                       "batch": args.batch, "median_step_ms": summary,

@@ -48,6 +48,20 @@ def timed(fn: Callable[[], None], steps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+def alternate(arms: dict[str, Callable[[], None]], rounds: int, steps: int, batch: int,
+              warmup: int = 0) -> dict[str, float]:
+    """Each arm timed (:func:`timed`, after ``warmup`` calls) in turn, ``rounds`` times, so that clocks and heat
+    treat them alike; prints a JSON line per round and arm, returns each arm's median milliseconds."""
+    medians: dict[str, list[float]] = {name: [] for name in arms}
+    for round_ in range(rounds):
+        for name, step in arms.items():
+            ms = timed(step, steps, warmup)
+            medians[name].append(ms)
+            print(json.dumps({"round": round_, "arm": name, "step_ms": round(ms, 2),
+                              "images_per_s": round(batch * 1e3 / ms, 1)}), flush=True)
+    return {name: round(statistics.median(v), 2) for name, v in medians.items()}
+
+
 def optimizers() -> dict[str, Callable]:
     made: dict[str, Callable] = {"fused AdamW": lambda p: torch.optim.AdamW(p, lr=6e-4, betas=(0.9, 0.95), fused=True)}
     try:
