@@ -11,7 +11,7 @@ then three steps at --check-batch to see how far the line's prediction is from t
 
 It prints one JSON line per (model, benchmark): the seconds and peak MiB at each probed batch, the
 line's prediction at --check-batch and the peak measured there. GPU only; nothing here is autotune's
-own code.
+own code but the probe's batches (fit.PROBE_BATCHES), so that it measures the ones the probe steps at.
 
 On the H100 80GB HBM3 (torch 2.11.0+cu130, timm 1.0.31; measured at ec835cb by this script's first
 form, the same steps in one file), the probe's two batches took, with cudnn.benchmark on and off:
@@ -27,8 +27,11 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-PROBE_BATCHES = (1, 8)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from autotune.search.fit import PROBE_BATCHES  # noqa: E402
 
 
 def build(name: str):
