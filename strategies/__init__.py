@@ -33,6 +33,7 @@ from strategies.memory_format import MemoryFormat
 from strategies.optimizer import Optimizer
 from strategies.optimizer_state import OptimizerState
 from strategies.precision import Precision
+from strategies.stem_conv import StemConv
 from strategies.streams import Streams
 from strategies.threads import Threads
 from strategies.vocab_padding import VocabPadding
@@ -44,6 +45,8 @@ REGISTRY: list[Strategy] = [
     BatchSize(),
     # before channel padding: the padded LM head is no plain nn.Linear, so channel padding leaves it
     VocabPadding(),
+    # before channel padding too: a stem computed as space-to-depth pads its own channels
+    StemConv(),
     ChannelAlignment(),
     # depthwise convolutions (groups == channels) that channel padding leaves: their class swapped
     DepthwiseConv(),
@@ -82,10 +85,10 @@ BY_NAME: dict[str, Strategy] = {s.name: s for s in REGISTRY}
 
 # How a configuration is shown: the order of its words in a one-line description, and of the knobs
 # in the report. A knob left out of a list comes after the listed ones, in registry order.
-DESCRIBED = ["precision", "memory_format", "batch_size", "cudnn", "channel_alignment", "depthwise_conv", "vocab_padding",
-             "attention", "streams", "dataloader", "threads", "fp32_layers", "optimizer", "optimizer_state", "allocator", "compile",
+DESCRIBED = ["precision", "memory_format", "batch_size", "cudnn", "channel_alignment", "stem_conv", "depthwise_conv",
+             "vocab_padding", "attention", "streams", "dataloader", "threads", "fp32_layers", "optimizer", "optimizer_state", "allocator", "compile",
              "cuda_graphs", "ddp"]
-REPORTED = ["precision", "memory_format", "batch_size", "channel_alignment", "depthwise_conv", "vocab_padding", "attention", "cudnn",
+REPORTED = ["precision", "memory_format", "batch_size", "channel_alignment", "stem_conv", "depthwise_conv", "vocab_padding", "attention", "cudnn",
             "streams", "threads", "grad_scaler", "ddp"]
 
 

@@ -779,3 +779,26 @@ def test_a_side_stream_runs_first_while_a_larger_batch_of_the_plain_recipe_waits
     assert grown.gain_per_s < plans[0].gain_per_s
     assert not any("optimizer.set_to_none" in {k for k, v in study.trials[p.number].system_attrs["fixed_params"].items()
                                                if bar.params.get(k) != v} for p in plans)
+
+
+def test_a_findings_remedy_that_beats_everything_gets_the_moves_on_top_but_not_before_the_bar_ran():
+    """ResNet-50 on the H100 (2b09a74): the side stream came from the bar's profile (rule "copies"),
+    beat it 1.064x, and no move was tried on top of it: the stem and fp16 moves stayed alone."""
+    study = _study()
+    early = measured(study, IMAGE_SPACE, complete_params({**plain_recipe.params(IMAGE_SPACE, 1024),
+                                                          "compile.mode": "off"}, IMAGE_SPACE),
+                     3000.0, role="steered", steered_by={"rule": "no-tensor-cores"})
+    proposer = Neighbours(IMAGE_SPACE, limit_bytes=None)
+    proposer(study, early)
+    assert not _queued(study)  # no plain recipe measured yet: nothing to climb from
+    bar = measured(study, IMAGE_SPACE, plain_recipe.params(IMAGE_SPACE, 1024), 5774.0, role=plain_recipe.ROLE,
+                   profile=COPYING)
+    won = measured(study, IMAGE_SPACE, complete_params({**bar.params, "streams.num_streams": 2}, IMAGE_SPACE),
+                   6146.0, role="steered", steered_by={"trial": bar.number, "rule": "copies"})
+    proposer(study, bar)
+    proposer(study, won)
+    climbed = [t for t in _queued(study) if t.user_attrs["steered_by"].get("trial") == won.number]
+    assert climbed and all(t.system_attrs["fixed_params"]["streams.num_streams"] == 2 for t in climbed)
+    changes = [{k: v for k, v in t.system_attrs["fixed_params"].items() if won.params.get(k) != v} for t in climbed]
+    assert {"compile.mode": "max-autotune-no-cudagraphs"} in changes
+    assert any(c.get("precision.mode") == "fp16" for c in changes)

@@ -124,6 +124,9 @@ def _common_unsupported(values: dict[str, dict[str, Any]], target: str) -> list[
          values["depthwise_conv"]["input_grad"] != "framework",
          f"{target} cannot change the model's layers: swap its depthwise convolutions with cfg.prepare(model) (or "
          "strategies.depthwise_conv.flip_input_grad) before training"),
+        ("stem_conv.stem", values["stem_conv"]["stem"], values["stem_conv"]["stem"] != "framework",
+         f"{target} cannot change the model's layers: swap its stem convolution with cfg.prepare(model) (or "
+         "strategies.stem_conv.space_to_depth) before training"),
         ("fp32_layers.layers", values["fp32_layers"]["layers"], values["fp32_layers"]["layers"] != "none",
          f"{target}'s autocast covers the whole model: keep those layers in FP32 with "
          "strategies.fp32_layers.keep_fp32(model, kinds) before training"),

@@ -74,10 +74,11 @@ memory (a trial lost), one too small only a smaller batch."""
 
 SIBLING_KNOBS = frozenset({"streams.num_streams", "cuda_graphs.enabled", "vocab_padding.multiple",
                            "channel_alignment.multiple", "cudnn.benchmark", "compile.mode", "precision.mode",
-                           "depthwise_conv.input_grad"})
+                           "depthwise_conv.input_grad", "stem_conv.stem"})
 """Knobs that change a compiled 16-bit step's memory by a few percent at most (a prefetched batch, a
 graph's pool, a padded row or channel, a workspace, another whole-model compile mode, fp16 for bf16, a
-depthwise convolution's input gradient computed another way, from the same saved tensors):
+depthwise convolution's input gradient computed another way, from the same saved tensors, a stem
+convolution on its input rearranged, which it saves in place of the input padded to 8 channels):
 a configuration one of them away from a measured one is held to that one's peak (:meth:`MemoryModel.sibling_peak`)."""
 SIBLING_FILL = 0.8
 """A measured sibling's peak, scaled to the batch, under this share of the limit overrides the memory

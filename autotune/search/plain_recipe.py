@@ -48,6 +48,8 @@ def fixed_knobs(space: SearchSpace, batch: int) -> dict[str, Any] | None:
         fixed["vocab_padding.multiple"] = 1  # the model's own vocabulary, as the user built it
     if "framework" in space.choices.get("depthwise_conv", ()):
         fixed["depthwise_conv.input_grad"] = "framework"  # the convolution's own backward
+    if "framework" in space.choices.get("stem_conv", ()):
+        fixed["stem_conv.stem"] = "framework"  # the stem convolution as the model writes it
     return fixed
 
 

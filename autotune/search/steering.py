@@ -27,7 +27,7 @@ MAX_STEERED_PER_TRIAL = 2
 """Remedies queued from one trial, the first findings first (they are ordered by the rules)."""
 
 
-CHOICE_PARAMS = ("vocab_padding.multiple", "depthwise_conv.input_grad")
+CHOICE_PARAMS = ("vocab_padding.multiple", "depthwise_conv.input_grad", "stem_conv.stem")
 """The parameters findings and moves may set whose knobs keep their choices in ``SearchSpace.choices``."""
 
 
@@ -45,7 +45,7 @@ def offered(space: SearchSpace) -> dict[str, list[Any]]:
         **({"ddp.bucket_cap_mb": list(space.ddp_bucket_caps_mb),
             "ddp.gradient_as_bucket_view": list(space.ddp_gradient_as_bucket_view),
             "ddp.static_graph": list(space.ddp_static_graph)} if space.ddp_world_size > 1 else {}),
-        # knobs of their own modules (strategies/vocab_padding.py, depthwise_conv.py) keep their choices
+        # knobs of their own modules (strategies/vocab_padding.py, depthwise_conv.py, stem_conv.py) keep their choices
         # in space.choices, under the knob's name
         **{param: list(space.choices[param.partition(".")[0]]) for param in CHOICE_PARAMS
            if param.partition(".")[0] in space.choices},

@@ -135,6 +135,7 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     from strategies.loss_kernel import probe as lm_head
     from strategies.optimizer_state import class_name
     from strategies.precision import fp8_eligible_share, fp8_width, supported_modes
+    from strategies.stem_conv import stem_layers
     from strategies.vocab_padding import vocab_size
 
     device = request["device"]
@@ -173,6 +174,7 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     result["misaligned"] = {str(m): misaligned_layers(workload.model, m) for m in (8, 16)}
     result["fp32_layer_kinds"] = kinds_present(workload.model)
     result["depthwise_convs"] = depthwise_layers(workload.model)  # the depthwise_conv knob's question
+    result["stem_convs"] = stem_layers(workload.model)  # and the stem_conv knob's
     result["fp8_eligible_share"] = fp8_eligible_share(workload.model)
     result["fp8_width"] = fp8_width(workload.model)  # with the share, the planner's prior on fp8's speed
     # and on the feed-forward layers alone (strategies.fp8_layers)
