@@ -22,6 +22,7 @@ wider inputs cuDNN's kernels are already efficient). Offered on CUDA for a model
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -29,6 +30,7 @@ import optuna
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.conv import _ConvNd
 
 from autotune.deploy.recipe import Recipe
 from autotune.deploy.space import SearchSpace
@@ -57,6 +59,36 @@ def eligible(layer: nn.Module) -> bool:
 def stem_layers(model: nn.Module) -> int:
     """How many of ``model``'s layers are eligible."""
     return sum(eligible(m) for m in model.modules())
+
+
+def stem_share(model: nn.Module, inputs: Any) -> float | None:
+    """The eligible stems' share of the multiply-adds of ``model``'s convolutions and Linear layers in one
+    forward on ``inputs`` (without gradients): what the planner scales the move's prior by (a stem the
+    smaller share of a step has less to give). 0.0 without a stem; None where the forward fails."""
+    if not stem_layers(model):
+        return 0.0
+    macs = {"stem": 0, "all": 0}
+
+    def count(module: nn.Module, args: Any, out: Any) -> None:
+        if not isinstance(out, torch.Tensor):
+            return
+        if isinstance(module, nn.Linear):
+            made = out.numel() * module.in_features
+        else:
+            made = out.numel() * (module.in_channels // module.groups) * math.prod(module.kernel_size)
+        macs["all"] += made
+        macs["stem"] += made if eligible(module) else 0
+
+    hooks = [m.register_forward_hook(count) for m in model.modules() if isinstance(m, (_ConvNd, nn.Linear))]
+    try:
+        with torch.no_grad():
+            model(inputs)
+    except Exception:  # the user's model, not ours: the move keeps its prior
+        return None
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return macs["stem"] / macs["all"] if macs["all"] else None
 
 
 def space_to_depth_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -20,7 +20,7 @@ from autotune.workload.models import WorkloadSpec
 from conftest import measured
 from strategies.channel_alignment import align_channels
 from strategies.stem_conv import (SpaceToDepthConv2d, StemConv, eligible, space_to_depth, space_to_depth_conv,
-                                  stem_layers)
+                                  stem_layers, stem_share)
 
 IMAGE_SPACE = SearchSpace(device="cuda", precisions=["fp32", "fp16", "bf16"], batch_sizes=[256, 512, 1024],
                           base_batch_size=256, memory_formats=["contiguous", "channels_last"],
@@ -112,12 +112,47 @@ def test_only_strided_stems_on_few_channels_are_eligible() -> None:
     assert stem_layers(torchvision.models.mobilenet_v2()) == 1
 
 
+def test_the_stems_share_of_the_work_is_counted_from_one_forward() -> None:
+    x = torch.randn(1, 3, 224, 224)
+    resnet = stem_share(torchvision.models.resnet50().eval(), x)
+    assert resnet == pytest.approx(neighbours.RESNET50_STEM_SHARE, abs=5e-5)
+    # by hand: 112 x 112 x 64 outputs of 3 x 7 x 7 multiply-adds each; the rest are larger
+    assert resnet == pytest.approx(112 * 112 * 64 * 147 / 4.09e9, rel=0.02)
+    assert 0.009 < stem_share(torchvision.models.vit_b_16().eval(), x) < 0.011  # attention's matmuls not counted
+    assert stem_share(nn.Sequential(nn.Linear(4, 4)), torch.randn(1, 4)) == 0.0  # no stem, no forward
+
+    class Fails(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Conv2d(3, 8, 7, 2, 3)
+
+        def forward(self, x):
+            raise RuntimeError("only on its GPU")
+
+    assert stem_share(Fails(), x) is None
+
+
+def test_the_moves_prior_follows_the_stems_share_and_never_passes_resnet50s() -> None:
+    from autotune.search.planner import Planner
+
+    assert neighbours.stem_speed({}) is None
+    assert neighbours.stem_speed({"stem_share": neighbours.RESNET50_STEM_SHARE}) == pytest.approx(1.037)
+    assert neighbours.stem_speed({"stem_share": 0.065}) == pytest.approx(1.037)  # ResNet-18's: not measured
+    assert neighbours.stem_speed({"stem_share": 0.0103}) == pytest.approx(1.0132, abs=1e-3)  # ViT-B/16's
+    assert neighbours.stem_speed({"stem_share": 0.0}) == 1.0
+    gains = {"stem speed": 1.013}
+    framework, moved = {"stem_conv.stem": "framework"}, {"stem_conv.stem": "space_to_depth"}
+    assert Planner._factor("stem_conv.stem", framework, moved, gains) == 1.013
+    assert Planner._factor("stem_conv.stem", moved, {}, gains) == pytest.approx(1 / 1.013)  # absent: the framework's
+    assert Planner._factor("stem_conv.stem", framework, moved, {}) == 1.037  # no share measured: the prior
+
+
 def test_the_probe_counts_the_models_stems() -> None:
     from autotune.trial.worker import probe
 
     found = probe({"device": "cpu", "workload": WorkloadSpec(model="resnet18", num_classes=10,
                                                              input_shape=(3, 32, 32)).to_dict()})
-    assert found["stem_convs"] == 1
+    assert found["stem_convs"] == 1 and 0.05 < found["stem_share"] < 0.2
     found = probe({"device": "cpu", "workload": WorkloadSpec(model="fake_models:tiny_cnn", num_classes=10).to_dict()})
     assert found["stem_convs"] == sum(eligible(m) for m in __import__("fake_models").tiny_cnn().modules())
 

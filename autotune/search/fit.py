@@ -78,10 +78,11 @@ def probe_fit(config: SearchConfig, device: str, space: SearchSpace, info: dict[
         warnings.warn(f"the memory probe did not run ({result.get('status')}: {result.get('reason')}); trials are "
                       "sized by what they measure", stacklevel=3)
         return None
-    # the sizes the memory knobs' savings follow from (autotune.search.levers), and fp8's prior
-    # (autotune.search.neighbours.fp8_speed)
+    # the sizes the memory knobs' savings follow from (autotune.search.levers), and fp8's and the stem's
+    # priors (autotune.search.neighbours.fp8_speed, stem_speed)
     sizes = {key: info.get(key) for key in ("num_parameters", "tokens_per_sample", "vocab_size", "optimizer_class",
-                                            "fp8_eligible_share", "fp8_width", "fp8_ff_share", "fp8_ff_width")
+                                            "fp8_eligible_share", "fp8_width", "fp8_ff_share", "fp8_ff_width",
+                                            "stem_share")
              if info.get(key)}
     probed = {"family": family(knobs), "peaks": result.get("peaks") or {}, "sizes": sizes,
               "does_not_fit_at": result.get("does_not_fit_at"), "forward_held": result.get("forward_held") or {},

@@ -138,6 +138,23 @@ def fp8_speed(sizes: dict[str, Any], layers: str = "all") -> float | None:
     return 1.0 / ((1.0 - share) + share / gemm)
 
 
+RESNET50_STEM_SHARE = 0.0289
+"""torchvision's ResNet-50's stem's share of its convolutions' and Linear layers' multiply-adds at 224x224
+(strategies.stem_conv.stem_share): where the stem_conv move's prior was measured (reports/stem-h100)."""
+
+
+def stem_speed(sizes: dict[str, Any]) -> float | None:
+    """Expected speed of the stem_conv move for a model of ``sizes`` (the probe's stem_share): the move's
+    prior, measured on ResNet-50, scaled by the stem's share of the model's multiply-adds against
+    ResNet-50's, never above it (a share past ResNet-50's is not measured). ViT-B/16's 16x16 patchify is
+    1.0% of its work (1.013x), ConvNeXt-T's 4x4 0.32% (1.004x). None where the probe did not measure it."""
+    share = sizes.get("stem_share")
+    if share is None:
+        return None
+    gain = PRIORS[("stem_conv.stem", "space_to_depth")]
+    return 1.0 + (gain - 1.0) * min(1.0, float(share) / RESNET50_STEM_SHARE)
+
+
 STREAM_OVERLAP = 0.82
 """The share of a step's host-to-device copy time that a side stream hides under compute: on the H200
 (b092e42) ResNet-50's fp16 eager trials with 2 streams overlapped 74% of it at batch 256 and 90% at
@@ -356,13 +373,15 @@ def compile_mode_factor(was: str, now: str) -> float | None:
     return None if a is None or b is None else b / a
 
 
-def prior_factor(key: str, before: dict[str, Any], after: dict[str, Any]) -> float | None:
-    """The planner's factor for one knob from PRIORS (COMPILED_PRIORS where both sides compile):
-    ``after``'s value against ``before``'s, where one of them is a move's or lever's value and the
-    other the knob's untuned one; None otherwise."""
+def prior_factor(key: str, before: dict[str, Any], after: dict[str, Any], stem: float | None = None) -> float | None:
+    """The planner's factor for one knob from PRIORS (COMPILED_PRIORS where both sides compile; ``stem``:
+    this model's stem_speed, where the probe measured it): ``after``'s value against ``before``'s, where
+    one of them is a move's or lever's value and the other the knob's untuned one; None otherwise."""
     was, now = before.get(key), after.get(key)
     default = untuned(key)
     priors = {**PRIORS, **COMPILED_PRIORS} if _compiles(before) and _compiles(after) else PRIORS
+    if stem is not None:
+        priors = {**priors, ("stem_conv.stem", "space_to_depth"): stem}
     if (key, now) in priors and was in (None, default):
         return priors[(key, now)]
     if (key, was) in priors and now in (None, default):

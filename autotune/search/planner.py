@@ -42,7 +42,7 @@ from optuna.trial import TrialState
 
 from autotune.deploy.space import SearchSpace
 from autotune.search.levers import step_costs
-from autotune.search.neighbours import compile_mode_factor, fp8_speed, prior_factor, profiled_factor
+from autotune.search.neighbours import compile_mode_factor, fp8_speed, prior_factor, profiled_factor, stem_speed
 from autotune.search.trials import planned_params
 from autotune.search.walls import cached_compile_saving, trial_cost_s
 from autotune.trial.record import TrialRecord
@@ -133,10 +133,9 @@ class Planner:
         seen = self._seen_values(done)
         gains = self.compile_gains(study)
         gains["batch half"] = _batch_half(study)
-        if (fp8 := fp8_speed(memory.sizes)) is not None:
-            gains["fp8 speed"] = fp8
-        if (fp8 := fp8_speed(memory.sizes, "feed-forward")) is not None:
-            gains["fp8 feed-forward speed"] = fp8
+        gains.update((name, speed) for name, speed in (
+            ("fp8 speed", fp8_speed(memory.sizes)), ("fp8 feed-forward speed", fp8_speed(memory.sizes, "feed-forward")),
+            ("stem speed", stem_speed(memory.sizes))) if speed is not None)
         self.step_costs = step_costs(memory.sizes) if self.maximize else {}
         context = (done, best, memory, seen, [p for _, p, _ in done], gains,
                    suspects(trials) + accuracy_suspects(study, trials))
@@ -404,7 +403,7 @@ class Planner:
             was, now = int(before[key]), int(after[key])
             return (now / (now + half)) / (was / (was + half))
         # a knob the plain recipe's neighbours change: what it gave elsewhere (autotune.search.neighbours)
-        return prior_factor(key, before, after)
+        return prior_factor(key, before, after, gains.get("stem speed"))
 
     def compile_gains(self, study: optuna.Study) -> dict[str, float]:
         """torch.compile's gain for each offered precision as this search measured it (its compiled

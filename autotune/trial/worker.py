@@ -135,7 +135,7 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     from strategies.loss_kernel import probe as lm_head
     from strategies.optimizer_state import class_name
     from strategies.precision import fp8_eligible_share, fp8_width, supported_modes
-    from strategies.stem_conv import stem_layers
+    from strategies.stem_conv import stem_layers, stem_share
     from strategies.vocab_padding import vocab_size
 
     device = request["device"]
@@ -182,6 +182,8 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     result["fp8_ff_width"] = fp8_width(workload.model, "feed-forward")
     if request.get("forward", True):  # off when a first probe's forward killed its process
         result.update(sdpa_calls(workload.model, x))  # the attention knob's question
+        if result["stem_convs"]:  # what the stem_conv move is hoped to give follows from it
+            result["stem_share"] = stem_share(workload.model, x)
     # the fused loss's: an LM head whose logits the model returns as they are, the loss its cross-entropy
     result["lm_head"] = lm_head(workload, x, device=device, forward=request.get("forward", True))
     result["vocab_size"] = vocab_size(workload.model)  # language models' knobs
