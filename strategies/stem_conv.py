@@ -97,6 +97,9 @@ def space_to_depth_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     rearranged into ``stride x stride`` blocks (see the module's docstring), whose channels are
     zero-padded to a multiple of ``multiple``. ``x`` is (N, C, H, W)."""
     s = stride
+    # the rearranged input keeps the input's memory format (a channels_last model's convolutions run NHWC)
+    layout = torch.channels_last if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous() \
+        else torch.contiguous_format
     out_c, in_c, kh, kw = weight.shape
     (ph, pw), (h, w) = padding, x.shape[-2:]
     oh, ow = (h + 2 * ph - kh) // s + 1, (w + 2 * pw - kw) // s + 1
@@ -113,8 +116,7 @@ def space_to_depth_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     if padded != channels:
         x = F.pad(x, (0, 0, 0, 0, 0, padded - channels))
         weight = F.pad(weight, (0, 0, 0, 0, 0, padded - channels))
-    x = x.contiguous(memory_format=torch.channels_last)
-    return F.conv2d(x, weight, bias)
+    return F.conv2d(x.contiguous(memory_format=layout), weight, bias)
 
 
 class SpaceToDepthConv2d(nn.Conv2d):

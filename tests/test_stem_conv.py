@@ -90,6 +90,8 @@ def test_under_bf16_autocast_in_channels_last_it_matches_the_framework_to_roundi
         outs.append(out)
     assert outs[0].dtype == outs[1].dtype == torch.bfloat16 and swapped.weight.grad.dtype == torch.float32
     assert outs[1].is_contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():  # a contiguous model's stays contiguous
+        assert swapped(torch.randn(2, 3, 32, 32)).is_contiguous()
     torch.testing.assert_close(outs[1], outs[0], rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(swapped.weight.grad, framework.weight.grad, rtol=2e-2, atol=2e-3)
 
