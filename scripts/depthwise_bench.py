@@ -24,7 +24,7 @@ import torchvision
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from memory_parts_bench import alternate  # noqa: E402  (this script's folder is on sys.path)
+from memory_parts_bench import alternate, image_step  # noqa: E402  (this script's folder is on sys.path)
 from strategies.depthwise_conv import depthwise_layers, flip_input_grad  # noqa: E402
 
 
@@ -35,23 +35,7 @@ def step_fn(flipped: bool, batch: int):
     if flipped:
         flip_input_grad(model)
     model = model.cuda().to(memory_format=torch.channels_last)
-    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
-    loss_fn = torch.nn.CrossEntropyLoss()
-
-    @torch.compile
-    def forward_loss(x, y):
-        with torch.autocast("cuda", torch.bfloat16):
-            return loss_fn(model(x), y)
-
-    x = torch.randn(batch, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
-    y = torch.randint(0, 1000, (batch,), device="cuda")
-
-    def step():
-        forward_loss(x, y).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return layers, step
+    return layers, image_step(model, torch.optim.AdamW(model.parameters(), fused=True), batch)
 
 
 def main() -> None:

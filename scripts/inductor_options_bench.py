@@ -37,7 +37,7 @@ import torchvision
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from memory_parts_bench import alternate  # noqa: E402  (this script's folder is on sys.path)
+from memory_parts_bench import alternate, image_step  # noqa: E402  (this script's folder is on sys.path)
 
 ARMS = {"default": None, "coordinate_descent": {"coordinate_descent_tuning": True},
         "pointwise": {"max_autotune_pointwise": True}}
@@ -53,24 +53,7 @@ def step_fn(model_name: str, options: dict | None, batch: int):
     if convnet:
         model = model.to(memory_format=torch.channels_last)
     optimizer = torch.optim.AdamW(model.parameters(), fused=True)
-    loss_fn = torch.nn.CrossEntropyLoss()
-
-    def forward_loss(x, y):
-        with torch.autocast("cuda", torch.bfloat16):
-            return loss_fn(model(x), y)
-
-    compiled = torch.compile(forward_loss) if options is None else torch.compile(forward_loss, options=options)
-    x = torch.randn(batch, 3, 224, 224, device="cuda")
-    if convnet:
-        x = x.to(memory_format=torch.channels_last)
-    y = torch.randint(0, 1000, (batch,), device="cuda")
-
-    def step():
-        compiled(x, y).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
+    return image_step(model, optimizer, batch, channels_last=convnet, options=options)
 
 
 def main() -> None:

@@ -62,6 +62,30 @@ def alternate(arms: dict[str, Callable[[], None]], rounds: int, steps: int, batc
     return {name: round(statistics.median(v), 2) for name, v in medians.items()}
 
 
+def image_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: int, *, channels_last: bool = True,
+               options: dict | None = None) -> Callable[[], None]:
+    """An image classifier's plain-recipe training step at ``batch`` (the image benchmarks'): ``model`` (on the
+    GPU) and its cross-entropy under bf16 autocast, compiled (with Inductor ``options``, if any), on random
+    224x224 inputs made on the GPU, in channels_last where ``channels_last``; backward; ``optimizer``'s step."""
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def forward_loss(x, y):
+        with torch.autocast("cuda", torch.bfloat16):
+            return loss_fn(model(x), y)
+
+    compiled = torch.compile(forward_loss) if options is None else torch.compile(forward_loss, options=options)
+    x = torch.randn(batch, 3, 224, 224, device="cuda")
+    x = x.to(memory_format=torch.channels_last) if channels_last else x
+    y = torch.randint(0, 1000, (batch,), device="cuda")
+
+    def step():
+        compiled(x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
 def optimizers() -> dict[str, Callable]:
     made: dict[str, Callable] = {"fused AdamW": lambda p: torch.optim.AdamW(p, lr=6e-4, betas=(0.9, 0.95), fused=True)}
     try:

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import strategies.stem_conv as stem_conv  # noqa: E402
-from memory_parts_bench import alternate  # noqa: E402  (this script's folder is on sys.path)
+from memory_parts_bench import alternate, image_step  # noqa: E402  (this script's folder is on sys.path)
 from strategies.channel_alignment import align_channels  # noqa: E402
 
 
@@ -241,21 +241,7 @@ def model_arm(pool: str, stem: str, batch: int) -> tuple[Callable[[], None], flo
     align_channels(model, 8)  # the search's best pads the stem's input to 8: a no-op on a swapped stem
     model = model.cuda().to(memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4, fused=True)
-    loss_fn = torch.nn.CrossEntropyLoss()
-
-    @torch.compile
-    def forward_loss(x, y):
-        with torch.autocast("cuda", torch.bfloat16):
-            return loss_fn(model(x), y)
-
-    x = torch.randn(batch, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
-    y = torch.randint(0, 1000, (batch,), device="cuda")
-
-    def step():
-        forward_loss(x, y).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
+    step = image_step(model, optimizer, batch)
     began = time.perf_counter()
     for _ in range(5):
         step()

@@ -251,3 +251,15 @@ def no_op_cuda_graphs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "graph", lambda g, **kw: contextlib.nullcontext())
+
+
+def assert_compiles_as_eager(framework, swapped, x, loss, rtol: float, atol: float) -> None:
+    """A knob's swapped layers (``swapped``, loaded with ``framework``'s state) trace in one graph with no
+    break, and ``loss(swapped, x)`` compiled gives ``loss(framework, x)``'s eager parameter gradients."""
+    explained = torch._dynamo.explain(loss)(swapped, x)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    torch._dynamo.reset()
+    loss(framework, x).backward()
+    torch.compile(loss)(swapped, x).backward()
+    for a, b in zip(framework.parameters(), swapped.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=rtol, atol=atol)
