@@ -258,3 +258,19 @@ def test_on_the_gpu_in_bf16_channels_last_compiled_it_matches_cudnns_stem() -> N
     torch.testing.assert_close(out_b.float(), out_a.float(), rtol=2e-2, atol=5e-2)
     torch.testing.assert_close(gw_b, gw_a, rtol=2e-2, atol=2.0)  # sums over 32 x 112 x 112 terms in bf16
     assert (gw_b - gw_a).norm() / gw_a.norm() < 5e-3
+
+
+def test_the_accuracy_check_judges_a_swapped_stem_or_depthwise_gradient_on_its_own() -> None:
+    """Both compute the same sums in another order: a configuration with one is checked against FP32 apart
+    from the same precision without it, and the check's recipe swaps the layers as the trial did."""
+    from autotune.accuracy.parity import parity_recipe
+    from autotune.accuracy.settings import describe_numerics, numerics_key
+
+    bf16 = {"precision": {"mode": "bf16"}}
+    stem = {**bf16, "stem_conv": {"stem": "space_to_depth"}}
+    flipped = {**bf16, "depthwise_conv": {"input_grad": "flipped"}}
+    assert len({numerics_key(bf16), numerics_key(stem), numerics_key(flipped)}) == 3
+    assert numerics_key({**bf16, "stem_conv": {"stem": "framework"}}) == numerics_key(bf16)  # studies from before
+    assert describe_numerics(stem) == "bf16, stem space-to-depth"
+    assert describe_numerics(flipped) == "bf16, depthwise grad flipped"
+    assert space_to_depth in parity_recipe(stem, "cpu").model_transforms

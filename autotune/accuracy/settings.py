@@ -9,10 +9,12 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
 NUMERICS_KNOBS = ("precision", "grad_scaler", "fp8_layers", "fp32_layers", "loss_kernel", "optimizer_state",
-                  "llm_kernels", "activation_checkpointing")
+                  "llm_kernels", "activation_checkpointing", "depthwise_conv", "stem_conv")
 """The knobs that change the arithmetic; every other knob only changes speed and memory. Recomputed
 activations are among them (issue 36): the recompute runs the forward again, which a compiled step
-partitions and fuses apart from the first, and non-deterministic kernels need not repeat themselves."""
+partitions and fuses apart from the first, and non-deterministic kernels need not repeat themselves.
+So are the convolutions computed another way (a depthwise input gradient by the forward kernel, a stem
+as space-to-depth): the same sums in another order, which their modules promise the check compares."""
 NEAR_FRONTIER = 0.9
 """A trial at or above this fraction of the fastest throughput so far is checked."""
 UNSTABLE_CONSTRAINT = 100.0
@@ -120,6 +122,10 @@ def describe_numerics(knobs: Mapping[str, Mapping[str, Any]]) -> str:
         parts.append("8-bit optimizer states")
     if knobs.get("llm_kernels", {}).get("kernels", "framework") != "framework":
         parts.append("liger kernels")
+    if knobs.get("depthwise_conv", {}).get("input_grad", "framework") != "framework":
+        parts.append("depthwise grad flipped")
+    if knobs.get("stem_conv", {}).get("stem", "framework") != "framework":
+        parts.append("stem space-to-depth")
     every = knobs.get("activation_checkpointing", {}).get("every", 0)
     if every:
         parts.append("checkpointing every block" if every == 1 else f"checkpointing every {every} blocks")
