@@ -51,7 +51,6 @@ from strategies.channel_alignment import align_channels  # noqa: E402
 # The pooling alternatives. Not a knob: in the whole compiled step the phases' backward (3.8 ms against
 # Inductor's 5.9) came with a forward that materialises the padded activation, and the step ran 0.4%
 # slower (reports/stem-h100); ATen's kernels ran 0.60x Inductor's alone.
-POOL_BACKWARDS = ("phases", "aten")
 
 
 def _pair(value) -> tuple[int, int]:
@@ -284,7 +283,7 @@ def main() -> None:
         best_stem = "s2d" if medians["s2d"] < medians["pad8"] else "pad8"
         del arms
     if "pool" in parts:
-        arms = {name: pool_arm(name, args.batch) for name in ("framework", "phases", "aten")}
+        arms = {name: pool_arm(name, args.batch) for name in ("framework", *_CLASSES)}
         medians = alternate(arms, args.rounds, args.steps, args.batch)
         summary("pool", medians)
         best_pool = min(medians, key=medians.get)

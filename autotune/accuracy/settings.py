@@ -122,10 +122,12 @@ def describe_numerics(knobs: Mapping[str, Mapping[str, Any]]) -> str:
         parts.append("8-bit optimizer states")
     if knobs.get("llm_kernels", {}).get("kernels", "framework") != "framework":
         parts.append("liger kernels")
-    if knobs.get("depthwise_conv", {}).get("input_grad", "framework") != "framework":
-        parts.append("depthwise grad flipped")
-    if knobs.get("stem_conv", {}).get("stem", "framework") != "framework":
-        parts.append("stem space-to-depth")
+    import strategies
+
+    # the convolutions computed another way: their knobs' own words, as a configuration's description has them
+    for name in ("depthwise_conv", "stem_conv"):
+        if words := strategies.BY_NAME[name].words(knobs.get(name, {})):
+            parts.append(words)
     every = knobs.get("activation_checkpointing", {}).get("every", 0)
     if every:
         parts.append("checkpointing every block" if every == 1 else f"checkpointing every {every} blocks")
