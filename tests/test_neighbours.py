@@ -802,3 +802,53 @@ def test_a_findings_remedy_that_beats_everything_gets_the_moves_on_top_but_not_b
     changes = [{k: v for k, v in t.system_attrs["fixed_params"].items() if won.params.get(k) != v} for t in climbed]
     assert {"compile.mode": "max-autotune-no-cudagraphs"} in changes
     assert any(c.get("precision.mode") == "fp16" for c in changes)
+
+
+GPT2_SPACE = dataclasses.replace(LM_SPACE, batch_sizes=[1, 2, 4, 8, 16, 24, 32, 48, 64, 96])
+
+
+def _gpt2_bar(limit_gib):
+    """hf:gpt2 on the H100 (2b09a74): the eager memory probe (1.46 GiB a sequence above 2.48 fixed) sized
+    the compiled plain recipe at 48 sequences; measured there, it allocated 22.68 GiB and peaked at 27.25."""
+    study = _study()
+    eager = _knobs(GPT2_SPACE, {**plain_recipe.params(GPT2_SPACE, 1), "compile.mode": "off"})
+    study.set_user_attr(PROBE_ATTR, {"family": family(eager), "peaks": {"1": 3.94 * GIB, "8": 14.16 * GIB}})
+    params = plain_recipe.params(GPT2_SPACE, 48)
+    bar = measured(study, GPT2_SPACE, params, 436.5, role=plain_recipe.ROLE, status="ok",
+                   knobs=_knobs(GPT2_SPACE, params), figures={"peak_allocated_bytes": 22.68 * GIB, "peak_memory_bytes": 27.25 * GIB})
+    return study, bar, Neighbours(GPT2_SPACE, limit_bytes=limit_gib * GIB)
+
+
+def test_the_moves_start_at_the_batch_the_bars_measured_step_predicts_fits():
+    """hf:gpt2 on the H100 (2b09a74): its hand-written loop ran 64 sequences, the search's moves 48 (its
+    best, a CUDA graph there, measured 0.996x the loop); its grown batch, hoped 0.5%, never ran. The moves
+    now start at the grown batch, the one a user's plain recipe has; the larger-batch move stays the
+    grown plain recipe itself, and the planner runs a move at 64 first."""
+    study, bar, proposer = _gpt2_bar(79)
+    plain_recipe.GrowToFit(GPT2_SPACE, 79 * GIB)(study, bar)
+    proposer(study, bar)
+    steered = [t for t in _queued(study) if t.user_attrs.get("steered_by")]
+    changes = [{k: v for k, v in t.system_attrs["fixed_params"].items() if bar.params.get(k) != v} for t in steered]
+    assert {"batch_size.batch_size": 64, "cuda_graphs.enabled": True} in changes
+    assert {"batch_size.batch_size": 64, "vocab_padding.multiple": 64} in changes
+    assert all(c.get("batch_size.batch_size") == 64 for c in changes)
+    assert all("at batch 64" in t.user_attrs["steered_by"]["why"] for t in steered)
+    grown = [t for t in _queued(study) if t.user_attrs.get("grown_from") == bar.number]
+    assert len(grown) == 1  # the larger batch is GrowToFit's, queued once
+    plan = Planner(GPT2_SPACE, limit_bytes=79 * GIB, walls=[(15.0, False), (40.0, True)]).choose(study)
+    first = study.trials[plan.number].system_attrs["fixed_params"]
+    assert first["batch_size.batch_size"] == 64 and plan.rank == 5 and plan.predicted > 436.5
+
+
+def test_the_moves_stay_at_the_bars_batch_where_its_peak_scaled_up_nears_the_limit():
+    # under 40 GiB the grown batch (64: 29.4 GiB allocated) still fits, but the bar's 27.25 GiB peak
+    # scaled to it (36.3) is over SIBLING_FILL of the limit, where a move is no longer held to it
+    study, bar, proposer = _gpt2_bar(40)
+    assert plain_recipe.grown_batch(study, bar, GPT2_SPACE, 40 * GIB) == 64
+    proposer(study, bar)
+    moves = [t for t in _queued(study) if t.user_attrs.get("steered_by")
+             and "a larger batch" not in t.user_attrs["steered_by"]["why"]]
+    assert moves and all(t.system_attrs["fixed_params"]["batch_size.batch_size"] == 48 for t in moves)
+    # and without a limit (a CPU), nothing grows
+    study, bar, _ = _gpt2_bar(79)
+    assert Neighbours(GPT2_SPACE, limit_bytes=None).start(study, bar) is bar.params

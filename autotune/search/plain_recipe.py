@@ -113,27 +113,37 @@ class GrowToFit:
         self.limit_bytes = limit_bytes
 
     def __call__(self, study, trial) -> None:
-        from optuna.trial import TrialState
-
-        from autotune.search.memory import BACKOFF_FILL, MemoryModel
         from autotune.search.trials import planned_params
-        from autotune.trial.record import TrialRecord, queue_attrs
+        from autotune.trial.record import queue_attrs
 
-        record = TrialRecord.of(trial)
-        if record.role != ROLE or trial.state != TrialState.COMPLETE or not self.limit_bytes:
+        grown = grown_batch(study, trial, self.space, self.limit_bytes)
+        if grown is None:
             return
-        model = MemoryModel.from_study(study, self.limit_bytes)
-        allocated = record.figures.get("peak_allocated_bytes")
-        batch = int(trial.params.get("batch_size.batch_size", 0))
-        larger = [b for b in self.space.batch_sizes if batch < b <= MAX_BATCH_FACTOR * self.space.base_batch_size]
-        if model.prior is None or not allocated or not larger:
-            return
-        per_sample = model.one_point_per_sample(strategies.knobs_of(trial.params, self.space), batch, allocated)
-        fits = [b for b in larger if allocated + (b - batch) * per_sample <= self.limit_bytes * BACKOFF_FILL]
-        if not fits:
-            return
-        grown = max(fits)
         params = {**trial.params, "batch_size.batch_size": grown}
         if any(planned_params(t) == params for t in study.get_trials(deepcopy=False)):
             return
         study.enqueue_trial(params, user_attrs=queue_attrs(role=ROLE, grown_from=trial.number))
+
+
+def grown_batch(study, trial, space: SearchSpace, limit_bytes: float | None) -> int | None:
+    """GrowToFit's batch for ``trial``, a measured plain recipe: the largest offered batch above its own,
+    up to MAX_BATCH_FACTOR x the base, at which what it allocated plus a compiled sample's bytes for each
+    sample more stays within the memory model's fill of the limit; None where there is none (or no
+    limit, no memory probe, or ``trial`` is not a completed plain recipe)."""
+    from optuna.trial import TrialState
+
+    from autotune.search.memory import BACKOFF_FILL, MemoryModel
+    from autotune.trial.record import TrialRecord
+
+    record = TrialRecord.of(trial)
+    if record.role != ROLE or trial.state != TrialState.COMPLETE or not limit_bytes:
+        return None
+    model = MemoryModel.from_study(study, limit_bytes)
+    allocated = record.figures.get("peak_allocated_bytes")
+    batch = int(trial.params.get("batch_size.batch_size", 0))
+    larger = [b for b in space.batch_sizes if batch < b <= MAX_BATCH_FACTOR * space.base_batch_size]
+    if model.prior is None or not allocated or not larger:
+        return None
+    per_sample = model.one_point_per_sample(strategies.knobs_of(trial.params, space), batch, allocated)
+    fits = [b for b in larger if allocated + (b - batch) * per_sample <= limit_bytes * BACKOFF_FILL]
+    return max(fits, default=None)
