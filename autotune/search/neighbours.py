@@ -13,7 +13,10 @@ expandable segments, traded for a batch that fits and runs faster.
 
 ``Neighbours`` is a proposer (Optuna's callback after each trial): once the plain recipe is measured,
 it queues those candidates once each, as steered trials of RULE, from the fastest plain recipe
-measured (and again from a larger batch of it, GrowToFit's, once that one is measured faster). The
+measured, at the batch its measured step predicts fits where the eager memory probe sized it smaller
+(``start``: on the H100, 07cebda, hf:gpt2's CUDA graph at 64 sequences where its bar ran 48, 1.011x
+the hand-written loop at 64), and again from a larger batch of it, GrowToFit's, once that one is
+measured faster. The
 planner (autotune.search.planner) orders them by expected gain per second, from each move's prior (MOVES, LEVERS: what the knob gave elsewhere) until this search
 measures it. They are compiled like the bar and skip eager screening: a compiled configuration
 one knob away from a measured compiled one is ranked from it. A move (or a profile finding's remedy)
