@@ -128,3 +128,53 @@ class Strategy(abc.ABC):
 
     def from_dict(self, data: Mapping[str, Any]) -> Any:
         return self.Config(**data)
+
+
+def swap_layers(model: Any, eligible: Callable[[Any], bool], cls: type) -> Any:
+    """Swap the class of every module of ``model`` that ``eligible`` accepts to ``cls``, in place (the
+    same module objects and parameters: a subclass that computes the same function another way).
+    Returns ``model``."""
+    for module in model.modules():
+        if eligible(module):
+            module.__class__ = cls
+    return model
+
+
+class LayerSwap(Strategy):
+    """A knob of two choices for some of the model's layers: "framework" (the layers as they are) or
+    ``swapped`` (their class swapped by ``transform``, a staticmethod calling :func:`swap_layers`, to compute the same function
+    another way). Offered on CUDA for a model in which the probe counted such layers (``probe_key``).
+    Subclasses set those, ``words_swapped`` (the description's words for it) and a one-field ``Config``
+    whose field is ``field``, defaulting to "framework"."""
+
+    field: ClassVar[str]
+    swapped: ClassVar[str]
+    probe_key: ClassVar[str]
+    words_swapped: ClassVar[str]
+    transform: ClassVar[Callable[[Any], Any]]
+
+    @property
+    def choices(self) -> tuple[str, str]:
+        return ("framework", self.swapped)
+
+    def applies(self, space: SearchSpace) -> bool:
+        return len(space.choices.get(self.name, [])) > 1
+
+    def offer(self, options: Any, device: str, probe: Mapping[str, Any], offered: Mapping[str, Any]) -> dict[str, Any]:
+        return {"choices": {self.name: list(self.choices)}} if device == "cuda" and probe.get(self.probe_key) else {}
+
+    def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
+        return {self.param(self.field): "framework"} if self.applies(space) else {}
+
+    def words(self, values: Mapping[str, Any]) -> str:
+        return self.words_swapped if values.get(self.field, "framework") == self.swapped else ""
+
+    def suggest(self, trial: optuna.trial.BaseTrial, space: SearchSpace, chosen: Mapping[str, Any]) -> Any:
+        return self.Config(**{self.field: self.choose(trial, self.field, space.choices[self.name])})
+
+    def apply(self, config: Any, recipe: Recipe) -> None:
+        value = getattr(config, self.field)
+        if value not in self.choices:
+            raise ValueError(f"{self.param(self.field)} {value!r}: write one of {', '.join(self.choices)}")
+        if value == self.swapped:
+            recipe.model_transforms.append(self.transform)

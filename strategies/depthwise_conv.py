@@ -26,18 +26,12 @@ module keeps its parameters, its state_dict and its class's other behaviour (the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
 
-import optuna
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autotune.deploy.recipe import Recipe
-from autotune.deploy.space import SearchSpace
-from strategies.base import ReportKnob, Strategy
-
-CHOICES = ("framework", "flipped")
+from strategies.base import LayerSwap, swap_layers
 
 
 def _padding(layer: nn.Conv2d) -> tuple[int, int] | None:
@@ -116,43 +110,18 @@ class FlippedGradConv2d(nn.Conv2d):
 def flip_input_grad(model: nn.Module) -> nn.Module:
     """Swap every eligible depthwise convolution of ``model`` to :class:`FlippedGradConv2d`, in place
     (the same module objects and parameters). Returns ``model``."""
-    for module in model.modules():
-        if eligible(module):
-            module.__class__ = FlippedGradConv2d
-    return model
+    return swap_layers(model, eligible, FlippedGradConv2d)
 
 
-class DepthwiseConv(Strategy):
+class DepthwiseConv(LayerSwap):
     """A depthwise convolution's input gradient: the framework's, or a flipped forward convolution."""
 
     name = "depthwise_conv"
     label = "depthwise input gradient"
+    field, swapped, probe_key, words_swapped = "input_grad", "flipped", "depthwise_convs", "depthwise grad flipped"
+    transform = staticmethod(flip_input_grad)
 
     @dataclass(kw_only=True, frozen=True)
     class Config:
         input_grad: str = "framework"
         """"framework" (the convolution's own backward) or "flipped" (see the module's docstring)."""
-
-    def applies(self, space: SearchSpace) -> bool:
-        return len(space.choices.get(self.name, [])) > 1
-
-    def offer(self, options, device: str, probe: Mapping[str, Any], offered: Mapping[str, Any]) -> dict[str, Any]:
-        return {"choices": {self.name: list(CHOICES)}} if device == "cuda" and probe.get("depthwise_convs") else {}
-
-    def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
-        return {self.param("input_grad"): "framework"} if self.applies(space) else {}
-
-    def words(self, values: Mapping[str, Any]) -> str:
-        return "depthwise grad flipped" if values.get("input_grad", "framework") == "flipped" else ""
-
-    def report_knobs(self) -> list[ReportKnob]:
-        return [ReportKnob("depthwise_conv", self.label, self.name, "input_grad", "framework")]
-
-    def suggest(self, trial: optuna.trial.BaseTrial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
-        return self.Config(input_grad=self.choose(trial, "input_grad", space.choices[self.name]))
-
-    def apply(self, config: Config, recipe: Recipe) -> None:
-        if config.input_grad not in CHOICES:
-            raise ValueError(f"depthwise_conv.input_grad {config.input_grad!r}: write one of {', '.join(CHOICES)}")
-        if config.input_grad == "flipped":
-            recipe.model_transforms.append(flip_input_grad)

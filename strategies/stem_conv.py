@@ -24,19 +24,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
-import optuna
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
-from autotune.deploy.recipe import Recipe
-from autotune.deploy.space import SearchSpace
-from strategies.base import ReportKnob, Strategy
+from strategies.base import LayerSwap, swap_layers
 
-CHOICES = ("framework", "space_to_depth")
 MAX_IN_CHANNELS = 4
 CHANNEL_MULTIPLE = 8
 """The rearranged input's channels are zero-padded to a multiple of this, for Tensor Cores."""
@@ -131,43 +127,18 @@ class SpaceToDepthConv2d(nn.Conv2d):
 def space_to_depth(model: nn.Module) -> nn.Module:
     """Swap every eligible stem convolution of ``model`` to :class:`SpaceToDepthConv2d`, in place
     (the same module objects and parameters). Returns ``model``."""
-    for module in model.modules():
-        if eligible(module):
-            module.__class__ = SpaceToDepthConv2d
-    return model
+    return swap_layers(model, eligible, SpaceToDepthConv2d)
 
 
-class StemConv(Strategy):
+class StemConv(LayerSwap):
     """A stem convolution's formulation: the framework's, or space-to-depth."""
 
     name = "stem_conv"
     label = "stem convolution"
+    field, swapped, probe_key, words_swapped = "stem", "space_to_depth", "stem_convs", "stem space-to-depth"
+    transform = staticmethod(space_to_depth)
 
     @dataclass(kw_only=True, frozen=True)
     class Config:
         stem: str = "framework"
         """"framework" (the layer's own convolution) or "space_to_depth" (see the module's docstring)."""
-
-    def applies(self, space: SearchSpace) -> bool:
-        return len(space.choices.get(self.name, [])) > 1
-
-    def offer(self, options, device: str, probe: Mapping[str, Any], offered: Mapping[str, Any]) -> dict[str, Any]:
-        return {"choices": {self.name: list(CHOICES)}} if device == "cuda" and probe.get("stem_convs") else {}
-
-    def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
-        return {self.param("stem"): "framework"} if self.applies(space) else {}
-
-    def words(self, values: Mapping[str, Any]) -> str:
-        return "stem space-to-depth" if values.get("stem", "framework") == "space_to_depth" else ""
-
-    def report_knobs(self) -> list[ReportKnob]:
-        return [ReportKnob("stem_conv", self.label, self.name, "stem", "framework")]
-
-    def suggest(self, trial: optuna.trial.BaseTrial, space: SearchSpace, chosen: Mapping[str, Any]) -> Config:
-        return self.Config(stem=self.choose(trial, "stem", space.choices[self.name]))
-
-    def apply(self, config: Config, recipe: Recipe) -> None:
-        if config.stem not in CHOICES:
-            raise ValueError(f"stem_conv.stem {config.stem!r}: write one of {', '.join(CHOICES)}")
-        if config.stem == "space_to_depth":
-            recipe.model_transforms.append(space_to_depth)
