@@ -16,10 +16,10 @@ it queues those candidates once each, as steered trials of RULE, from the fastes
 measured, at the batch its measured step predicts fits where the eager memory probe sized it smaller
 (``start``: on the H100, 07cebda, hf:gpt2's CUDA graph at 64 sequences where its bar ran 48, 1.011x
 the hand-written loop at 64), and again from a larger batch of it, GrowToFit's, once that one is
-measured faster. The
-planner (autotune.search.planner) orders them by expected gain per second, from each move's prior (MOVES, LEVERS: what the knob gave elsewhere) until this search
-measures it. They are compiled like the bar and skip eager screening: a compiled configuration
-one knob away from a measured compiled one is ranked from it. A move (or a profile finding's remedy)
+measured faster. The planner (autotune.search.planner) orders them by expected gain per second, from
+each move's prior (MOVES, LEVERS: what the knob gave elsewhere) until this search measures it. They
+are compiled like the bar and skip eager screening: a compiled configuration one knob away from a
+measured compiled one is ranked from it. A move (or a profile finding's remedy)
 that beats the bar and every trial so far gets the other moves on top of it (``climb``): each move
 starts from the bar, so without it a side stream that beat ResNet-50's bar would never be tried in
 fp16, nor with its stem as space-to-depth (1.044x on top of it on the H100, h100-b11ebb1).
