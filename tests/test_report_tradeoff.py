@@ -7,6 +7,7 @@ and `autotune compare` of the H200 and CPU ResNet-50 runs."""
 from __future__ import annotations
 
 import html
+import itertools
 import json
 import re
 import shutil
@@ -190,3 +191,87 @@ def test_the_committed_reports_kernel_table_holds_the_cut_name(resnet):
     assert html.escape(longest[:60]) in profile
     assert html.escape(longest) not in re.sub(r'title="[^"]*"', "", profile)  # cut in the cell ...
     assert f'title="{html.escape(longest)}"' in profile  # ... whole on hover
+
+
+# --- each configuration's style in the trade-off plots (issue 58) -------------------------------------
+
+FOUR_SERIES = ROOT / "reports" / "gpus-speedup-h200-44trials" / "one"
+"""A committed study with fp32 and bf16 trials in both memory formats."""
+
+
+def _lab(color) -> tuple[float, float, float]:
+    """sRGB to CIELAB (D65), where the distance between two colours is roughly how far apart they look."""
+    from matplotlib.colors import to_rgb
+
+    def linear(u: float) -> float:
+        return u / 12.92 if u <= 0.04045 else ((u + 0.055) / 1.055) ** 2.4
+
+    r, g, b = (linear(u) for u in to_rgb(color))
+    xyz = ((0.4124 * r + 0.3576 * g + 0.1805 * b) / 0.95047, 0.2126 * r + 0.7152 * g + 0.0722 * b,
+           (0.0193 * r + 0.1192 * g + 0.9505 * b) / 1.08883)
+    fx, fy, fz = (t ** (1 / 3) if t > 0.008856 else 7.787 * t + 16 / 116 for t in xyz)
+    return 116 * fy - 16, 500 * (fx - fy), 200 * (fy - fz)
+
+
+def _marker(collection) -> str:
+    """The marker a scatter's PathCollection draws, read back from its path."""
+    import numpy as np
+    from matplotlib.markers import MarkerStyle
+
+    drawn = collection.get_paths()[0].vertices
+    for name in MarkerStyle.filled_markers + ("x",):
+        style = MarkerStyle(name)
+        path = style.get_path().transformed(style.get_transform())
+        if path.vertices.shape == drawn.shape and np.allclose(path.vertices, drawn):
+            return name
+    raise AssertionError("a marker none of matplotlib's")
+
+
+def test_each_configuration_in_a_tradeoff_plot_has_a_colour_and_marker_of_its_own(monkeypatch):
+    """Each series differs from every other in its marker, or in a colour the eye tells apart: at least 40
+    apart in CIELAB (fp32's slate and bf16's purple, 29.5 apart, read as one colour in the same circle)."""
+    import math
+
+    from matplotlib.colors import to_hex
+
+    from autotune.report import plots as report_plots
+    from autotune.report.data import collect
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.load_study(study_name=None, storage=f"sqlite:///{FOUR_SERIES / 'study.db'}")
+    data = collect(study, FOUR_SERIES, json.loads((FOUR_SERIES / "config.json").read_text()))
+    figures = {}
+    inline = report_plots.inline_svg
+
+    def keep(fig, name: str) -> str:
+        figures[name] = fig
+        return inline(fig, name)
+
+    monkeypatch.setattr(report_plots, "inline_svg", keep)
+    assert report_plots.plot_throughput_memory(data) is not None
+    series = {c.get_label(): (to_hex(c.get_facecolor()[0], keep_alpha=False), _marker(c))
+              for c in figures["throughput-memory"].axes[0].collections if not c.get_label().startswith("_")}
+    assert {"fp32, contiguous", "bf16, contiguous", "fp32, channels_last", "bf16, channels_last"} <= set(series)
+    assert len(set(series.values())) == len(series), series
+    for (a, (color_a, marker_a)), (b, (color_b, marker_b)) in itertools.combinations(series.items(), 2):
+        if marker_a == marker_b:
+            assert math.dist(_lab(color_a), _lab(color_b)) >= 40, (a, color_a, b, color_b)
+
+
+def test_series_styles_are_distinct_and_deterministic_for_any_number_of_series():
+    """Precision modes and memory formats beyond the palette's named ones (a future mode, torch's
+    channels_last_3d) still get pairs of their own, the same whatever order the trials came in."""
+    from autotune.report.plots import FORMAT_MARKERS, PRECISION_COLORS, SERIES_COLORS, SERIES_MARKERS, series_styles
+
+    modes = ["fp32", "tf32", "fp16", "bf16", "fp8", "mxfp8", "nvfp4", "fp6", "int8", "fp4"]
+    formats = ["contiguous", "channels_last", "channels_last_3d", "preserve_format"]
+    keys = [(m, f) for m in modes for f in formats]
+    styles = series_styles(keys)
+    assert set(styles) == set(keys)
+    assert len(set(styles.values())) == len(keys)  # 40 series, 40 pairs
+    assert series_styles(list(reversed(keys))) == styles
+    assert styles[("bf16", "contiguous")] == (PRECISION_COLORS["bf16"], FORMAT_MARKERS["contiguous"])
+    assert styles[("fp32", "channels_last")] == (PRECISION_COLORS["fp32"], FORMAT_MARKERS["channels_last"])
+    every = [(f"mode{i}", "contiguous") for i in range(len(SERIES_COLORS) * len(SERIES_MARKERS) + 5)]
+    crowded = series_styles(every)  # more series than pairs: each pair is used before any repeats
+    assert len(set(crowded.values())) == len(SERIES_COLORS) * len(SERIES_MARKERS)
