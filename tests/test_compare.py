@@ -228,6 +228,46 @@ def test_html_is_self_contained_and_markdown_has_the_tables(tmp_path):
     assert "| fp16 | 7.08x (6,367 samples/s) | 7.08x (6,367 samples/s) |" in md
 
 
+OLDER, NEWER = (ROOT / "reports" / "search-yield" / name / "resnet50-5m" for name in ("h200-b092e42", "h100-867eb8d"))
+"""The same ResNet-50 search at two commits: the newer config.json records knobs the older one had not."""
+
+
+def test_knobs_at_their_defaults_or_that_do_not_apply_are_no_difference(tmp_path):
+    """The older run lacks fp8_layers, llm_kernels and depthwise_conv; the newer one has them at their
+    defaults (fp8_layers applies to fp8 alone; both runs are bf16): none of them differs. The swapped stem
+    and the second CUDA stream do."""
+    c = compare([OLDER, NEWER], tmp_path / "cmp")
+    old, new = (_flat(_config(f)["knobs"]) for f in (OLDER, NEWER))
+    assert "fp8_layers.layers" not in old and new["fp8_layers.layers"] == "all"  # what the rows were made of
+    rows = _rows(c, "Knobs that differ")
+    assert rows == {"streams.num_streams": ["1", "2"], "stem_conv.stem": ["-", "space_to_depth"]}
+    assert set(c.differing_knobs) == set(rows)
+    md = c.markdown.read_text()
+    for knob in ("fp8_layers", "llm_kernels", "depthwise_conv", "activation_checkpointing"):
+        assert knob not in md
+
+
+def test_a_knob_differs_only_where_it_applies_and_a_missing_one_is_its_default():
+    from autotune.report.compare import DOES_NOT_APPLY, differing_knobs
+
+    bf16 = {"precision": {"mode": "bf16"}, "grad_scaler": {"enabled": False, "init_scale": 65536.0}}
+    older = {"precision": {"mode": "bf16"}}  # before grad_scaler and fp8_layers were recorded
+    fp16 = {"precision": {"mode": "fp16"}, "grad_scaler": {"enabled": True, "init_scale": 1024.0}}
+    fp8 = {"precision": {"mode": "fp8"}, "fp8_layers": {"layers": "feed-forward"}}
+    # a GradScaler's settings mean nothing without fp16, fp8_layers' nothing without fp8
+    assert differing_knobs([bf16, {**bf16, "grad_scaler": {"enabled": False, "init_scale": 1024.0}}]) == {}
+    assert differing_knobs([bf16, {**bf16, "fp8_layers": {"layers": "feed-forward"}}]) == {}
+    assert differing_knobs([older, {**bf16, "fp8_layers": {"layers": "all"}}]) == {}
+    assert differing_knobs([bf16, fp16]) == {
+        "precision.mode": ["bf16", "fp16"], "grad_scaler.enabled": [DOES_NOT_APPLY, True],
+        "grad_scaler.init_scale": [DOES_NOT_APPLY, 1024.0]}
+    assert differing_knobs([older, fp8]) == {"precision.mode": ["bf16", "fp8"],
+                                             "fp8_layers.layers": [DOES_NOT_APPLY, "feed-forward"]}
+    # missing, and the other run's value is not the default: a difference, shown as not recorded
+    assert differing_knobs([older, {**older, "stem_conv": {"stem": "space_to_depth"}}]) == {
+        "stem_conv.stem": [None, "space_to_depth"]}
+
+
 def _console_text(table) -> str:
     console = Console(width=200, record=True, file=io.StringIO())
     console.print(table)

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from rich.table import Table
 
+import strategies
 from autotune.errors import ConfigError
 from autotune.report.compare_render import (
     Row,
@@ -37,6 +38,8 @@ PRECISION_MODES = MODES
 """The precision modes the search knows, in the order the speed-up table lists them."""
 
 NOT_MEASURED = "not measured"
+DOES_NOT_APPLY = "n/a"
+"""A knob's value in a run it does not apply to (a GradScaler setting without fp16)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -48,7 +51,8 @@ class Comparison:
     """One column name per run (its folder name, numbered when two are alike)."""
     sections: list[Section]
     differing_knobs: dict[str, list[Any]]
-    """Knob field ("batch_size.batch_size") -> each run's value, only where the best configurations differ."""
+    """Knob field ("batch_size.batch_size") -> each run's value, only where the best configurations differ
+    (differing_knobs: a knob at its default in one run and not recorded in another is no difference)."""
     ratios: dict[str, list[float | None]]
     """"samples_per_s" / "peak_memory" -> each run's figure over the first run's."""
     precision_speedups: dict[str, list[float | None]]
@@ -164,11 +168,32 @@ def _flatten(knobs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def _differing_knobs(runs: list[Run]) -> dict[str, list[Any]]:
-    flat = [_flatten(r.best.knobs) for r in runs]
-    order: list[str] = []
-    for f in flat:
-        order += [k for k in f if k not in order]
-    return {k: [f.get(k) for f in flat] for k in order if any(f.get(k) != flat[0].get(k) for f in flat)}
+    return differing_knobs([r.best.knobs for r in runs])
+
+
+def _applies(name: str, knobs: Mapping[str, Mapping[str, Any]]) -> bool:
+    """Whether the knob ``name`` means something in a configuration (its recorded knobs), as its strategy
+    says of the fields it reports (ReportKnob.only: GradScaler settings only with fp16); a knob that
+    reports none, or that this autotune does not know, applies."""
+    strategy = strategies.BY_NAME.get(name)
+    reported = strategy.report_knobs() if strategy is not None else []
+    return not reported or any(knob.only(knobs) for knob in reported)
+
+
+def differing_knobs(configs: Sequence[Mapping[str, Mapping[str, Any]]]) -> dict[str, list[Any]]:
+    """Knob field ("batch_size.batch_size") -> each configuration's recorded value, for the fields in which
+    the configurations differ. A field a configuration does not record (written by an older autotune) is
+    compared as its untuned default, which is what ran (strategies.with_untuned), and shown as not recorded
+    (None); in a configuration a knob does not apply to (fp8_layers without fp8), it is DOES_NOT_APPLY."""
+    recorded = [_flatten(dict(c)) for c in configs]
+    ran = []
+    for config in configs:
+        knobs = strategies.with_untuned(config)
+        ran.append({f"{name}.{key}": value if _applies(name, knobs) else DOES_NOT_APPLY
+                    for name, values in knobs.items() for key, value in values.items()})
+    order = list(dict.fromkeys(k for f in recorded for k in f))
+    return {k: [DOES_NOT_APPLY if r.get(k) == DOES_NOT_APPLY else f.get(k) for f, r in zip(recorded, ran)]
+            for k in order if any(r.get(k) != ran[0].get(k) for r in ran)}
 
 
 def _ratios(runs: list[Run]) -> dict[str, list[float | None]]:
@@ -284,8 +309,9 @@ def _knob_section(runs: list[Run], differing: dict[str, list[Any]]) -> Section:
     for knob, values in differing.items():
         cells = [_value(v) for v in values]
         rows.append(Row(label=knob, cells=cells, marked=[c != cells[0] for c in cells]))
-    note = ("highlighted: differs from the first run" if rows
-            else "none: every knob is set the same in the best configurations")
+    note = (f"highlighted: differs from the first run; {MISSING}: not recorded by that run's autotune, which ran "
+            f"the knob's default; {DOES_NOT_APPLY}: the knob does not apply to that run's configuration" if rows
+            else "none: every knob that applies is set the same in the best configurations")
     return Section(title="Knobs that differ between the best configurations", rows=rows, note=note)
 
 
