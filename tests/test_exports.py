@@ -186,6 +186,94 @@ def test_lightning_export_of_a_gpu_config(gpu_cfg: TunedConfig, tmp_path: Path) 
     assert data["callback"]["applies"]["memory_format"] == "channels_last" and data["unsupported"] == unsupported
 
 
+def test_lightning_export_lists_no_layer_swap_since_its_callback_applies_every_model_transform(tmp_path: Path) -> None:
+    """Every layer-swapping knob (strategies.base.LayerSwap: the stem, the depthwise convolutions, any
+    added later) is a model transform of the recipe, which the callback applies: lightning.json leaves
+    it out of what it cannot express and names the transform, where the HF export lists it."""
+    import strategies
+    from strategies.base import LayerSwap
+
+    swaps = [s for s in strategies.REGISTRY if isinstance(s, LayerSwap)]
+    assert {s.name for s in swaps} >= {"stem_conv", "depthwise_conv"}
+    space = dataclasses.replace(GPU_SPACE, choices={s.name: list(s.choices) for s in swaps})
+    framework = {s.param(s.field): "framework" for s in swaps}
+    for knob in swaps:
+        setting = knob.param(knob.field)
+        cfg = TunedConfig.from_params({**GPU_PARAMS, **framework, setting: knob.swapped}, space)
+        files, unsupported = cfg.export("lightning", tmp_path / knob.name)
+        data = json.loads(files[0].read_text())
+        assert unsupported_settings(data["unsupported"]) == {"streams.num_streams", "optimizer.set_to_none"}, setting
+        transform = knob.transform
+        assert f"{transform.__module__}.{transform.__name__}" in data["callback"]["applies"]["model_transforms"]
+        assert setting in unsupported_settings(cfg.hf_training_args().unsupported)
+
+
+class SwapNet(nn.Module):
+    """A strided stem convolution and a depthwise one: what stem_conv and depthwise_conv swap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 4, stride=2, padding=1)
+        self.depthwise = nn.Conv2d(8, 8, 7, padding=3, groups=8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.adaptive_avg_pool2d(self.depthwise(torch.relu(self.stem(x))), 1).flatten(1))
+
+
+class RecipeReads:
+    """A recipe that records which of its fields are read."""
+
+    def __init__(self, recipe) -> None:
+        self.__dict__.update(recipe=recipe, names=set())
+
+    def __getattr__(self, name: str):
+        self.names.add(name)
+        return getattr(self.recipe, name)
+
+
+@pytest.mark.slow
+def test_lightning_callback_swaps_the_stem_and_depthwise_layers_and_applies_what_the_export_says() -> None:
+    """The callback in a real fit: the stem and depthwise convolutions swapped, nothing listed; the
+    recipe fields it reads are those the Lightning export counts as the callback's."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from autotune.deploy.exports import LIGHTNING_CALLBACK_FIELDS
+    from strategies.depthwise_conv import FlippedGradConv2d
+    from strategies.stem_conv import SpaceToDepthConv2d
+
+    space = SearchSpace(device="cpu", batch_sizes=[4], choices={"stem_conv": ["framework", "space_to_depth"],
+                                                                "depthwise_conv": ["framework", "flipped"]})
+    cfg = TunedConfig.from_params({"stem_conv.stem": "space_to_depth", "depthwise_conv.input_grad": "flipped"}, space)
+    exp = cfg.lightning()
+    assert exp.unsupported == []
+    reads = RecipeReads(exp.callback.recipe)
+    exp.callback.recipe = reads
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = SwapNet()
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    module = Module()
+    trainer = pl.Trainer(**exp.trainer_kwargs, max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 3, 16, 16), torch.randint(0, 4, (8,)))
+    trainer.fit(module, torch.utils.data.DataLoader(data, **exp.dataloader_kwargs))
+    assert trainer.global_step == 2
+    assert type(module.net.stem) is SpaceToDepthConv2d and type(module.net.depthwise) is FlippedGradConv2d
+    assert reads.names - {"device"} == LIGHTNING_CALLBACK_FIELDS
+
+
 # accelerate --------------------------------------------------------------------------------------
 
 ACCELERATE_SCRIPT = textwrap.dedent("""

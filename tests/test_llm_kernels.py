@@ -347,7 +347,8 @@ def test_hf_export_writes_one_liger_config_for_both_liger_knobs():
     fused = {"loss_kernel.kernel": "fused_linear"}
     for params, config in (({**LIGER}, {**layers, "fused_linear_cross_entropy": False}),
                            ({**LIGER, **fused}, {**layers, "fused_linear_cross_entropy": True}),
-                           (fused, {**off, "fused_linear_cross_entropy": True})):
+                           (fused, {**off, "geglu": False, "layer_norm": False, "relu_squared": False,
+                                    "fused_linear_cross_entropy": True})):
         kwargs, unsupported = _hf("hf:llama", params)
         assert kwargs["use_liger_kernel"] is True and kwargs["liger_kernel_config"] == config, params
         assert unsupported == [] and set(kwargs) <= set(transformers.TrainingArguments.__dataclass_fields__)
@@ -358,6 +359,10 @@ def test_hf_export_writes_one_liger_config_for_both_liger_knobs():
     assert "geglu" not in _hf("hf:gemma", LIGER)[0]["liger_kernel_config"]  # on: liger's default, as applied
     _, unsupported = _hf("hf:gpt2", LIGER)  # a type liger does not patch (never offered; a hand-made config)
     assert [u["setting"] for u in unsupported] == ["llm_kernels.kernels"]
+    # a model of your own: the Trainer patches only a transformers model of a type liger patches
+    kwargs, unsupported = _hf("my_models:small_llama", LIGER)
+    assert "use_liger_kernel" not in kwargs and [u["setting"] for u in unsupported] == ["llm_kernels.kernels"]
+    assert "strategies.llm_kernels.apply_liger(model)" in unsupported[0]["why"]
 
 
 def test_the_hf_export_says_where_the_trainers_own_liger_patch_fails_under_compile(monkeypatch):

@@ -351,14 +351,15 @@ def test_hf_export_turns_liger_s_fused_loss_on_and_the_others_say_how():
     transformers = pytest.importorskip("transformers")
     space = SearchSpace(device="cuda", precisions=["fp32", "bf16"], batch_sizes=[8],
                         choices={"loss_kernel": list(loss_kernel.KERNELS)})
-    for model, gap in (("hf:llama", False), ("hf:gpt2", loss_kernel.liger_patches("gpt2") is False)):
-        cfg = TunedConfig.from_params({"precision.mode": "bf16", **FUSED}, space, info={"workload": {"model": model}})
-        kwargs, unsupported = cfg.hf_training_args()
-        assert kwargs["use_liger_kernel"] is True
-        assert kwargs["liger_kernel_config"] == {"fused_linear_cross_entropy": True, "rms_norm": False, "rope": False,
-                                                 "swiglu": False, "cross_entropy": False}
-        assert set(kwargs) <= set(transformers.TrainingArguments.__dataclass_fields__)
-        assert [u["setting"] for u in unsupported] == (["loss_kernel.kernel"] if gap else [])
+    cfg = TunedConfig.from_params({"precision.mode": "bf16", **FUSED}, space, info={"workload": {"model": "hf:llama"}})
+    kwargs, unsupported = cfg.hf_training_args()
+    assert kwargs["use_liger_kernel"] is True and unsupported == []
+    assert {k: v for k, v in kwargs["liger_kernel_config"].items() if v} == {"fused_linear_cross_entropy": True}
+    assert set(kwargs) <= set(transformers.TrainingArguments.__dataclass_fields__)
+    # liger's transformers patch has no GPT-2, installed or not: the Trainer would leave its loss as it is
+    gpt2 = TunedConfig.from_params({"precision.mode": "bf16", **FUSED}, space, info={"workload": {"model": "hf:gpt2"}})
+    kwargs, unsupported = gpt2.hf_training_args()
+    assert "use_liger_kernel" not in kwargs and [u["setting"] for u in unsupported] == ["loss_kernel.kernel"]
     framework = TunedConfig.from_params({"precision.mode": "bf16", "loss_kernel.kernel": "framework"}, space)
     assert "use_liger_kernel" not in framework.hf_training_args()[0]
     why = next(u["why"] for u in cfg.accelerate_config().unsupported if u["setting"] == "loss_kernel.kernel")
@@ -366,6 +367,61 @@ def test_hf_export_turns_liger_s_fused_loss_on_and_the_others_say_how():
     from autotune.deploy.exports import lightning_settings
 
     assert "loss_kernel.kernel" in {u["setting"] for u in lightning_settings(cfg)["unsupported"]}
+
+
+def _hide_liger(monkeypatch) -> None:
+    """liger-kernel not importable in this process, as on a machine without it."""
+    for name in ["liger_kernel", *(n for n in sys.modules if n.startswith("liger_kernel."))]:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_the_hf_export_lists_the_fused_loss_where_the_trainer_cannot_apply_it_whatever_is_installed(
+        monkeypatch, tmp_path):
+    """TrainingArguments(use_liger_kernel=True) patches a transformers model of a type liger-kernel
+    patches, nothing else: the export of any other workload lists the fused loss, and the file is
+    the same with liger-kernel importable where it is written and without."""
+    space = SearchSpace(device="cuda", precisions=["fp32", "bf16"], batch_sizes=[8],
+                        choices={"loss_kernel": list(loss_kernel.KERNELS)})
+    workloads = ["my_models:small_gpt", None, "hf:gpt2", "hf:llama", "hf:gemma"]
+
+    def exported(folder):
+        out = {}
+        for model in workloads:
+            info = {"workload": {"model": model}} if model else {}
+            cfg = TunedConfig.from_params({"precision.mode": "bf16", **FUSED}, space, info=info)
+            files, _ = cfg.export("hf", tmp_path / folder / str(len(out)))
+            out[model] = json.loads(files[0].read_text())
+        return out
+
+    installed = exported("installed")
+    _hide_liger(monkeypatch)
+    assert loss_kernel.liger_problem() is not None
+    assert exported("hidden") == installed
+    for model in ("my_models:small_gpt", None, "hf:gpt2"):
+        data = installed[model]
+        assert [u["setting"] for u in data["unsupported"]] == ["loss_kernel.kernel"], model
+        assert "strategies.loss_kernel.fused_loss(model, loss_fn)" in data["unsupported"][0]["why"]
+        assert "use_liger_kernel" not in data["training_args"], model  # it would apply nothing
+    assert "not an hf: model" in installed["my_models:small_gpt"]["unsupported"][0]["why"]
+    for model in ("hf:llama", "hf:gemma"):
+        args = installed[model]["training_args"]
+        assert installed[model]["unsupported"] == [] and args["use_liger_kernel"] is True
+        # every layer switch named off: liger turns on what is left out (Gemma's GeGLU, unmeasured)
+        assert {k for k, v in args["liger_kernel_config"].items() if v} == {"fused_linear_cross_entropy"}
+    assert installed["hf:gemma"]["training_args"]["liger_kernel_config"]["geglu"] is False
+
+
+def test_the_model_types_the_hf_export_counts_on_are_patched_by_the_installed_liger():
+    """exports.LIGER_MODEL_TYPES against the liger-kernel installed here: each type has an apply
+    function that takes the fused loss's switch (the Trainer passes it only what it takes)."""
+    import inspect
+
+    patches = pytest.importorskip("liger_kernel.transformers.monkey_patch").MODEL_TYPE_TO_APPLY_LIGER_FN
+    from autotune.deploy.exports import LIGER_MODEL_TYPES
+
+    assert LIGER_MODEL_TYPES <= set(patches) and "gpt2" not in patches
+    for kind in LIGER_MODEL_TYPES:
+        assert "fused_linear_cross_entropy" in inspect.signature(patches[kind]).parameters, kind
 
 
 @pytest.mark.slow

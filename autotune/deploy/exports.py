@@ -14,10 +14,14 @@ objects (the Lightning callback), so autotune runs without them.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import strategies
+from autotune.deploy.recipe import Recipe
 from autotune.errors import ConfigError
+from autotune.workload.hub import HF_PREFIX, hub_name
 from strategies import activation_checkpointing as checkpointing
 from strategies import allocator
 
@@ -271,37 +275,65 @@ def hf_training_args(cfg: Any) -> HFExport:
     return HFExport(args, out)
 
 
+LIGER_MODEL_TYPES = frozenset({
+    "exaone4", "falcon_h1", "gemma", "gemma2", "gemma3", "gemma3_text", "gemma4_text", "glm4", "glm4v", "glm4v_moe",
+    "gpt_oss", "granite", "hunyuan_v1_dense", "hunyuan_v1_moe", "internvl", "llama", "llama4", "llama4_text", "llava",
+    "ministral", "mistral", "mixtral", "mllama", "mllama_text_model", "nemotron", "olmo2", "olmo3", "paligemma", "phi3",
+    "qwen2", "qwen2_5_vl", "qwen2_5_vl_text", "qwen2_vl", "qwen2_vl_text", "qwen3", "qwen3_5", "qwen3_5_moe",
+    "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next", "qwen3_vl", "qwen3_vl_moe", "qwen3_vl_moe_text",
+    "qwen3_vl_text", "smollm3", "smolvlm"})
+"""The transformers model types (``config.model_type``) whose layers and fused linear cross-entropy
+liger-kernel 0.8.0's transformers patch covers (its MODEL_TYPE_TO_APPLY_LIGER_FN): what
+``TrainingArguments(use_liger_kernel=True)`` can apply, and only to a transformers model of such a
+type. 0.8.0 is the oldest liger-kernel ``autotune[memory]`` accepts; later ones patch these too. Kept
+here rather than read from liger-kernel, so an export says the same wherever it is written."""
+
+
+def _liger_gap(setting: str, model: str, model_type: str | None) -> str:
+    """Why the Trainer's liger patch cannot carry ``setting`` for a workload of ``model``, and what to do."""
+    if model_type is None:
+        applied = "its fused loss (in the model's forward, from its labels)" if setting == "loss_kernel.kernel" \
+            else "its kernels"
+        tuned_on = f"{model}, not an hf: model" if model else "a workload config.json does not record"
+        head = (f"TrainingArguments(use_liger_kernel=True) applies liger-kernel's {applied} only to a transformers "
+                f"model of a type liger patches, and this configuration was tuned on {tuned_on}")
+    else:
+        left = "their loss" if setting == "loss_kernel.kernel" else "their layers"
+        head = (f"liger-kernel has no transformers patch for {model_type} models, so TrainingArguments("
+                f"use_liger_kernel=True) leaves {left} as they are")
+    if setting == "loss_kernel.kernel":
+        return (f"{head}: train with cfg.train_step, or a loop of your own with "
+                "loss_fn = strategies.loss_kernel.fused_loss(model, loss_fn)")
+    return f"{head}: bind liger's kernels with strategies.llm_kernels.apply_liger(model) before training"
+
+
 def hf_liger(cfg: Any, values: dict[str, dict[str, Any]], args: dict[str, Any]) -> list[dict[str, Any]]:
     """liger-kernel's transformers patch for the llm_kernels and loss_kernel knobs, which the Trainer
     applies with ``use_liger_kernel`` and one ``liger_kernel_config`` holding both knobs' switches
-    (into ``args``); what it cannot express: a model type liger does not patch."""
-    from strategies.llm_kernels import dynamo_fails_on_liger, hf_switches
-    from strategies.loss_kernel import hf_liger_config, liger_patches
+    (into ``args``) to an ``hf:`` model of a type in LIGER_MODEL_TYPES; for any other workload the
+    tuned values are listed instead, since the Trainer would leave its model and loss as they are."""
+    from strategies.llm_kernels import HF_SWITCHES, OTHER_SWITCHES, dynamo_fails_on_liger
+    from strategies.loss_kernel import hf_liger_config
 
     kernels, loss = values["llm_kernels"]["kernels"], values["loss_kernel"]["kernel"]
-    if kernels == "framework" and loss == "framework":
+    tuned = {s: v for s, v in (("loss_kernel.kernel", loss), ("llm_kernels.kernels", kernels)) if v != "framework"}
+    if not tuned:
         return []
     model = str((cfg.info.get("workload") or {}).get("model") or "")
-    model_type = model.split(":", 1)[1] if model.startswith("hf:") else None
-    args.update(use_liger_kernel=True, liger_kernel_config=hf_liger_config(loss, hf_switches(kernels, model_type)))
-    out = []
+    model_type = hub_name(model) if model.startswith(HF_PREFIX) else None
+    if model_type not in LIGER_MODEL_TYPES:
+        return [item(setting, value, _liger_gap(setting, model, model_type)) for setting, value in tuned.items()]
+    # liger turns on what is left out, so without its layers every layer switch is named off (the Trainer
+    # passes the type's apply function those it takes); with them, the others stay at liger's defaults
+    switches = ({s: True for s in HF_SWITCHES} if kernels != "framework"
+                else {s: False for s in HF_SWITCHES + OTHER_SWITCHES})
+    args.update(use_liger_kernel=True, liger_kernel_config=hf_liger_config(loss, switches))
     if kernels != "framework" and values["compile"]["mode"] != "off" and dynamo_fails_on_liger():
-        out.append(item("llm_kernels.kernels", kernels,
-                        "the Trainer applies liger's patch itself, without the graph break at each kernel that "
-                        "cfg.prepare adds: with torch_compile, this torch's TorchDynamo fails on liger's kernels "
-                        "(pytorch/pytorch#180642, fixed in 2.12): train with cfg.prepare, or torch 2.12 or later"))
-    if model_type is None or liger_patches(model_type) is not False:
-        return out
-    if loss != "framework":
-        out.append(item("loss_kernel.kernel", loss,
-                        f"liger-kernel has no transformers patch for {model_type} models, so TrainingArguments("
-                        "use_liger_kernel=True) leaves their loss as it is: train with cfg.train_step, or a loop of "
-                        "your own with loss_fn = strategies.loss_kernel.fused_loss(model, loss_fn)"))
-    if kernels != "framework":
-        out.append(item("llm_kernels.kernels", kernels, f"liger-kernel has no transformers patch for {model_type} "
-                                                        "models: TrainingArguments(use_liger_kernel=True) leaves "
-                                                        "their layers as they are"))
-    return out
+        return [item("llm_kernels.kernels", kernels,
+                     "the Trainer applies liger's patch itself, without the graph break at each kernel that "
+                     "cfg.prepare adds: with torch_compile, this torch's TorchDynamo fails on liger's kernels "
+                     "(pytorch/pytorch#180642, fixed in 2.12): train with cfg.prepare, or torch 2.12 or later")]
+    return []
 
 
 # accelerate --------------------------------------------------------------------------------------
@@ -362,11 +394,49 @@ def yaml_text(config: dict[str, Any], unsupported_items: list[dict[str, Any]]) -
 LIGHTNING_PRECISION = {"fp32": "32-true", "tf32": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed",
                        "fp8": "bf16-mixed"}
 
-# what the callback (autotune.deploy.lightning_callback.AutotuneCallback) applies itself, and so
-# is no gap of the Lightning export; cudnn.benchmark is also the Trainer's own benchmark flag
-LIGHTNING_CALLBACK_SETTINGS = {"memory_format.format", "channel_alignment.multiple", "fp32_layers.layers",
-                               "cudnn.benchmark", "threads.num_threads", "precision.mode",
-                               "activation_checkpointing.every", "compile.mode", "llm_kernels.kernels"}
+LIGHTNING_CALLBACK_FIELDS = frozenset({"backend_flags", "model_transforms", "memory_format", "compile_mode",
+                                       "optimizer_implementation", "grad_scaler"})
+"""The Recipe fields the callback (autotune.deploy.lightning_callback.AutotuneCallback) applies; with
+model_transforms, every transform of any knob, so a knob that changes the model's layers is no gap."""
+LIGHTNING_TRAINER_FIELDS = frozenset({"device", "autocast_dtype", "batch_size", "accumulation_steps",
+                                      "base_batch_size", "dataloader", "ddp", "ddp_world_size", "llm_kernels", "notes"})
+"""The Recipe fields the rest of the Lightning export carries: the Trainer's accelerator, precision,
+accumulation and DDPStrategy, the DataLoader's keyword arguments. ``llm_kernels`` only tells a step
+that its first call compiles liger's kernels (a model transform applies them); notes are advice."""
+
+
+def _comparable(value: Any) -> Any:
+    """A recipe field as a value two builds agree on: a functools.partial as its function and arguments."""
+    if isinstance(value, list):
+        return [(v.func, v.args, v.keywords) if isinstance(v, functools.partial) else v for v in value]
+    return value
+
+
+def recipe_fields(cfg: Any, setting: str) -> set[str]:
+    """The Recipe fields a tuned ``setting`` ("knob.field") changes: ``cfg``'s recipe against the one
+    built with that field at its untuned value and every other knob as tuned."""
+    name, field = setting.split(".", 1)
+    strategy = strategies.BY_NAME[name]
+    knobs = dict(cfg.knobs)
+    untuned = dataclasses.replace(knobs.get(name, strategy.default()), **{field: getattr(strategy.default(), field)})
+    device = cfg.recipe.device
+    tuned, without = strategies.build_recipe(cfg.knobs, device), strategies.build_recipe({**knobs, name: untuned}, device)
+    return {f.name for f in dataclasses.fields(Recipe)
+            if _comparable(getattr(tuned, f.name)) != _comparable(getattr(without, f.name))}
+
+
+def lightning_unsupported(cfg: Any) -> list[dict[str, Any]]:
+    """The tuned settings the Lightning export cannot express: those that change a Recipe field that
+    neither the callback nor the Trainer's flags carry (what recipe_fields finds, not a list of knobs)."""
+    carried = LIGHTNING_CALLBACK_FIELDS | LIGHTNING_TRAINER_FIELDS
+    return [u for u in _common_unsupported(knob_values(cfg), "Lightning")
+            if not recipe_fields(cfg, u["setting"]) <= carried]
+
+
+def _transform_name(transform: Any) -> str:
+    """A model transform's function by its dotted name ("strategies.stem_conv.space_to_depth")."""
+    func = getattr(transform, "func", transform)
+    return f"{func.__module__}.{func.__qualname__}"
 
 
 def lightning_settings(cfg: Any) -> dict[str, Any]:
@@ -391,12 +461,13 @@ def lightning_settings(cfg: Any) -> dict[str, Any]:
                "optimizer.implementation": values["optimizer"]["implementation"],
                "activation_checkpointing.every": values["activation_checkpointing"]["every"],
                "llm_kernels.kernels": values["llm_kernels"]["kernels"],
+               "model_transforms": [_transform_name(t) for t in recipe.model_transforms],
                "grad_scaler": dict(recipe.grad_scaler) if recipe.grad_scaler is not None else None}
     return {"precision": trainer["precision"], "trainer": trainer,
             "strategy": {"class": "lightning.pytorch.strategies.DDPStrategy", "kwargs": ddp} if ddp else None,
             "callback": {"class": "autotune.deploy.lightning_callback.AutotuneCallback", "applies": applies},
             "dataloader": {"batch_size": cfg.batch_size, **cfg.dataloader_kwargs()},
-            "unsupported": unsupported(cfg, "Lightning", expressed=LIGHTNING_CALLBACK_SETTINGS),
+            "unsupported": lightning_unsupported(cfg),
             "usage": "exp = autotune.load(CONFIG).lightning(); "
                      "trainer = lightning.Trainer(**exp.trainer_kwargs, max_epochs=...); "
                      "DataLoader(dataset, **exp.dataloader_kwargs)"}

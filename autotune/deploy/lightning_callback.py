@@ -57,10 +57,12 @@ def set_implementation(optimizer: torch.optim.Optimizer, implementation: str) ->
 
 
 class AutotuneCallback(pl.Callback):
-    """Applies a tuned recipe's settings that the Trainer has no flag for: the backend switches
-    (TF32 or true FP32, cudnn.benchmark, threads), channel padding and FP32 layers, the memory
-    format (parameters, and 4-D inputs of the LightningModule's forward), torch.compile of the
-    LightningModule in place, the optimizer implementation and fp16's GradScaler settings.
+    """Applies a tuned recipe's settings that the Trainer has no flag for (the Recipe fields
+    exports.LIGHTNING_CALLBACK_FIELDS names): the backend switches (TF32 or true FP32,
+    cudnn.benchmark, threads), every model transform (channel padding, FP32 layers, swapped layers,
+    ...), the memory format (parameters, and 4-D inputs of the LightningModule's forward),
+    torch.compile of the LightningModule in place, the optimizer implementation and fp16's
+    GradScaler settings.
 
     The compile and the input conversion act on the LightningModule's own ``forward`` (``self(x)``
     in ``training_step``); a channels_last model's convolutions run channels_last either way.
