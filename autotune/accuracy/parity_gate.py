@@ -56,6 +56,9 @@ MIN_BATCH = 4
 """The smallest batch a plan halves the check's batch to."""
 RESERVE_MARGIN = 1.2
 """The trials leave the recommendation's verdict this multiple of its planned seconds, and MIN_CHECK_S."""
+OVERRUN = 3.0
+"""A check started while trials run may take this multiple of its estimate (a busy machine's pace) before
+it is cut, within the budget: the seconds past the share come out of the trials."""
 BUILDS = 2
 """A parity worker's set-up besides its start, in model builds: it builds the model once and copies
 it for each run (autotune.accuracy.check.seeded_workload); the second is the data and the copies."""
@@ -257,17 +260,24 @@ class ParityGate(AccuracyGate):
             self.leads = False
 
     def _timeout(self, timeout_s: float | None, within_share: bool) -> float | None:
-        """Within the share always; while trials run, one check's seconds are kept for the end."""
+        """How long the next check may take (``timeout_s``: what the budget's end leaves it); None: it is
+        not started. The share decides which checks start: while trials run, one whose estimate the
+        share's rest (less one check's seconds kept for the end) holds; at the end, the recommendation's
+        whatever the share has left, since the stop rule kept its seconds (verdict_reserve_s). A started
+        check is cut by the budget's end only, never by the share's: on a machine slower than its plan
+        the overrun comes out of the trials, and the verdict is not lost for a few seconds."""
         timeout = timeout_s or self.timeout_s
         if self.budget_s is None:
             return timeout
-        keep = self._keep_s(self.study) if self.study is not None else 0.0
-        left = self.share * self.budget_s - self.spent_s - keep
-        # a check that the share's end (or the budget's) would cut is time taken from the trials for
-        # nothing: on the H100 a 1B Llama's check of the plain recipe was given 8 s, planned at 12
         need = max(MIN_CHECK_S, self.estimate_s(self.study) if self.study is not None else 0.0)
-        timeout = min(timeout, left)
-        return timeout if timeout >= need else None
+        if timeout < need:
+            return None  # the budget's end would cut it: its seconds would be the trials' for nothing
+        if self.final:
+            return timeout
+        keep = self._keep_s(self.study) if self.study is not None else 0.0
+        if self.share * self.budget_s - self.spent_s - keep < need:
+            return None
+        return min(timeout, OVERRUN * need)
 
     def _first_verdict_fits(self, study) -> bool:
         if self.budget_s is None or self._reference(study) is not None:
@@ -283,19 +293,17 @@ class ParityGate(AccuracyGate):
 
     def verdict_reserve_s(self, study) -> float:
         """Seconds the trials leave for the recommendation's verdict: one check's, where the best
-        trial so far has none and the share still holds one; 0 otherwise."""
+        trial so far has none and can be checked; 0 otherwise."""
         plan = study.user_attrs.get(PLAN_ATTR) or {}
         if self.budget_s is None or plan.get("method") != METHOD or not plan.get("fits", True) or self.unavailable:
             return 0.0
         best = self._best(study)
-        if best is None or accuracy_of(study, best) is not None:
+        if best is None or accuracy_of(study, best) is not None or unfit(study, self.settings, TrialRecord.of(best).knobs):
             return 0.0
-        need = self.estimate_s(study)
-        if self.spent_s + need > self.share * self.budget_s:
-            return 0.0
-        # a trial ends a few seconds past its estimate: on a 2-core CPU a 4-minute search's last trial
-        # left 30 s for a first verdict planned at 34 s, and the recommendation went unchecked
-        return RESERVE_MARGIN * need + MIN_CHECK_S
+        # kept whether or not the share still holds it: the verdict is planned first, and a search
+        # whose checks ran slower than planned gives up trials for it, not the recommendation's verdict;
+        # a trial ends a few seconds past its estimate, hence the margin
+        return RESERVE_MARGIN * self.estimate_s(study) + MIN_CHECK_S
 
     @staticmethod
     def _best(study):
