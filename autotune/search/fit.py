@@ -26,17 +26,15 @@ from autotune.trial.runner import run_worker
 PROBE_BATCHES = (1, 8)
 """Batches the memory probe steps at, up to the first that does not fit: far enough apart that
 their peaks' slope is a sample's activations, not the allocator's rounding. Two: each new batch is
-new shapes, which cudnn.benchmark times afresh for every convolution. On the H200 ResNet-50's probe
-at 1, 2, 4 and 8 took 29.3 s of a 5 min budget (the 1B Llama's, without convolutions, 3.5 s). Where
+new shapes, which cudnn.benchmark times afresh for every convolution (a convolutional model's probe at
+four batches took a tenth of a 5-minute budget). Where
 a batch does not fit, the probe also measures what the forward keeps at the smallest batch and at twice
 the largest that fit (memory_fit.forward_held): near the limit the smaller batch's peak is the
 optimizer's phase, and the peaks' slope says too little about a sample.
 
-cudnn.benchmark stays on, as in the plain recipe the probe sizes. On the H100 (scripts/memory_probe_bench.py)
-turning it off cut ResNet-50's two batches from 13.4 s to 0.8 s and ConvNeXt-T's from 9.8 to 4.5,
-but their line then put the peak at batch 256 3.3% and 1.6% under the measured one; with it on, 2.5%
-and 3.9% over: a trial sized by it fits. Those searches ended early by the stop rule, so the
-seconds would not have bought a trial."""
+cudnn.benchmark stays on, as in the plain recipe the probe sizes: off, the probe is faster, but its
+line puts the peak under the measured one (other algorithms, other workspaces), and a trial sized by
+it may not fit; on, the line is a little over it (scripts/memory_probe_bench.py measures both)."""
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,7 @@ class SearchConfig:
     then the micro-batch (a divisor of it), and gradient accumulation makes up the rest."""
     memory_limit: int | str | None = None
     """--memory-limit: every worker caps its GPU memory at this many bytes ("24GiB" is parsed), what
-    lives outside PyTorch's allocator included, so an H200 tunes for a 24 GB card's memory."""
+    lives outside PyTorch's allocator included, so a large GPU tunes for a smaller card's memory."""
     memory_headroom: int | str | None = None
     """--memory-headroom: leave this much of the GPU's memory free (for other processes)."""
     resume: bool = False
@@ -248,7 +248,8 @@ def parse_duration(text: str) -> float:
 
 
 def device_slug(provenance: dict[str, Any], device: str) -> str:
-    """'NVIDIA H200' -> 'h200'; the CPU -> 'cpu'."""
+    """The GPU's name without "NVIDIA" and "GeForce", in lower case, other characters as '-'; the CPU ->
+    'cpu'."""
     if device != "cuda":
         return "cpu"
     name = provenance.get("gpu", "gpu").lower().replace("nvidia", "").replace("geforce", "")
