@@ -55,8 +55,8 @@ data, steps, seed, device, torch), and with them a check costs its own run and o
 reference's first gradients are not kept across searches). Within a search they are kept, sampled
 (GRAD_SAMPLE elements of a tensor at most, the same ones in every run), in a file of the run's, and a
 later check takes no FP32 step. A configuration whose first gradients are already out of band fails
-whatever its other steps do: its run stops after its first step (on the H100 fp8 on every layer of a
-1B Llama failed so, and its 20 other steps took 9.07 s of a 45 s accuracy share).
+whatever its other steps do: its run stops after its first step, rather than spend the accuracy
+share on steps that cannot change its verdict.
 """
 
 from __future__ import annotations
@@ -95,8 +95,8 @@ from autotune.accuracy.settings import MIN_STEPS, AccuracySettings
 RUN_PHASES: list[dict[str, Any]] = []
 """This worker's runs, each one's seconds by phase (its build, the calibration's perturbation, the first
 step with its gradients kept or compared, the other steps), with the steps it ran and whether it stopped
-on its first gradients: what a check's seconds went to, returned by run_parity. On the H100 a 1B
-Llama's FP32 reference took about 40 s where 21.7 were planned."""
+on its first gradients: what a check's seconds went to, returned by run_parity (a reference can take
+twice what was planned for it, and this says where)."""
 FORMAT = 5
 """Part of the reference's cache key: bumped when what a parity reference holds changes (3: an hf:
 model's initial weights are drawn on the device it trains on; 4: on a GPU it steps with fused AdamW;
@@ -215,9 +215,8 @@ def _one_run(spec, recipe, settings: ParitySettings, data, *, steps: int, refere
     step's loss, and the first step's gradients (kept, or compared with ``reference_grads``). Stops
     at the first NaN/Inf loss, and, given the reference's ``calibration`` (a configuration's run, never
     the reference's or the calibration's own), after the first step where its gradients are already out
-    of band (``stopped``: "gradients"): the verdict is then "violated" whatever the other steps do. On
-    the H100 fp8 on every layer of a 1B Llama failed on its first gradients (4.75 s), and its 20 steps
-    after them took 9.07 s of the search's 45 s accuracy share."""
+    of band (``stopped``: "gradients"): the verdict is then "violated" whatever the other steps do, and
+    the steps after them would take the accuracy share for nothing."""
     import torch
 
     from autotune.accuracy.check import seeded_workload, to_device, without_dropout
@@ -237,8 +236,8 @@ def _one_run(spec, recipe, settings: ParitySettings, data, *, steps: int, refere
     names = {id(p): n for n, p in workload.model.named_parameters()}
     built = time.perf_counter()
     if perturb:
-        # on the card: a copy of the cached build is on the host, where the 1B Llama's draws took 9 s
-        # of the H100's FP32 reference worker (44 s), and the parameters go to the card anyway
+        # on the card: a copy of the cached build is on the host, where a large model's draws take
+        # seconds, and the parameters go to the card anyway
         perturb_weights(workload.model.to(recipe.device), settings.seed)
     perturbed = stepped = time.perf_counter()
     with backend_flags(recipe.backend_flags):
@@ -385,8 +384,7 @@ def run_parity(request: Mapping[str, Any]) -> dict[str, Any]:
     "result": ParityResult dict (None for the reference alone), "reference": the reference (trained
     here, or the one given), "runs": RUN_PHASES, "in_worker_s": this function's seconds}. The check's
     seconds less ``in_worker_s`` are the worker's start, hand-over and exit; ``in_worker_s`` less the
-    runs' phases, its set-up (memory cap, data): on the H100 the 1B Llama's FP32 reference took 44.4 s,
-    26.9 of them in its runs' phases."""
+    runs' phases, its set-up (memory cap, data)."""
     from autotune.workload.models import WorkloadSpec
 
     entered = time.perf_counter()

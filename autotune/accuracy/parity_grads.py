@@ -11,12 +11,11 @@ from typing import Any, Mapping
 SUMS_CHUNK = 1 << 22
 """Elements a gradient's figures are summed over at a time (tensor_sums): 32 MiB of FP64 a copy."""
 GRAD_SAMPLE = 1 << 14
-"""Elements of a parameter's first gradient that are kept and compared where it has more
-(sample_indices): drawn at random, the same ones in every run of a check. Kept whole, a 1B Llama's
-reference gradients were 4.9 GB: copied to the host in 3.3 s of the H100's FP32 reference run (about
-1.5 GB/s), and not kept for later checks, each of which took an FP32 step again for them (5.2 s of a
-24 s check). A sample of 16,384 elements estimates a tensor's relative error to about 1% of itself
-where the error is spread over the tensor (its spread falls as one over the square root of the
+"""Elements of a parameter's first gradient that are kept and compared where it has more (sample_indices):
+drawn at random, the same ones in every run of a check. Kept whole, a large model's reference gradients take
+gigabytes and seconds to copy to the host, too much to keep for later checks, each of which would then take
+an FP32 step again for them. A sample of 16,384 elements estimates a tensor's relative error to about 1% of
+itself where the error is spread over the tensor (its spread falls as one over the square root of the
 sample: tests/test_parity.py measures it); the tensor's finiteness is checked whole."""
 
 
