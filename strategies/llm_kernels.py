@@ -36,8 +36,8 @@ How it composes:
 
 * torch.compile: each of liger's kernels is a graph break: it runs as in eager mode, and the compiled
   graphs end before it and start after it. Traced by TorchDynamo, liger's autograd Functions (their
-  forwards set attributes on ``ctx`` and write their outputs in place with Triton kernels) failed on
-  an H100 with torch 2.11: its rewritten autograd.Function tracing (pytorch/pytorch#166788) raised an
+  forwards set attributes on ``ctx`` and write their outputs in place with Triton kernels) failed with
+  torch 2.11: its rewritten autograd.Function tracing (pytorch/pytorch#166788) raised an
   AssertionError (overwrite_tensor_vt_proxy) at the first LigerRMSNorm of a compiled tiny Llama, and
   the same rewrite computes wrong gradients for forwards that write in place (#180642, fixed in 2.12
   by #180921). So :func:`apply_liger` wraps each forward it binds, and liger's RoPE in transformers'
