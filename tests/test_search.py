@@ -32,7 +32,8 @@ def _study(out):
 
 
 def _train_through_config(path, steps=8):
-    """What the README's training loop does, on a tiny model."""
+    """The README's loop's calls (load, prepare, grad_scaler, loader, autocast) on a tiny model and one
+    batch repeated; tests/test_readme.py runs the README's loop itself, as written."""
     cfg = autotune.load(path)
     torch.manual_seed(0)
     model = __import__("fake_models").tiny_cnn(10)
