@@ -214,8 +214,8 @@ def _command_line(args: argparse.Namespace) -> str:
 
 
 def _prestart_probe(args: argparse.Namespace) -> None:
-    """Start the search's probe worker now, under the GPUs it will see: its imports (torch: 4 s
-    on an H200 machine) then run while this process imports torch for its own checks. A search
+    """Start the search's probe worker now, under the GPUs it will see: its imports (torch: seconds)
+    then run while this process imports torch for its own checks. A search
     refused by those checks kills it on exit (autotune.trial.runner.discard_spares)."""
     from autotune.errors import ConfigError
     from autotune.trial.gpus import parse_gpus, pinned, probe_view

@@ -2,19 +2,17 @@
 
 A depthwise convolution (one filter a channel: ``groups == in_channels == out_channels``, ConvNeXt's
 7x7, MobileNet's and EfficientNet's 3x3 and 5x5) is memory-bound, and cuDNN's backward-data kernel
-for it is slower than its forward kernel on the same shapes. On the H100 (reports/search-yield/
-h100-ec835cb, the plain recipe's profile) timm's ConvNeXt-T at batch 768 in bf16 channels_last spent
-28.7 ms a step in the 18 depthwise convolutions' backward-data kernel (``dgrad2d_c1_k1_nhwc_specialized``)
-against 13.3 ms in their forward (``conv2d_c1_k1_nhwc_specialized``): 14.6% of the step against 6.8%.
+for it is slower than its forward kernel on the same shapes (a profile's ``dgrad2d`` against its
+``conv2d`` kernels; reports/measurement-log.md has the figures).
 
 For stride 1 and dilation 1 the input's gradient is itself a depthwise convolution: the output's
 gradient convolved with each filter turned by 180 degrees, padded by ``kernel - 1 - padding``. With
 ``input_grad="flipped"`` the eligible layers compute it so, with the forward kernel; the weight's and
 the bias's gradients stay the framework's (``aten.convolution_backward`` for the weight alone). The
 result is the same sum taken in another order: equal up to rounding, which the accuracy check compares
-with FP32 as it does a precision. On the H100 torchvision's ConvNeXt-T's compiled plain-recipe step ran
-1.072x faster with it at batch 256 and 1.077x at 768 (reports/depthwise-h100, scripts/depthwise_bench.py):
-the planner's prior for the move. Whether it pays on another model is that model's trial to measure.
+with FP32 as it does a precision. What the move is hoped to give before a trial measures it is the
+priors table's row (autotune.search.priors, measured by scripts/depthwise_bench.py); whether it pays on
+a model is that model's trial to measure.
 
 Eligible: exact ``nn.Conv2d`` modules with ``groups == in_channels == out_channels``, stride 1,
 dilation 1, zero padding of at most ``kernel - 1`` on each side (``padding="same"`` included). The
