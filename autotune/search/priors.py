@@ -6,9 +6,10 @@ memory model (autotune.search.memory), the cost of a trial (autotune.search.wall
 screening (autotune.search.screening). Each row is one belief: the knob (an Optuna parameter, or the
 quantity it is about), the knob's value it concerns, which quantity it gives, the number, what the
 number means, and ``source``: the report under reports/ it was measured in, with the GPU it was
-measured on. A row that no run measured says so in ``means`` and points at the section of
-reports/measurement-log.md that says where it comes from. A search's own measurements replace these
-as it makes them: a prior is what the planner goes by until then.
+measured on. A row measured outside a report folder (a benchmark script's run), or not measured at
+all (``means`` then says so), points at the section of reports/measurement-log.md that says where it
+comes from. A search's own measurements replace these as it makes them: a prior is what the planner
+goes by until then.
 
 To change a belief, change its row and its source together; the tests check that every source
 exists.
