@@ -225,18 +225,6 @@ def apply_liger(model: nn.Module) -> nn.Module:
     return model
 
 
-def hf_switches(kernels: str, kind: str | None) -> dict[str, bool]:
-    """This knob's switches of TrainingArguments' ``liger_kernel_config`` for a model of type ``kind``:
-    with "liger", RoPE, RMSNorm and SwiGLU on and the type's other layer switches left to liger's
-    defaults (what :func:`apply_liger` applies); with "framework", every layer switch the type's apply
-    function takes off, since liger turns on what is left out (Gemma's GeGLU with a fused loss alone)."""
-    if kernels == "liger":
-        return {switch: True for switch in HF_SWITCHES}
-    apply = apply_function(kind)
-    parameters = inspect.signature(apply).parameters if apply is not None else {}
-    return {switch: False for switch in HF_SWITCHES + tuple(s for s in OTHER_SWITCHES if s in parameters)}
-
-
 def probe(model: nn.Module, *, device: str) -> dict[str, Any] | None:
     """What the offer needs to know (the probe's ``llm_kernels``): None for a model without a
     transformers model in it; else ``{"model_type", "reason"}``, reason None where liger's kernels
