@@ -253,6 +253,17 @@ def cmd_search(args: argparse.Namespace) -> int:
     from autotune.trial.measure import MeasureSettings
 
     spec = _workload_spec(args)
+    measure = None
+    if args.min_measure_time is not None:  # replace() validates it: a typo like 0 or -1 gets a clear error
+        import dataclasses
+
+        from autotune.search.options import resolve_device
+
+        try:
+            measure = dataclasses.replace(MeasureSettings.for_device(resolve_device(args.device)),
+                                          min_time_s=args.min_measure_time)
+        except ValueError as exc:
+            raise ConfigError(f"--min-measure-time {args.min_measure_time:g}: {exc}") from None
     config = SearchConfig(
         workload=spec, device=args.device, out_dir=args.out, storage=args.storage, study_name=args.study_name,
         trials=args.trials, budget_s=parse_duration(args.budget) if args.budget else None,
@@ -261,7 +272,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         precisions=[m.strip() for m in args.precisions.split(",")] if args.precisions else None,
         input_on_device=args.input_on_device, compile=args.compile, profile=args.profile, steer=args.steer,
         early_stop_below=args.early_stop_below, started_at=getattr(args, "started_at", None),
-        objective=args.objective,
+        objective=args.objective, measure=measure,
         seed=args.seed, gpus=args.gpus, ddp=args.ddp, replay=args.replay, resume=args.resume,
         memory_limit=args.memory_limit, memory_headroom=args.memory_headroom,
         global_batch_size=args.global_batch_size,
@@ -271,17 +282,6 @@ def cmd_search(args: argparse.Namespace) -> int:
         accuracy_share=args.accuracy_share, accuracy_method=args.accuracy_method,
         mlflow=args.mlflow,
     )
-    if args.min_measure_time is not None:
-        import dataclasses
-
-        from autotune.search.options import resolve_device
-
-        # replace() validates the new value (a typo like 0 or -1 gets a clear error)
-        try:
-            config.measure = dataclasses.replace(MeasureSettings.for_device(resolve_device(args.device)),
-                                                 min_time_s=args.min_measure_time)
-        except ValueError as exc:
-            raise ConfigError(f"--min-measure-time {args.min_measure_time:g}: {exc}") from None
     view = SearchView(config)
     try:
         result = run_search(config, on_event=view)

@@ -69,7 +69,7 @@ def probe_fit(config: SearchConfig, device: str, space: SearchSpace, info: dict[
     eager = {**params, "compile.mode": "off"} if "compile.mode" in params else params
     knobs = strategies.knobs_of(eager, space)
     request = {"mode": "memory", "space": space.to_dict(), "knobs": knobs, "workload": config.workload.to_dict(),
-               "measure": (config.measure.to_dict() if config.measure else {}), "seed": config.seed,
+               "measure": config.measure_settings(device).to_dict(), "seed": config.seed,
                "batches": list(PROBE_BATCHES), **({"memory_limit_bytes": limit} if limit else {})}
     result = run_worker(request, timeout_s=config.trial_timeout_s, spare=spare)
     if result.get("status") != "ok":
@@ -90,12 +90,11 @@ def probe_fit(config: SearchConfig, device: str, space: SearchSpace, info: dict[
 
 
 def widen_to_fit(config: SearchConfig, space: SearchSpace, fit: Fit | None) -> bool:
-    """Where the base batch does not fit and the user set no --min-batch-size, search from batch 1
-    (the caller rebuilds the space); says so in one line, with how the user's batch is kept.
-    Returns whether the range changed."""
+    """Whether, the base batch not fitting and the user having set no --min-batch-size, the batches
+    from 1 are searched (the caller builds that space); says so in one line, with how the user's batch
+    is kept."""
     if fit is None or fit.base_fits or config.min_batch_size is not None or config.batch_size:
         return False
-    config.min_batch_size = 1
     predicted = fit.model().prior_predict({"precision": {"mode": plain_recipe.precision(space)}},
                                           space.base_batch_size)
     need = f" (about {gib(predicted)} of {gib(fit.limit_bytes)})" if predicted else ""
