@@ -202,7 +202,8 @@ class _FastButBrokenUnderAutocast(nn.Module):
     """Logits offset by 2**16 in the head's bias: softmax ignores a common offset, so FP32 trains
     normally, but a bf16/fp16 head rounds logits to steps of 512 and learns nothing, unless
     fp32_layers keeps the head in FP32. Slower without autocast at every batch size, so the
-    broken configurations are the fastest ones a search sees."""
+    broken configurations are the fastest ones a search sees where the CPU's bf16 is fast (on a busy
+    or bf16-poor CPU they may not be)."""
 
     def __init__(self, num_classes: int) -> None:
         super().__init__()
