@@ -1,7 +1,8 @@
 """The config carries its compile (autotune.deploy.compile_cache): a compiled configuration's
 compile-cache.zip, saved where it compiled, makes the first compiled step of a fresh process with an
 empty Inductor cache load its graphs and kernels instead of compiling them; a foreign or corrupt
-archive is refused in one line and the step compiles as without it.
+archive is refused in one line and the step compiles as without it; a search keeps the
+recommendation's archive beside config.json and no other.
 
 The timed tests run each first step in a fresh process (as a user's restart is), from
 ``cfg.prepare`` (which loads the archive) to the first step's end.
@@ -17,13 +18,17 @@ import warnings
 import zipfile
 from pathlib import Path
 
+import optuna
 import pytest
 import torch
 
 from autotune.deploy import compile_cache
 from autotune.deploy.config import TunedConfig
 from autotune.deploy.space import SearchSpace
-from conftest import subprocess_env
+from autotune.search.outputs import compile_archive_name, keep_compile_cache, prune_compile_archives
+from conftest import measured, run_cli, subprocess_env
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 CPU_SPACE = SearchSpace(device="cpu", batch_sizes=[8], base_batch_size=8, compile_modes=["off", "default"])
 GPU_SPACE = SearchSpace(device="cuda", batch_sizes=[32], base_batch_size=32, compile_modes=["off", "default"])
@@ -225,6 +230,71 @@ def test_prepare_warns_once_where_the_archive_config_json_names_is_missing(tmp_p
     data["knobs"]["compile"]["mode"] = "off"
     (folder / "config.json").write_text(json.dumps(data))
     assert TunedConfig.load(folder).compile_cache_path is None
+
+
+# the search's archives --------------------------------------------------------------------------
+
+
+def _study_with_archives(log_dir: Path, values: list[float]) -> optuna.Study:
+    """A study of compiled trials with ``values``, each with its archive in ``log_dir``."""
+    study = optuna.create_study(direction="maximize")
+    for number, value in enumerate(values):
+        name = compile_archive_name(number)
+        (log_dir / name).write_bytes(b"archive")
+        measured(study, CPU_SPACE, {"compile.mode": "default"}, value,
+                 knobs={"compile": {"mode": "default"}}, figures={"compile_archive": {"file": name, "bytes": 7}})
+    return study
+
+
+def test_logs_keep_the_archives_of_the_best_few_trials_and_the_running_ones(tmp_path) -> None:
+    study = _study_with_archives(tmp_path, [10.0, 30.0, 20.0, 5.0])
+    running = study.ask()  # its worker is saving its archive
+    (tmp_path / compile_archive_name(running.number)).write_bytes(b"archive")
+    prune_compile_archives(study, tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("compile-*.zip")) == [
+        compile_archive_name(1), compile_archive_name(2), compile_archive_name(running.number)]
+
+
+def test_the_best_trials_archive_goes_beside_config_json_and_logs_keep_none(tmp_path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    study = _study_with_archives(logs, [10.0, 30.0, 20.0])
+    assert keep_compile_cache(study, tmp_path) == {compile_cache.ARCHIVE: tmp_path / compile_cache.ARCHIVE}
+    assert not list(logs.glob("compile-*.zip"))
+    # resumed, the same best: its archive stays (logs/ no longer holds it)
+    (tmp_path / "config.json").write_text(json.dumps({"study": {"trial_number": 1}}))
+    assert keep_compile_cache(study, tmp_path) == {compile_cache.ARCHIVE: tmp_path / compile_cache.ARCHIVE}
+    # a faster eager trial: no compile to carry, and the old archive goes
+    measured(study, CPU_SPACE, {"compile.mode": "off"}, 50.0, knobs={"compile": {"mode": "off"}}, figures={})
+    assert keep_compile_cache(study, tmp_path) == {}
+    assert not (tmp_path / compile_cache.ARCHIVE).exists()
+
+
+@pytest.mark.slow
+def test_a_search_keeps_the_compiled_recommendations_compile_beside_config_json(tmp_path) -> None:
+    # the search replays a compiled configuration first (as it ran: no eager twin first), then its baseline;
+    # the model's eager steps sleep and its compiled ones do not, so the compiled one is recommended
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    optuna.create_study(storage=f"sqlite:///{earlier / 'study.db'}", direction="maximize").add_trial(
+        optuna.trial.create_trial(params={"compile.mode": "default"}, value=1.0,
+                                  distributions={"compile.mode": optuna.distributions.CategoricalDistribution(
+                                      ["off", "default"])}))
+    out = tmp_path / "run"
+    proc = run_cli("search", "--model", "fake_models:faster_compiled", "--device", "cpu", "--input-shape", "3x32x32",
+                   "--num-classes", "10", "--batch-size", "8", "--precisions", "fp32", "--min-measure-time", "0.2",
+                   "--no-accuracy-check", "--no-profile", "--compile", "--replay", str(earlier), "--trials", "2",
+                   "--out", str(out))
+    data = json.loads((out / "config.json").read_text())
+    assert data["knobs"]["compile"]["mode"] == "default"
+    archive = out / compile_cache.ARCHIVE
+    assert data["compile_cache"] == compile_cache.describe(archive)
+    assert data["compile_cache"]["bytes"] == archive.stat().st_size and data["compile_cache"]["device"] == "cpu"
+    assert not list((out / "logs").glob("compile-*")), "logs/ keeps no compile archive"
+    said = " ".join(proc.stderr.split())  # the summary, as the terminal wrapped it
+    assert f"compile cache: compile-cache.zip, {archive.stat().st_size / 2**20:.1f} MiB" in said
+    assert TunedConfig.load(out).compile_cache_path == archive
+    assert compile_cache.mismatch(json.loads(zipfile.ZipFile(archive).read(compile_cache.META)), "cpu") is None
 
 
 # on a GPU: the Mega-Cache carries Inductor's Triton kernels -------------------------------------
