@@ -232,6 +232,43 @@ def test_prepare_warns_once_where_the_archive_config_json_names_is_missing(tmp_p
     assert TunedConfig.load(folder).compile_cache_path is None
 
 
+def test_the_exports_say_how_a_script_loads_the_compile_cache(tmp_path) -> None:
+    pytest.importorskip("yaml")
+    folder = compiled_config(tmp_path / "run")
+    (folder / compile_cache.ARCHIVE).write_bytes(b"")
+    data = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**data, "compile_cache": {"file": compile_cache.ARCHIVE}}))
+    cfg = TunedConfig.load(folder, here=False)
+    call = "import autotune; autotune.load_compile_cache('compile-cache.zip')"
+    cfg.export("hf", folder)
+    assert json.loads((folder / "hf_training_args.json").read_text())["compile_cache"]["load"].startswith(call)
+    cfg.export("accelerate", folder)
+    assert (folder / "accelerate_config.yaml").read_text().startswith(f"# compile cache: {call}")
+    assert json.loads((folder / "accelerate_kwargs.json").read_text())["compile_cache"]["file"] == "compile-cache.zip"
+    cfg.export("hf", tmp_path / "elsewhere")  # the path from the export's folder
+    note = json.loads((tmp_path / "elsewhere" / "hf_training_args.json").read_text())["compile_cache"]
+    assert note["file"] == "../run/compile-cache.zip"
+
+
+def test_the_lightning_callback_loads_the_compile_cache_before_it_compiles(tmp_path) -> None:
+    pytest.importorskip("lightning")
+    import fake_models
+
+    folder = compiled_config(tmp_path / "run")
+    data = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**data, "compile_cache": {"file": compile_cache.ARCHIVE}}))
+    exp = TunedConfig.load(folder).lightning()
+    (callback,) = exp.trainer_kwargs["callbacks"]
+    assert callback.compile_cache_path == folder / compile_cache.ARCHIVE
+    module = fake_models.tiny_cnn_module(10)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        callback.setup(None, module, "fit")
+    assert [str(w.message) for w in said if "compile-cache" in str(w.message)] == [
+        f"{folder / compile_cache.ARCHIVE} not loaded: the file is missing; the first compiled step compiles from scratch"]
+    assert module._compiled_call_impl is not None  # compiled as without it
+
+
 # the search's archives --------------------------------------------------------------------------
 
 
