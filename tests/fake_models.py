@@ -99,6 +99,27 @@ def slow_cnn(num_classes: int = 10) -> nn.Module:
     return _Slow(num_classes)
 
 
+class _FasterCompiled(nn.Module):
+    """tiny_cnn whose eager forward sleeps and whose compiled one does not (TorchDynamo traces
+    torch.compiler.is_compiling() as True, so the sleep is not in its graph): a search with --compile
+    recommends compiling it."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.net = tiny_cnn(num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():
+            import time
+
+            time.sleep(0.1)
+        return self.net(x)
+
+
+def faster_compiled(num_classes: int = 10) -> nn.Module:
+    return _FasterCompiled(num_classes)
+
+
 def not_a_model():
     return 42
 

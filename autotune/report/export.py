@@ -14,6 +14,7 @@ import autotune
 import strategies
 from autotune.accuracy.gate import SETTINGS_ATTR, UNAVAILABLE_ATTR, accuracy_of
 from autotune.accuracy.plan import PLAN_ATTR
+from autotune.deploy import compile_cache
 from autotune.deploy.config import TunedConfig
 from autotune.deploy.space import SearchSpace
 from autotune.report.format import describe
@@ -198,6 +199,11 @@ def _config_info(study: optuna.Study, out_dir: Path, best: optuna.trial.FrozenTr
     info.update(_memory_knobs_info(study, best, units))
     _add_objective_and_accuracy(info, study, best, base)
     info["objective"]["plain_recipe_value"] = plain.value if plain is not None else None
+    # the best's compile, beside config.json (autotune.search.outputs.keep_compile_cache): what it is
+    # valid for and its size; cfg.prepare loads it before the first compiled step
+    archive = compile_cache.describe(out_dir / compile_cache.ARCHIVE)
+    if archive is not None:
+        info["compile_cache"] = archive
     return info
 
 

@@ -12,6 +12,7 @@ from optuna.trial import TrialState
 
 import strategies
 from autotune import stop
+from autotune.search.outputs import compile_archive_name, prune_compile_archives
 from autotune.search.screening import queue_eager_twin, screen_eagerly
 from autotune.search.trials import planned_params
 from autotune.search.walls import cached_compile_saving, expected_wall, trial_cost_s
@@ -269,6 +270,10 @@ class Objective:
             request["prune_below"] = bar
         if self.profile and self.log_dir:
             request["trace_path"] = str(self.log_dir / f"trace-{trial.number:04d}.json")
+        if knobs["compile"].mode != "off" and self.log_dir:
+            # its compile, kept beside config.json if it is recommended; logs/ keeps only the best few
+            request["compile_cache_path"] = str(self.log_dir / compile_archive_name(trial.number))
+            prune_compile_archives(trial.study, self.log_dir)
         return request
 
     def _early_stop_bar(self, trial: optuna.Trial) -> float | None:

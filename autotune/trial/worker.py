@@ -30,6 +30,7 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 
 import strategies  # noqa: E402
+from autotune.deploy.compile_cache import save as save_compile_cache  # noqa: E402
 from autotune.deploy.config import TunedConfig  # noqa: E402
 from autotune.trial.batches import input_batches  # noqa: E402
 from autotune.trial.instruments import compile_cache, compiled_graphs, nvml_monitor, profile_window  # noqa: E402
@@ -322,10 +323,27 @@ def run_trial(request: dict[str, Any]) -> dict[str, Any]:
             first_line = str(exc).splitlines()[0][:300] if str(exc) else ''
             result["profile_error"] = f"{type(exc).__name__}: {first_line}"
         timings["profile_s"] = time.perf_counter() - t1
+    if cfg.recipe.compile_mode is not None and request.get("compile_cache_path"):
+        # after every step this process compiles: what the search keeps beside config.json if this
+        # trial is recommended (autotune.search.outputs)
+        t1 = time.perf_counter()
+        figures["compile_archive"] = _save_compile_archive(request["compile_cache_path"], device)
+        timings["compile_archive_s"] = time.perf_counter() - t1
     if run.feed is not None:
         run.feed.close()
     figures.update(timings)
     return result
+
+
+def _save_compile_archive(path: str, device: str) -> dict[str, Any] | None:
+    """This trial's compile artifacts saved to ``path`` (autotune.deploy.compile_cache): the
+    archive's file name and size, or why it could not be saved (the measurement stands without
+    it), or None where torch recorded no compile."""
+    try:
+        meta = save_compile_cache(path, device)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    return None if meta is None else {"file": os.path.basename(path), "bytes": meta["bytes"]}
 
 
 def probe_memory(request: dict[str, Any]) -> dict[str, Any]:
