@@ -310,7 +310,10 @@ def test_the_trials_leave_the_recommendations_verdict_its_seconds(tmp_path):
     assert gate.spent_s <= DEFAULT_SHARE * 600
     # while trials run, a check keeps a later check's seconds for the recommendation's verdict at the end,
     # the best's so far too (it may not stay the best); the end's own check keeps none
-    assert gate._keep_s(study) == plan["check_s"]
+    # (the plan's check_s, or more where the reference's worker ran slower than planned: a busy machine)
+    from autotune.accuracy.parity_gate import later_check_s
+
+    assert gate._keep_s(study) == later_check_s(study) >= plan["check_s"]
     gate.final = True
     assert gate._keep_s(study) == 0.0
 
