@@ -43,13 +43,14 @@ def check_writable(out_dir: Path, min_free_bytes: int = 50 * 2**20) -> None:
 
 
 def write_outputs(study: optuna.Study, out_dir: Path, config: SearchConfig, space: SearchSpace,
-                  info: dict[str, Any]) -> dict[str, Path]:
-    """compile-cache.zip, config.json and trials.csv, then report.html and report.md."""
+                  info: dict[str, Any], device: str) -> dict[str, Path]:
+    """compile-cache.zip, config.json and trials.csv, then report.html and report.md; ``device``: the
+    one the trials ran on."""
     from autotune.report.export import export
     from autotune.report.render import write_report
 
     files = keep_compile_cache(study, out_dir)  # before config.json, which records it
-    files.update(export(study, out_dir, config=config, space=space, probe=info))
+    files.update(export(study, out_dir, config=config, space=space, probe=info, device=device))
     files.update(keep_traces(study, out_dir))
     exported = json.loads(files["config.json"].read_text()) if "config.json" in files else None
     files.update(write_report(study, out_dir, exported))

@@ -123,7 +123,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
             phases["final accuracy checks"] = time.time() - t
         t = time.time()
         emit("phase", "writing config.json, trials.csv and the report")
-        files = write_outputs(study, out_dir, config, space, info)
+        files = write_outputs(study, out_dir, config, space, info, device)
         artifacts.attach_outputs(study, files)
         if tracking is not None:
             tracking.finish(study, files, interrupted=interrupted is not None)
