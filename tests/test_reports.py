@@ -72,9 +72,9 @@ def test_a_gpu_study_from_before_the_newest_knobs_exports_again(tmp_path, monkey
     attrs = study.user_attrs
     config = SimpleNamespace(storage=None, command="autotune search --model resnet50", input_on_device=False, data=None,
                              workload=WorkloadSpec.from_dict(attrs["workload"]),
-                             measure=MeasureSettings.for_device("cuda"))
+                             measure_settings=MeasureSettings.for_device)
     files = export(study, tmp_path, config=config, space=SearchSpace.from_dict(attrs["space"]),
-                   probe={"provenance": attrs["provenance"]})
+                   probe={"provenance": attrs["provenance"]}, device="cuda")
     cfg = autotune.load(files["config.json"])
     assert cfg.knobs["dataloader"] == type(cfg.knobs["dataloader"])()  # the untuned loader, as it ran
     assert json.loads(files["config.json"].read_text())["knobs"]["compile"] == {"mode": "default"}
