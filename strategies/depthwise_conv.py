@@ -26,6 +26,7 @@ forward without gradients (``torch.no_grad``, inference) is the framework's, and
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -123,16 +124,27 @@ class _FlippedGradJvp(_FlippedGrad):
         return out_t
 
 
-@torch.compiler.assume_constant_result
 def _in_func_transform() -> bool:
     """Whether a ``torch.func`` transform (vmap, grad, jvp) is running. Constant within a compiled graph:
-    Dynamo traces a transform together with its body, so where the call sits in the code decides it."""
+    Dynamo traces a transform together with its body, so where the call sits in the code decides it
+    (marked so by _mark_constant when a layer is made)."""
     return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def _mark_constant() -> None:
+    """Mark _in_func_transform's result constant for Dynamo. Done when a flipped layer is made, not at
+    import: the marker imports torch._dynamo, 1.6 s that every process importing the knobs would pay."""
+    if not getattr(_in_func_transform, "_dynamo_marked_constant", False):
+        torch.compiler.assume_constant_result(_in_func_transform)
 
 
 class FlippedGradConv2d(nn.Conv2d):
     """:class:`torch.nn.Conv2d` (depthwise, stride 1) whose input gradient in training is a forward
     convolution of the output's gradient with the turned filters (:class:`_FlippedGrad`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _mark_constant()
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
@@ -163,6 +175,7 @@ class FlippedGradConv2d(nn.Conv2d):
 def flip_input_grad(model: nn.Module) -> nn.Module:
     """Swap every eligible depthwise convolution of ``model`` to :class:`FlippedGradConv2d`, in place
     (the same module objects and parameters). Returns ``model``."""
+    _mark_constant()
     return swap_layers(model, eligible, FlippedGradConv2d)
 
 
