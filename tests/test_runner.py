@@ -185,6 +185,7 @@ def test_a_worker_for_an_hf_model_has_its_transformers_modules_imported_before_t
     assert out.stdout.split() == ["['hf:gpt2']", "True"], out.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_worker_for_a_model_of_its_own_has_imported_what_its_first_optimizer_needs():
     """torch.optim's first optimizer imports torch._dynamo (1-4 s). On the H200 the yield benchmark's
     MLP and LM (``module:factory`` models, whose modules import torch alone) spent 3.5-5.6 s a trial

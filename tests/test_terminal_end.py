@@ -110,6 +110,7 @@ def test_trials_text_of_a_config_json_from_before_the_counts():
     assert trials_text({"num_trials": 5, "num_measured": 4}) == "5 trials (4 measured)"
 
 
+@pytest.mark.slow
 def test_a_missing_optional_dependency_names_its_extra(tmp_path):
     """rich read "[hf]" in "pip install 'autotune[hf]'" as markup and printed "pip install 'autotune'"."""
     for module, model, extra in (("transformers", "hf:gpt2", "hf"), ("timm", "timm:resnet18", "timm")):
