@@ -134,7 +134,10 @@ def test_a_fresh_process_loads_the_compile_instead_of_redoing_it(cold) -> None:
     assert loaded["losses"] == pytest.approx(cold["losses"], rel=1e-5)
     print(f"\nfirst compiled step: cold {cold['first_step_s']:.1f} s, with {saved['bytes'] / 2**20:.2f} MiB of "
           f"compile cache {loaded['first_step_s']:.1f} s")
-    assert loaded["first_step_s"] <= cold["first_step_s"] / 4
+    # the figure is a quarter (scripts/warm_start_bench.py measures it: 15% on a quiet 2-core CPU);
+    # a loaded step still traces the model, and in a busy CI run it took 27% (4.1 s against 15.3 s), so
+    # the test holds the loaded step to half: a compile that is not loaded takes all of the cold one's
+    assert loaded["first_step_s"] <= cold["first_step_s"] / 2
 
 
 def forge_torch(archive: Path) -> None:
