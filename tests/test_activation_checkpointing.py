@@ -297,6 +297,7 @@ def test_timm_checkpoints_every_block_itself_unless_it_has_batchnorm_or_reentran
 # torch.compile ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_compiled_checkpoints_are_traced_into_the_graph_with_the_same_gradients():
     """Dynamo traces each checkpointed block as a checkpoint region of one graph (no graph break),
     for the generic path and for transformers' layers; AOTAutograd (Inductor's front end) then

@@ -120,6 +120,7 @@ def _train(mode: str, steps: int = 3) -> tuple[list[float], torch.nn.Module, tor
     return [float(step(x, y)) for x, y in batches], model, original
 
 
+@pytest.mark.slow
 def test_a_compiled_step_compiles_its_loss_and_an_eager_one_does_not() -> None:
     import fake_models
 

@@ -253,6 +253,7 @@ def test_the_exports_say_how_a_script_loads_the_compile_cache(tmp_path) -> None:
     assert note["file"] == "../run/compile-cache.zip"
 
 
+@pytest.mark.slow
 def test_the_lightning_callback_loads_the_compile_cache_before_it_compiles(tmp_path) -> None:
     pytest.importorskip("lightning")
     import fake_models

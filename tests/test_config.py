@@ -225,6 +225,7 @@ def test_train_step_fp32_reduces_loss(tmp_path: Path) -> None:
     assert losses[-1] < 0.5 * losses[0], losses
 
 
+@pytest.mark.slow
 def test_train_step_bf16_autocasts_and_reduces_loss(tmp_path: Path) -> None:
     cfg = load_cpu(tmp_path, **{"precision.mode": "bf16"})
     assert not cfg.grad_scaler().is_enabled()  # bf16 keeps fp32's range: no loss scaling

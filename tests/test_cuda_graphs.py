@@ -186,6 +186,7 @@ def test_a_batch_of_another_shape_is_refused_with_the_fix() -> None:
         step._copy_in(torch.randn(5, 4), y[:5])
 
 
+@pytest.mark.slow
 def test_a_compiled_model_is_not_recompiled_inside_the_capture(no_op_cuda_graphs) -> None:
     """The capture runs autocast with its weight cache off, and a compiled model guards on that: the
     warm-up steps must run it so too, or the model recompiles inside the capture, where Inductor's

@@ -140,6 +140,7 @@ def test_a_cuda_graph_modes_loss_is_a_copy_the_next_replay_cannot_overwrite(monk
 # one graph, the same training ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_compiled_step_traces_its_model_and_loss_as_one_graph() -> None:
     """The model compiled in place by prepare_model is inlined into the step's compiled function:
     one graph, no break (apart, as before, the model's graph and the loss's made two)."""

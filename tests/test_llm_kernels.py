@@ -196,6 +196,7 @@ def _torch_s_own_as_liger_s(monkeypatch, seen):
     monkeypatch.setattr(monkey_patch, "liger_rotary_pos_emb", rotary_pos_emb)
 
 
+@pytest.mark.slow
 def test_a_compiled_llama_runs_liger_s_kernels_eagerly_and_computes_the_same(transformers_modules_restored,
                                                                              monkeypatch):
     seen = []

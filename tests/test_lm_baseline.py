@@ -25,6 +25,7 @@ TINY = ["--model-config", "n_layer=1,n_embd=32,n_head=2", "--seq-len", "16", "--
         "--device", "cpu", "--no-compile", "--steps", "4", "--warmup", "2"]
 
 
+@pytest.mark.slow
 def test_the_loop_trains_and_its_figures_follow_from_its_step_time(tmp_path, monkeypatch):
     lm_baseline = _script()
     args = lm_baseline.parse_args([*TINY, "--out", str(tmp_path / "baseline.json")])

@@ -77,6 +77,7 @@ def test_the_largest_batch_is_the_largest_candidate_that_does_not_run_out_of_mem
         loop.largest_batch([4, 2], broken)
 
 
+@pytest.mark.slow
 def test_a_timm_convnet_trains_channels_last_and_the_json_follows_from_its_step_time(capsys):
     assert loop.main(["--model", "timm:test_resnet", "--input-shape", "3x32x32", "--num-classes", "10",
                       "--base-batch-size", "2", *QUICK]) == 0
@@ -88,6 +89,7 @@ def test_a_timm_convnet_trains_channels_last_and_the_json_follows_from_its_step_
     assert out["final_loss"] > 0 and out["device"] == "cpu" and out["optimizer"] == "adamw"
 
 
+@pytest.mark.slow
 def test_a_torchvision_model_trains_and_its_inputs_are_random(monkeypatch, capsys):
     args = loop.parse_args(["--model", "resnet18", "--input-shape", "3x32x32", "--num-classes", "10", *QUICK])
     workload = loop.build(args)
@@ -119,6 +121,7 @@ def test_a_tiny_gpt2_trains_on_next_tokens_and_reports_tokens_per_second(tmp_pat
     assert out["model_config"] == "n_layer=1,n_embd=32,n_head=2,vocab_size=1000" and out["parameters"] < 200_000
 
 
+@pytest.mark.slow
 def test_the_loop_runs_out_of_memory_above_a_batch_and_reports_what_it_tried(monkeypatch, capsys):
     """The real loop with a loss that runs out of memory above 5 samples, as a GPU would."""
     args = loop.parse_args(["--model", "timm:test_resnet", "--input-shape", "3x16x16", "--num-classes", "10", *QUICK])

@@ -43,8 +43,8 @@ def test_install_then_main_job_then_tests_as_ci_runs_them():
 
 
 def test_the_timing_figures_are_the_measured_ones():
-    assert 'python3 -m pytest -q -m "not slow"' in README and "2:39" in README  # the quick tier
-    assert "35:55" in README  # a fresh clone's `bash .ci/run`
+    assert 'python3 -m pytest -q -m "not slow"' in README and "2:28" in README  # the quick tier
+    assert "39:02" in README  # a fresh clone's `bash .ci/run`
     assert "under a minute" not in README and "about 20" not in README
 
 
@@ -97,6 +97,7 @@ SHRINK = {
 """What every test of the loop shrinks: the images, and the loader's workers."""
 
 
+@pytest.mark.slow
 def test_training_loop_runs_with_an_exported_config(tmp_path, capsys):
     """The loop runs under a bf16 channels_last configuration (a ResNet-18 at 32x32, two steps an epoch);
     that it trains is the slow test's below."""

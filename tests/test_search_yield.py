@@ -31,6 +31,7 @@ def yield_models(monkeypatch):
     return yield_models
 
 
+@pytest.mark.slow
 def test_the_workloads_build_through_model_and_train_a_step(yield_models):
     from autotune.workload.models import WorkloadSpec, build
     from strategies.channel_alignment import misaligned_layers

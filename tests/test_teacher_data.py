@@ -63,6 +63,7 @@ def test_one_teacher_labels_both_splits_and_the_source_says_so():
     assert d.source == "synthetic: 10 classes labelled by a fixed random teacher at 3x16x16, seed 5"
 
 
+@pytest.mark.slow
 def test_fp32_learns_the_teacher_but_does_not_saturate():
     """The old templates-plus-noise data read 100.00% held-out accuracy for every configuration; the
     teacher's labels leave room both ways after the check's CPU run (100 steps of 16): a two-layer
@@ -102,6 +103,7 @@ def test_token_sequences_follow_the_teacher_whose_entropy_is_below_uniform():
     assert torch.equal(same[0], same[1]) and same[0].dtype == torch.int32
 
 
+@pytest.mark.slow
 def test_a_language_models_check_reports_held_out_loss_and_no_accuracy():
     """tests/fake_models.py's TinyLM (1,003 tokens, 16 a sequence) in the check's CPU run: its
     held-out loss falls from ln 1003 = 6.91 to about 6.15 and its reshuffled twin lands within a few

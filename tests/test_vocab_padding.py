@@ -128,6 +128,7 @@ def test_channel_padding_after_vocab_padding_leaves_the_head_alone():
     torch.testing.assert_close(model(x), lm()(x), rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_compiled_padded_model_matches_eager():
     torch._dynamo.reset()
     model = pad_vocab(lm(), 64)
