@@ -134,8 +134,7 @@ def _in_func_transform() -> bool:
 def _mark_constant() -> None:
     """Mark _in_func_transform's result constant for Dynamo. Done when a flipped layer is made, not at
     import: the marker imports torch._dynamo, 1.6 s that every process importing the knobs would pay."""
-    if not getattr(_in_func_transform, "_dynamo_marked_constant", False):
-        torch.compiler.assume_constant_result(_in_func_transform)
+    torch.compiler.assume_constant_result(_in_func_transform)  # idempotent: it sets one attribute
 
 
 class FlippedGradConv2d(nn.Conv2d):

@@ -136,6 +136,7 @@ def main() -> None:
     # nothing of the server's outlives it (the runner removes its folder): exit without the interpreter's
     # teardown, which with torch imported took 1.5 s of each search's end
     replies.flush()
+    sys.stdout.flush()  # a stray print of the imports, buffered for the log
     sys.stderr.flush()
     os._exit(0)
 
