@@ -78,6 +78,8 @@ class SearchView:
                           f"static_graph {space.ddp_static_graph}")
         if payload["done"]:
             console.print(f"  resuming: {payload['done']} trials already finished")
+        if line := warm_line(payload["study"]):
+            console.print(f"  {escape(line)}")
         if payload["recovered"]:
             console.print(f"  trials {payload['recovered']} were cut off by a killed search: re-queued")
         self.study = payload["study"]
@@ -244,6 +246,24 @@ def print_summary(out_dir: Path, elapsed_s: float | None = None, phases: dict[st
         console.print(escape(line))
     console.print(files_line(out_dir, files))
     return True
+
+
+def warm_line(study) -> str | None:
+    """What the study started with from earlier searches (autotune.search.warm), or None."""
+    from autotune.report.format import warm_words
+
+    return warm_words(study.user_attrs.get("warm_start")) if study is not None else None
+
+
+def print_cache(cache: dict[str, Any]) -> None:
+    """autotune's cache after the search: where, its size against its limit, what was deleted to stay under it."""
+    if not cache:
+        return
+    from autotune.report.format import fmt_bytes
+
+    freed = f"; {fmt_bytes(cache['freed_bytes'])} least recently used deleted" if cache["freed_bytes"] else ""
+    console.print(escape(f"cache: {fmt_bytes(cache['bytes'])} in {cache['path']} (limit {fmt_bytes(cache['limit_bytes'])}, "
+                         f"--cache-limit{freed}); deleting it makes the next search start cold"))
 
 
 def figures_table(data: dict[str, Any]) -> Table:

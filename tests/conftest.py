@@ -66,8 +66,13 @@ def accuracy_cache_dir(tmp_path_factory):
     inherit it."""
     from autotune.cache import CACHE_ENV
 
+    from autotune.search.warm import FRESH_ENV
+
     before = os.environ.get(CACHE_ENV)
     os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("autotune-cache"))
+    # each test's search starts from nothing, whatever searches of the same model ran before it in
+    # this session; tests of the warm start unset it (tests/test_warm_start.py)
+    os.environ[FRESH_ENV] = "1"
     yield Path(os.environ[CACHE_ENV])
     if before is None:
         os.environ.pop(CACHE_ENV, None)

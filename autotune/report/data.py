@@ -15,6 +15,7 @@ import pandas as pd
 import strategies
 from autotune.report.effects import Effects, measure
 from autotune.report.export import plain_recipe_missing, trials_frame
+from autotune.report.format import warm_source
 from autotune.search.trials import baseline_trial, best_trial, plain_recipe_trial, search_cost
 from autotune.trial.record import TrialRecord
 from autotune.workload.units import ATTR as UNITS_ATTR, Units
@@ -52,6 +53,8 @@ class ReportData:
     """The plain recipe's row (autotune.search.plain_recipe): the bar the recommendation must clear."""
     plain_recipe_missing: str | None = None
     """Why there is no plain recipe row when its trial did not complete; None where the search had none."""
+    warm_start: list[dict[str, Any]] | None = None
+    """The earlier searches whose trials this one started with (autotune.search.warm); None: it started cold."""
 
     @property
     def best_is_plain_recipe(self) -> bool:
@@ -78,7 +81,7 @@ class ReportData:
         return "loss_drift", "loss drift"
 
 
-_FRAME_COLUMNS = ["number", "role", "state", "status", "reason", "duplicate_of", "config", "samples_per_s", "tokens_per_s",
+_FRAME_COLUMNS = ["number", "role", "state", "status", "reason", "duplicate_of", "warm_from", "config", "samples_per_s", "tokens_per_s",
                   "ddp_world_size", "per_gpu_samples_per_s", "single_gpu_samples_per_s", "scaling_efficiency",
                   "loader_fed_samples_per_s", "compute_only_samples_per_s", "loader_wait_share", "data_bound",
                   "step_time_ms", "spread", "noisy", "peak_memory_gb", "worker_start_s", "build_s", "warmup_s",
@@ -153,6 +156,7 @@ def collect(study: optuna.Study, out_dir: Path, config: dict[str, Any] | None) -
     data.units = Units.from_dict((config or {}).get("units") or study.user_attrs.get(UNITS_ATTR))
     data.plain_recipe = plain
     data.plain_recipe_missing = plain_recipe_missing(study) if plain is None else None
+    data.warm_start = study.user_attrs.get("warm_start")
     return data
 
 
@@ -162,6 +166,8 @@ def _trial_note(record: TrialRecord, fail_reason: str | None) -> str:
         notes.append(str(fail_reason))
     if record.duplicate_of is not None:
         notes.append(f"same configuration as #{record.duplicate_of}, not measured again")
+    if record.warm_from is not None:
+        notes.append(f"measured by an earlier search ({warm_source(record.warm_from)}), not by this one")
     if record.retry_of is not None:
         notes.append(f"re-run of #{record.retry_of}")
     if record.unstable:

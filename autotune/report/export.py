@@ -17,7 +17,7 @@ from autotune.accuracy.plan import PLAN_ATTR
 from autotune.deploy import compile_cache
 from autotune.deploy.config import TunedConfig
 from autotune.deploy.space import SearchSpace
-from autotune.report.format import describe
+from autotune.report.format import describe, warm_source
 from autotune.search.trials import (baseline_trial, best_trial, best_without_memory_knobs, plain_recipe_trial,
                                     search_cost)
 from autotune.trial.record import TrialRecord
@@ -47,22 +47,16 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
             "status": record.status if record.status is not None else t.system_attrs.get("fail_reason", ""),
             "reason": record.reason if record.reason is not None else "",
             "duplicate_of": record.duplicate_of,
+            "warm_from": warm_source(record.warm_from),  # an earlier search's folder and trial (autotune.search.warm)
             "config": describe(record.knobs) if record.knobs else "",
             "samples_per_s": fig.get("samples_per_s"),
             # a language model's samples/s times its tokens per sample (sequence length); None otherwise
             "tokens_per_s": units.tokens_per_s(fig.get("samples_per_s")),
             # with --ddp N: samples_per_s is over all N GPUs; per GPU, and against the same
-            # configuration alone on one GPU measured in the same trial
-            "ddp_world_size": fig.get("ddp_world_size"),
-            "per_gpu_samples_per_s": fig.get("per_gpu_samples_per_s"),
-            "single_gpu_samples_per_s": fig.get("single_gpu_samples_per_s"),
-            "scaling_efficiency": fig.get("scaling_efficiency"),
-            "step_time_ms": fig.get("step_time_ms"),
-            "step_time_p10_ms": fig.get("step_time_p10_ms"),
-            "step_time_p90_ms": fig.get("step_time_p90_ms"),
-            "spread": fig.get("spread"),
-            "noisy": fig.get("noisy"),
-            "num_steps": fig.get("num_steps"),
+            # configuration alone on one GPU measured in the same trial; then the step's times
+            **{name: fig.get(name) for name in (
+                "ddp_world_size", "per_gpu_samples_per_s", "single_gpu_samples_per_s", "scaling_efficiency",
+                "step_time_ms", "step_time_p10_ms", "step_time_p90_ms", "spread", "noisy", "num_steps")},
             "peak_memory_gb": fig["peak_memory_bytes"] / 2**30 if "peak_memory_bytes" in fig else None,
             "final_loss": fig.get("final_loss"),
             # False: the step's loss was NaN/inf; such a trial is never chosen as the best

@@ -191,3 +191,27 @@ def memory_knobs_line(data: dict[str, Any]) -> str | None:
         rate += f", {fmt_rate(other['figures']['tokens_per_s'])} tokens/s"
     return (f"{head}: {data['speedup_vs_without_memory_knobs']:.2f}x the best without them "
             f"({plural_fix(other['summary'])}: {rate})")
+
+
+def warm_source(warm_from: dict | None) -> str | None:
+    """Where a trial an earlier search measured comes from (autotune.search.warm): "runs/x #3"."""
+    return None if not warm_from else f"{warm_from.get('out_dir')} #{warm_from.get('number')}"
+
+
+def warm_words(used: list[dict] | None) -> str | None:
+    """The earlier searches a search started with (the study's ``warm_start`` attribute), in words."""
+    if not used:
+        return None
+    n = sum(run["trials"] for run in used)
+    runs = ", ".join(f"{run['out_dir']} ({run['finished'][:16].replace('T', ' ')}, {run['trials']})" for run in used)
+    searches = "an earlier search" if len(used) == 1 else f"{len(used)} earlier searches"
+    return (f"warm start: {n} trial{'s' if n != 1 else ''} measured by {searches} of this workload on this kind of "
+            f"machine ({runs}) are evidence; configurations they measured are not run again (--fresh: without them)")
+
+
+def fmt_bytes(n: float) -> str:
+    """A size on disk in the unit that reads best: "512 KiB", "37.2 MiB", "20 GiB"."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"

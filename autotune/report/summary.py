@@ -9,6 +9,7 @@ import pandas as pd
 
 from autotune.report.data import ReportData
 from autotune.report.format import (
+    warm_words,
     as_float,
     fmt_g,
     fmt_gib,
@@ -174,6 +175,8 @@ def summary_items(d: ReportData) -> list[dict[str, str]]:
         f"build {fmt_s(c.get('build_s'))}, "
         + (f"compiling {fmt_s(c['compile_s'])}, " if c.get("compile_s") else "")
         + f"warm-up {fmt_s(c.get('warmup_s'))}, measuring {fmt_s(c.get('measure_s'))}")})
+    if words := warm_words(d.warm_start):
+        items.append({"label": "Earlier searches", "text": words})
     return items
 
 

@@ -115,6 +115,13 @@ class SearchConfig:
     """An earlier search's output folder: its configurations are measured first, in its order
     (after this search's FP32 baseline and known-good ones), before the sampler proposes any: the
     same trials on another GPU, or with more GPUs (see replay_configurations)."""
+    cache_limit: int | str | None = None
+    """--cache-limit: what autotune's cache (autotune.cache: compiles, FP32 references, earlier searches'
+    trials) may hold on disk, in bytes ("5GiB" is parsed); None: autotune.cache.DEFAULT_LIMIT_BYTES. The
+    least recently used entries go first at the end of the search."""
+    fresh: bool = False
+    """Start without the trials earlier searches of this workload measured on this kind of machine
+    (autotune.search.warm): the baseline and the plain recipe are measured again."""
     mlflow: str | None = None
     """--mlflow URI: also log each trial, the best configuration and the report to this MLflow
     tracking store (autotune.search.mlflow_log; needs the mlflow package, checked by run_search
@@ -154,10 +161,9 @@ class SearchConfig:
                                   "earlier `autotune search` (the one holding its config.json and study.db)")
         from autotune.search.memory import parse_size
 
-        if self.memory_limit is not None:
-            self._resolve("memory_limit", parse_size(self.memory_limit, "--memory-limit"))
-        if self.memory_headroom is not None:
-            self._resolve("memory_headroom", parse_size(self.memory_headroom, "--memory-headroom"))
+        for name in ("memory_limit", "memory_headroom", "cache_limit"):  # sizes: "24GiB" -> bytes
+            if getattr(self, name) is not None:
+                self._resolve(name, parse_size(getattr(self, name), "--" + name.replace("_", "-")))
         if (self.memory_limit or self.memory_headroom) and self.device == "cpu":
             raise ConfigError("--memory-limit and --memory-headroom cap a GPU's memory; a CPU search has none "
                               "to cap (drop them, or search on --device cuda)")

@@ -117,11 +117,26 @@ def keep_compile_cache(study: optuna.Study, out_dir: Path) -> dict[str, Path]:
         kept[target.name] = target
     elif name is not None and target.is_file() and _exported_trial(out_dir) == best.number:
         kept[target.name] = target
+    elif name is not None and (earlier := _earlier_archive(best)) is not None:
+        # the best was measured by an earlier search (autotune.search.warm), which kept its compile
+        shutil.copyfile(earlier, target)
+        kept[target.name] = target
     else:
         target.unlink(missing_ok=True)
     for archive in logs.glob("compile-*.zip"):
         archive.unlink()
     return kept
+
+
+def _earlier_archive(trial: optuna.trial.FrozenTrial) -> Path | None:
+    """The compile-cache.zip an earlier search kept for ``trial``, where the warm start took it from a
+    search whose recommendation it was (and whose folder still holds it)."""
+    warm = TrialRecord.of(trial).warm_from
+    if not warm:
+        return None
+    folder = Path(warm["out_dir"])
+    archive = folder / compile_cache.ARCHIVE
+    return archive if archive.is_file() and _exported_trial(folder) == warm.get("number") else None
 
 
 def _exported_trial(out_dir: Path) -> int | None:

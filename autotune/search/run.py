@@ -15,6 +15,7 @@ from typing import Any, Callable
 import optuna
 
 from autotune import stop
+from autotune.cache import trim_cache
 from autotune.deploy.space import SearchSpace
 from autotune.errors import ConfigError
 from autotune.search.artifacts import Artifacts
@@ -42,6 +43,7 @@ from autotune.search.storage import open_storage
 from autotune.search.study import SearchLock, prepare_study, recover_dead_trials
 from autotune.search.trials import counted_trials
 from autotune.search.walls import compile_prior_s
+from autotune.search.warm import evidence_key, judged_by, propose_from_evidence, remember, warm_walls
 from autotune.trial.gpus import GpuPool, pinned, probe_view
 from autotune.trial.runner import discard_spares, forks, prestart_setting, start_spare
 from autotune.workload.models import check_spec
@@ -58,6 +60,8 @@ class SearchResult:
     files: dict[str, Path] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds of this run outside its trials: "probe", "final accuracy checks", "export"."""
+    cache: dict[str, Any] = field(default_factory=dict)
+    """autotune's cache after the search (autotune.cache.trim_cache): its path, bytes, limit, bytes freed."""
 
 
 def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | None = None) -> SearchResult:
@@ -111,20 +115,20 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         artifacts = Artifacts(out_dir)  # each trial's log and trace, for optuna-dashboard
         if tracking is not None:
             tracking.start(study, config.command)
-        callbacks = _proposers(config, space, target, objective, info) + [stop_rule]
+        callbacks = _warmed(study, stop_rule, _proposers(config, space, target, objective, info)) + [stop_rule]
         interrupted = _optimize(config, study, artifacts.wrap(objective), shared, gpu_pool,
                                 callbacks + ([tracking] if tracking is not None else []), started)
         if gate is not None and interrupted is None:
-            # the recommendation must have passing accuracy evidence: check the fastest trials
-            # that have none, fastest first, until one passes
+            # the recommendation must have passing accuracy evidence: check the fastest trials that have none,
+            # fastest first, until one passes, within the budget (one left unchecked says so: export)
             t = time.time()
-            # within the budget: a recommendation left unchecked says so (export)
             gate.ensure_recommendation(study, deadline=_deadline(config, started))
             phases["final accuracy checks"] = time.time() - t
         t = time.time()
         emit("phase", "writing config.json, trials.csv and the report")
         files = write_outputs(study, out_dir, config, space, info, device)
         artifacts.attach_outputs(study, files)
+        cache = _keep_for_the_next_search(config, study, out_dir, device, info, limit)
         if tracking is not None:
             tracking.finish(study, files, interrupted=interrupted is not None)
         phases["export"] = time.time() - t
@@ -132,7 +136,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         if interrupted is not None:
             raise interrupted
         return SearchResult(study=study, out_dir=out_dir, space=space, probe=info, elapsed_s=time.time() - started,
-                            new_trials=stop_rule.new_trials, files=files, phases=phases)
+                            new_trials=stop_rule.new_trials, files=files, phases=phases, cache=cache)
     finally:
         if tracking is not None:
             tracking.close("FAILED")  # ended by an error: the search's run says so (no-op once finished)
@@ -140,6 +144,22 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         GpuPool.deactivate()
         logged.close()
         lock.release()
+
+
+def _warmed(study: optuna.Study, stop_rule: StopRule, proposers: list[Callable]) -> list[Callable]:
+    """The proposers, which have had the trials earlier searches measured (autotune.search.warm) handed to
+    them where the study starts with such trials; the stop rule knows from those what a trial costs here."""
+    stop_rule.walls.extend(warm_walls(study))
+    propose_from_evidence(study, proposers)
+    return proposers
+
+
+def _keep_for_the_next_search(config: SearchConfig, study: optuna.Study, out_dir: Path, device: str,
+                              info: dict[str, Any], limit: int | None) -> dict[str, Any]:
+    """What this search measured, kept to start the next search of the same workload here (autotune.search.warm);
+    autotune's cache trimmed to --cache-limit. Returns the cache's figures (autotune.cache.trim_cache)."""
+    remember(study, out_dir, evidence_key(config, device, info, limit), judged_by(config))
+    return trim_cache(config.cache_limit)
 
 
 def _check_before_device_time(config: SearchConfig) -> tuple[str, bool, optuna.storages.BaseStorage | None, Goal]:

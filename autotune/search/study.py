@@ -28,6 +28,7 @@ from autotune.search.options import SearchConfig, memory_limit_bytes
 from autotune.search.seeds import enqueue_replay, enqueue_seeds, seed_configurations
 from autotune.search.space import same_space
 from autotune.search.storage import mask_url, open_storage
+from autotune.search.warm import evidence_key, judged_by, starts_warm, unmeasured, warm_start
 from autotune.trial.record import TrialRecord
 from autotune.workload.units import ATTR as UNITS_ATTR, Units
 
@@ -145,7 +146,8 @@ def _check_stored_setup(config: SearchConfig, device: str, info: dict[str, Any],
     if stored_space is not None and not same_space(stored_space, space):
         raise ConfigError(
             f"{study_words} was made with another search space ({stored_space}); "
-            "resume it with the same options, or start a new one with another --study-name or --out")
+            "resume it with the same options, or start a new one with another --out (it starts with the "
+            "trials this one measured that its space offers; --fresh: without them)")
     return limit
 
 
@@ -174,6 +176,11 @@ def _set_up(config: SearchConfig, device: str, info: dict[str, Any], study: optu
     if config.replay is not None:
         enqueue_replay(study, config.replay, space, seeds)
     else:
+        if starts_warm(config):
+            # what earlier searches measured is evidence before the first trial, and a seed one of them
+            # measured (the baseline, the plain recipe) is not queued again (autotune.search.warm)
+            warm_start(study, space, evidence_key(config, device, info, limit), judged_by(config))
+            seeds = unmeasured(study, seeds)
         enqueue_seeds(study, seeds)
     setup_done(study)
 

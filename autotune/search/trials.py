@@ -21,8 +21,10 @@ def planned_params(trial: optuna.trial.FrozenTrial) -> dict:
 
 def counted_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     """Finished trials with a recorded outcome. A trial whose search process was killed has
-    none (it is failed on resume and re-run), so no trial is counted twice."""
-    return [t for t in study.get_trials(deepcopy=False, states=FINISHED) if TrialRecord.of(t).status is not None]
+    none (it is failed on resume and re-run), so no trial is counted twice; one an earlier search
+    measured (autotune.search.warm) is this search's evidence, not its trial."""
+    return [t for t in study.get_trials(deepcopy=False, states=FINISHED)
+            if (r := TrialRecord.of(t)).status is not None and r.warm_from is None]
 
 
 MEASURED = ("ok", "pruned")
