@@ -100,6 +100,18 @@ def test_a_new_search_of_the_same_key_starts_with_the_trials_the_first_one_measu
     assert [len(run["trials"]) for run in data["runs"]] == [3]
 
 
+def test_a_resumed_search_replaces_its_record_and_a_new_study_in_the_same_folder_keeps_the_older_one(tmp_path):
+    first, out = _first_search(tmp_path)
+    _ran(first, _params("bf16", 128, "default"), 2600.0)  # resumed: one trial more
+    warm.remember(first, out, KEY, JUDGED)
+    assert [len(run["trials"]) for run in json.loads(warm.evidence_path(KEY).read_text())["runs"]] == [4]
+    again = optuna.create_study(direction="maximize")  # the folder deleted and searched again
+    warm.warm_start(again, SPACE, KEY, JUDGED)
+    _ran(again, _params("fp32", 128, "off"), 1100.0)
+    warm.remember(again, out, KEY, JUDGED)
+    assert [len(run["trials"]) for run in json.loads(warm.evidence_path(KEY).read_text())["runs"]] == [4, 1]
+
+
 def test_another_torch_gpu_or_objective_starts_cold(tmp_path):
     _first_search(tmp_path)
     for change in ({"torch": "2.15.0+cu130"}, {"hardware": "NVIDIA H200"}, {"objective": "energy"},

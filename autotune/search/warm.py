@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -40,6 +41,8 @@ FOLDER = "searches"
 FORMAT = 1
 RUNS_KEPT = 8
 """The newest searches kept per key: older ones' trials are re-measured, if ever, by newer searches."""
+ID_ATTR = "search_id"
+"""Study user attribute: the study's own id, which names its record among the kept searches."""
 ATTR = "warm_start"
 """Study user attribute: the earlier searches this study was started with, [{out_dir, study, finished, trials}]."""
 _CONSTRAINTS = "constraints:"  # Optuna's system attributes of Trial.set_constraint
@@ -84,19 +87,22 @@ def evidence_path(key: dict[str, Any]) -> Path:
 
 def remember(study: optuna.Study, out_dir: Path, key: dict[str, Any], judged: dict[str, Any]) -> Path | None:
     """Keep the trials this study measured (not the copies, nor those it was warmed with) for the next
-    search of ``key``; an earlier record of the same folder and study is replaced. Returns the file, or
-    None when nothing was measured."""
+    search of ``key``; this study's earlier record (a resumed search's) is replaced, another study's
+    kept, in the same folder too (a folder deleted and searched again). Returns the file, or None when
+    nothing was measured."""
     trials = [_entry(t) for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
               if _own_outcome(t)]
     if not trials:
         return None
     attrs = {k: v for k, v in study.user_attrs.items() if k.startswith(_STUDY_ATTRS)}
-    run = {"out_dir": str(Path(out_dir).resolve()), "study": study.study_name,
+    if ID_ATTR not in study.user_attrs:  # a study set up before warm starts existed
+        study.set_user_attr(ID_ATTR, uuid.uuid4().hex)
+    run = {"id": study.user_attrs[ID_ATTR], "out_dir": str(Path(out_dir).resolve()), "study": study.study_name,
            "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
            "judged": judged, "trials": trials, "study_attrs": attrs}
     path = evidence_path(key)
     with _locked(path):
-        runs = [r for r in _read(path, key) if (r["out_dir"], r["study"]) != (run["out_dir"], run["study"])]
+        runs = [r for r in _read(path, key) if r.get("id") != run["id"]]
         runs = sorted([*runs, run], key=lambda r: r["finished"])[-RUNS_KEPT:]
         _write(path, {"format": FORMAT, "key": key, "runs": runs})
     return path
