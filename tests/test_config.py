@@ -295,6 +295,30 @@ def test_channels_last_prepare_and_loader(tmp_path: Path, multiple: int) -> None
     assert not torch.equal(model.fc.weight, reference.fc.weight)
 
 
+def test_the_train_step_feeds_the_model_its_inputs_in_the_tuned_memory_format(tmp_path: Path) -> None:
+    """A step called with a contiguous image batch (not through cfg.loader) runs the graph the search
+    measured: its input in the tuned format. On an H100 the ResNet-50 recommendation's compile-cache.zip
+    missed both of its graphs where the step got a contiguous batch, the input strides being part of the key."""
+    cfg = autotune.load(saved_config(tmp_path, cpu_params(**{"memory_format.format": "channels_last"}), CPU_SPACE))
+    model = resnet18()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = cfg.prepare(model, optimizer)
+    seen = []
+    model.register_forward_pre_hook(lambda module, args: seen.append(args[0].is_contiguous(
+        memory_format=torch.channels_last) and not args[0].is_contiguous()))
+    x, y = fixed_batch()
+    assert x.is_contiguous()
+    cfg.train_step(model, optimizer, nn.CrossEntropyLoss())(x, y)
+    assert seen == [True]
+    (tmp_path / "contiguous").mkdir()
+    contiguous = autotune.load(saved_config(tmp_path / "contiguous", cpu_params(), CPU_SPACE))
+    model = resnet18()
+    model, optimizer = contiguous.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    model.register_forward_pre_hook(lambda module, args: seen.append(args[0].is_contiguous()))
+    contiguous.train_step(model, optimizer, nn.CrossEntropyLoss())(x, y)
+    assert seen == [True, True]
+
+
 def test_a_newer_format_is_refused_with_the_fix(tmp_path):
     space = SearchSpace(device="cpu", precisions=["fp32"], batch_sizes=[4, 8], base_batch_size=4)
     path = tmp_path / "config.json"

@@ -20,6 +20,7 @@ from torch import nn
 from autotune.deploy.compile_cache import load_once
 from autotune.deploy.exports import LightningExport, lightning_settings, require
 from autotune.deploy.recipe import Recipe, apply_backend_flags
+from autotune.deploy.runtime import in_format
 from autotune.errors import ConfigError
 from strategies.compile import compile_regions
 
@@ -34,10 +35,7 @@ IMPLEMENTATION_FLAGS = {"plain": {"foreach": False, "fused": False},
 def inputs_in_format(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
                      memory_format: torch.memory_format) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Forward pre-hook: 4-D tensor inputs in the tuned memory format (as cfg.loader gives them)."""
-    def convert(x: Any) -> Any:
-        return x.contiguous(memory_format=memory_format) if isinstance(x, torch.Tensor) and x.dim() == 4 else x
-
-    return tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()}
+    return tuple(in_format(a, memory_format) for a in args), {k: in_format(v, memory_format) for k, v in kwargs.items()}
 
 
 def set_implementation(optimizer: torch.optim.Optimizer, implementation: str) -> None:

@@ -208,6 +208,14 @@ def step_forward(model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.
     return forward_loss
 
 
+def in_format(x: Any, memory_format: torch.memory_format) -> Any:
+    """``x`` in ``memory_format`` where it is a 4-D tensor (an image batch), else as it is; a no-op for a
+    tensor in that format already."""
+    if memory_format is torch.contiguous_format or not isinstance(x, torch.Tensor) or x.dim() != 4:
+        return x
+    return x.contiguous(memory_format=memory_format)
+
+
 class TrainStep:
     """zero_grad -> forward and loss under autocast -> scaled backward -> optimizer step -> scaler update.
 
@@ -263,7 +271,10 @@ class TrainStep:
     def __call__(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
         """One micro-batch: with ``accumulation_steps`` k, every k-th call steps the optimizer over
         the gradients of the last k micro-batches (each loss divided by k, so the step is that of
-        one batch of k micro-batches); without accumulation, every call is a whole step."""
+        one batch of k micro-batches); without accumulation, every call is a whole step. A 4-D input
+        is put in the tuned memory format first, as cfg.loader gives it: the step then runs the graph
+        the search measured, whose compile (compile-cache.zip) is keyed on its inputs' strides."""
+        inputs = in_format(inputs, self.recipe.memory_format)
         if self.recipe.accumulation_steps > 1:
             return self._accumulate(inputs, targets)
         if self.recipe.cuda_graphs:
