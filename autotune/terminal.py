@@ -251,8 +251,9 @@ def print_summary(out_dir: Path, elapsed_s: float | None = None, phases: dict[st
 def warm_line(study) -> str | None:
     """What the study started with from earlier searches (autotune.search.warm), or None."""
     from autotune.report.format import warm_words
+    from autotune.search.warm import ATTR
 
-    return warm_words(study.user_attrs.get("warm_start")) if study is not None else None
+    return warm_words(study.user_attrs.get(ATTR)) if study is not None else None
 
 
 def print_cache(cache: dict[str, Any]) -> None:

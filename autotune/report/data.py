@@ -17,6 +17,7 @@ from autotune.report.effects import Effects, measure
 from autotune.report.export import plain_recipe_missing, trials_frame
 from autotune.report.format import warm_source
 from autotune.search.trials import baseline_trial, best_trial, plain_recipe_trial, search_cost
+from autotune.search.warm import ATTR as WARM_ATTR
 from autotune.trial.record import TrialRecord
 from autotune.workload.units import ATTR as UNITS_ATTR, Units
 
@@ -156,7 +157,7 @@ def collect(study: optuna.Study, out_dir: Path, config: dict[str, Any] | None) -
     data.units = Units.from_dict((config or {}).get("units") or study.user_attrs.get(UNITS_ATTR))
     data.plain_recipe = plain
     data.plain_recipe_missing = plain_recipe_missing(study) if plain is None else None
-    data.warm_start = study.user_attrs.get("warm_start")
+    data.warm_start = study.user_attrs.get(WARM_ATTR)
     return data
 
 

@@ -9,7 +9,6 @@ import pandas as pd
 
 from autotune.report.data import ReportData
 from autotune.report.format import (
-    warm_words,
     as_float,
     fmt_g,
     fmt_gib,
@@ -21,6 +20,7 @@ from autotune.report.format import (
     memory_knobs_line,
     repeats_of,
     trials_text,
+    warm_words,
 )
 
 NOT_MEASURED = "not measured in this search"

@@ -167,12 +167,6 @@ def warm_walls(study: optuna.Study) -> list[tuple[float, bool]]:
     return [wall for r in records if r.warm_from is not None and (wall := trial_wall(r)) is not None]
 
 
-def size_bytes() -> int:
-    """What the kept searches take on disk."""
-    folder = cache_root() / FOLDER
-    return sum(p.stat().st_size for p in folder.glob("*.json")) if folder.is_dir() else 0
-
-
 def _own_outcome(trial: optuna.trial.FrozenTrial) -> bool:
     record = TrialRecord.of(trial)
     return bool(trial.params) and record.status is not None and record.duplicate_of is None \
