@@ -30,6 +30,8 @@ The calibration's three real networks, small enough for a 2-core CPU, each learn
   few channels, at 32x32 inputs.
 - ``llama``: transformers' Llama with 2 layers, hidden size 64, a vocabulary of 1,000, sequences of 32.
 
+And for tests, ``bn_cnn``: two convolutions with BatchNorm at 8x8 inputs, small enough for a unit test.
+
 Each also as ``NAME_underflow`` (its loss weighted UNDERFLOW_LOSS_WEIGHT) and ``NAME_loss_2m14`` (its
 loss weighted 2**-14: fp16's smallest normal number, so that without loss scaling part of its
 gradients, not all, fall below fp16's range).
@@ -185,6 +187,25 @@ def _llama() -> autotune.Workload:
     return autotune.Workload(**build_hf("hf:llama", dict(LLAMA), LLAMA_SEQ_LEN))
 
 
+class BatchNormCNN(nn.Module):
+    """conv-BN-ReLU twice (the second strided), global mean, a head: BatchNorm's amplification of a
+    rounding-sized difference in a test's few seconds."""
+
+    def __init__(self, num_classes: int = CLASSES) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+                                      nn.Conv2d(16, 32, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(32),
+                                      nn.ReLU())
+        self.head = nn.Linear(32, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+
+def bn_cnn() -> autotune.Workload:
+    return autotune.Workload(model=BatchNormCNN(), input_shape=(3, 8, 8), num_classes=CLASSES)
+
+
 def resnet18() -> autotune.Workload:
     return _resnet18()
 
@@ -234,20 +255,39 @@ def round_mantissa_(t: torch.Tensor, bits: int) -> torch.Tensor:
     return t
 
 
+def _after_each_step(model: nn.Module, act) -> None:
+    """Call ``act(optimizer, parameters)`` after every optimizer step that steps any of ``model``'s
+    parameters (a global optimizer hook, removed with the model): how a transform of the model reaches
+    what the optimizer keeps."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    ids = {id(p) for p in model.parameters()}
+    alive = weakref.ref(model)
+
+    def hook(optimizer, args, kwargs) -> None:
+        if alive() is None:
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"] if id(p) in ids]
+        if params:
+            act(optimizer, params)
+
+    weakref.finalize(model, register_optimizer_step_post_hook(hook).remove)
+
+
 def weights_in_mantissa(bits: int):
-    """A model transform: every FP32 weight rounded to ``bits`` mantissa bits before each forward,
-    so the optimizer's update is kept only where it moves a weight to another such value: weights
-    stored in a narrow float format with no master copy (3 bits: fp8 e4m3's mantissa)."""
+    """A model transform: every FP32 weight rounded to ``bits`` mantissa bits, at the start and after
+    every optimizer step, so an update is kept only where it moves a weight to another such value:
+    weights stored in a narrow float format with no master copy (3 bits: fp8 e4m3's mantissa)."""
 
-    def transform(model: nn.Module) -> nn.Module:
-        params = [p for p in model.parameters() if p.dtype == torch.float32]
-
-        def rounded(module, args):
-            with torch.no_grad():
-                for p in params:
+    def rounded(optimizer, params) -> None:
+        with torch.no_grad():
+            for p in params:
+                if p.dtype == torch.float32:
                     round_mantissa_(p.data, bits)
 
-        model.register_forward_pre_hook(rounded)
+    def transform(model: nn.Module) -> nn.Module:
+        rounded(None, list(model.parameters()))
+        _after_each_step(model, rounded)
         return model
 
     return transform
@@ -287,26 +327,17 @@ def _quantised_(t: torch.Tensor, bits: int, *, signed: bool, block: int = 256) -
 def coarse_optimizer_states(bits: int):
     """A model transform: after every optimizer step, Adam's moments of this model's parameters are
     rounded to ``bits``-bit linear codes a block of 256 (far coarser than 8-bit optimizers' block-wise
-    dynamic codes, arXiv 2110.02861: a second moment rounded to zero turns its update into m / eps).
-    A global optimizer hook, removed with the model."""
-    from torch.optim.optimizer import register_optimizer_step_post_hook
+    dynamic codes, arXiv 2110.02861: a second moment rounded to zero turns its update into m / eps)."""
+
+    def rounded(optimizer, params) -> None:
+        for p in params:
+            state = optimizer.state.get(p)
+            if state and "exp_avg" in state:
+                _quantised_(state["exp_avg"], bits, signed=True)
+                _quantised_(state["exp_avg_sq"], bits, signed=False)
 
     def transform(model: nn.Module) -> nn.Module:
-        ids = {id(p) for p in model.parameters()}
-        alive = weakref.ref(model)
-
-        def rounded(optimizer, args, kwargs) -> None:
-            if alive() is None:
-                handle.remove()
-                return
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    state = optimizer.state.get(p) if id(p) in ids else None
-                    if state and "exp_avg" in state:
-                        _quantised_(state["exp_avg"], bits, signed=True)
-                        _quantised_(state["exp_avg_sq"], bits, signed=False)
-
-        handle = register_optimizer_step_post_hook(rounded)
+        _after_each_step(model, rounded)
         return model
 
     return transform
