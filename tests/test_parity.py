@@ -102,7 +102,7 @@ def test_each_band_is_k_times_the_calibrations_noise_plus_a_floor():
     grads = judge(_run([2.0, 1.8, 1.6], b_rel=0.2), ref, settings, label="x")
     assert grads.verdict == "violated" and grads.grad_tensor == "b" and grads.grad_deviation == pytest.approx(0.2)
     assert grads.grad_figure == "grad_error" and grads.band.grad == pytest.approx(0.1 + 4e-6)
-    assert grads.reason.startswith("x: violated: 1 tensor's first gradient off FP32's (b's 20% off; the run-to-run "
+    assert grads.reason.startswith("x: violated: 1 tensor's first gradient is off FP32's (b's by 20%; the run-to-run "
                                    "noise allows 10%)")
     assert "\n" not in grads.reason
     # every figure's band is reported beside what was measured
@@ -172,8 +172,8 @@ def test_a_run_stopped_on_its_first_gradients_is_violated_on_the_step_it_ran():
     assert stopped.verdict == "violated" and stopped.steps == 1 and stopped.stopped == "gradients"
     assert stopped.loss_deviation == pytest.approx(0.005)  # over the step it ran
     assert stopped.progress_drift is None and stopped.band.drift is None
-    assert stopped.reason == ("fp8: violated: 1 tensor's first gradient off FP32's (w's 15% off; the run-to-run noise "
-                              "allows 14%); stopped after its first step, the first gradients already out of band")
+    assert stopped.reason == ("fp8: violated: 1 tensor's first gradient is off FP32's (w's by 15%; the run-to-run "
+                              "noise allows 14%); stopped after its first step, the first gradients already out of band")
     # the same run had it not stopped: its loss deviation infinite (it ran short), and nothing said of a stop
     short = judge({**first, "stopped": None}, ref, settings, label="fp8")
     assert short.verdict == "unstable" and "stopped" not in short.reason and short.stopped is None
@@ -194,7 +194,7 @@ def test_a_tensor_that_stops_moving_or_moves_at_the_wrong_scale_fails_whatever_i
     assert stalled.reason.startswith("bf16: violated: 1 tensor stops learning (w: 100% of its weights never moved "
                                      "where FP32's did; the run-to-run noise allows 2%)")
     small = judge(_run([2.0, 1.8, 1.6], rel=0.5, size=0.5), ref, ParitySettings(), label="fp16")
-    assert small.verdict == "violated" and "1 tensor's update the wrong size (w's is 50% of FP32's" in small.reason
+    assert small.verdict == "violated" and "1 tensor's update is the wrong size (w's is 50% of FP32's" in small.reason
     near = judge(_run([2.0, 1.8, 1.6], rel=0.05, size=0.95), ref, ParitySettings(), label="bf16")
     assert near.verdict == "passed" and near.reason.startswith("bf16: passed: trains like FP32 here (loss within 0% "
                                                               "of FP32's over 2 steps, the run-to-run noise allows")

@@ -55,9 +55,10 @@ one run's batch and alive in the other's."""
 TENSOR_FIGURES = ("grad_error", "grad_size", "grad_vanished", "update_error", "update_size", "update_stalled")
 """Per tensor: first gradient and update, each off FP32's (relative error), its size (max(r, 1/r) - 1
 of the norm ratio r) and its share of elements zero where FP32's are not."""
-WORDS = {"loss": "loss", "progress": "progress on the first batch", "grad_error": "first gradient's direction",
-         "grad_size": "first gradient's size", "grad_vanished": "first gradient vanished",
-         "update_error": "update", "update_size": "update's size", "update_stalled": "weights never moved"}
+WORDS = {"loss": "loss", "progress": "progress on the first batch", "grad_error": "first gradients' directions",
+         "grad_size": "first gradients' sizes", "grad_vanished": "vanished gradients",
+         "update_error": "updates' directions", "update_size": "updates' sizes", "update_stalled": "stalled weights"}
+"""How the reason names a figure it could not judge."""
 
 
 @dataclass(kw_only=True)
@@ -342,11 +343,19 @@ def _share(measured: float, band: float | None) -> float:
 
 def figures_out_of_band(tensors: Mapping[str, Mapping[str, Any]], kinds=TENSOR_FIGURES) -> list[dict[str, Any]]:
     """Per figure of ``kinds``: the tensor past its band furthest (or closest to it), with the count of
-    tensors judged and past their band; a figure no tensor was judged by is left out."""
+    tensors judged and past their band; for a figure no tensor was judged by (too noisy), the tensor
+    furthest from FP32's, with no band."""
     out = []
     for figure in kinds:
         judged = [(name, figs) for name, figs in tensors.items() if figs.get(f"band_{figure}") is not None]
         if not judged:
+            measured = [(figs[figure], name) for name, figs in tensors.items()
+                        if figure in figs and figs.get(f"{figure.split('_')[0]}_moved")]
+            if measured:
+                value, name = max(measured)
+                out.append({"figure": figure, "tensor": name, "measured": value,
+                            "noise": tensors[name].get(f"noise_{figure}", 0.0), "band": None, "share": -1.0,
+                            "judged": 0, "failing": 0, "ratio": tensors[name].get(f"{figure.split('_')[0]}_ratio")})
             continue
         shares = [(_share(figs[figure], figs[f"band_{figure}"]), name) for name, figs in judged]
         share, name = max(shares)
@@ -453,9 +462,10 @@ def _failure(f: Mapping[str, Any], steps: int) -> str:
         ratio = f.get("ratio")
         size = ("zero" if ratio == 0 else "not finite" if ratio is None or not math.isfinite(ratio)
                 else f"{ratio:.3g}x FP32's" if ratio >= 2 else f"{_pct(ratio)} of FP32's")
-        return (f"{_tensors(n, owner=True)} {what}{'' if n == 1 else 's'} the wrong size ({tensor}'s is {size}; "
-                f"{allows} either way)")
-    return f"{_tensors(n, owner=True)} {what}{'' if n == 1 else 's'} off FP32's ({tensor}'s {_pct(measured)} off; {allows})"
+        return (f"{_tensors(n, owner=True)} {what}{' is' if n == 1 else 's are'} the wrong size ({tensor}'s is "
+                f"{size}; {allows} either way)")
+    return (f"{_tensors(n, owner=True)} {what}{' is' if n == 1 else 's are'} off FP32's ({tensor}'s by "
+            f"{_pct(measured)}; {allows})")
 
 
 def describe(result: ParityResult) -> str:
