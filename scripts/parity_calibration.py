@@ -189,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, of " + ", ".join(MODELS))
     parser.add_argument("--no-small", action="store_true", help="leave out the rows on parity_models' small models")
     parser.add_argument("--cases", default="", help="comma-separated words: only the cases whose name holds one")
+    parser.add_argument("--skip", default="", help="comma-separated words: not the cases whose name holds one")
     parser.add_argument("--save", help="append each verdict to this JSON-lines file")
     parser.add_argument("--load", nargs="+", help="judge the verdicts of these files again (no runs)")
     for name in ("k", "loss_floor", "grad_floor", "size_floor", "share_floor", "drift_floor", "max_band"):
@@ -199,16 +200,21 @@ def main(argv: list[str] | None = None) -> int:
                               max_band=args.max_band)
     started = time.perf_counter()
     if args.load:
-        results: dict[tuple[str, str], list[dict]] = {}
+        entries: dict[tuple[str, str, int], dict] = {}  # a row run again (a run cut and resumed): its last
         for path in args.load:
             for line in Path(path).read_text().splitlines():
                 entry = json.loads(line)
-                results.setdefault((entry["case"], entry["model"]), []).append(rejudged(entry["result"], settings))
-        seeds = "saved"
+                entries[(entry["case"], entry["model"], entry["seed"])] = entry
+        results: dict[tuple[str, str], list[dict]] = {}
+        for (case, model, _), entry in sorted(entries.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+            results.setdefault((case, model), []).append(rejudged(entry["result"], settings))
+        counts = sorted({len(rs) for rs in results.values()})
+        seeds = f"saved ({'-'.join(map(str, counts[::max(1, len(counts) - 1)]))} seeds a row)"
     else:
         rows = cases([m for m in args.models.split(",") if m], small=not args.no_small)
         words = [w for w in args.cases.split(",") if w]
         rows = [row for row in rows if not words or any(w in row[0] for w in words)]
+        rows = [row for row in rows if not any(w in row[0] for w in args.skip.split(",") if w)]
         results = run(args, rows)
         seeds = f"{args.repeats} seeds ({args.first_seed}-{args.first_seed + args.repeats - 1})"
     lines, ok, widest = table(results)
