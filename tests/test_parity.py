@@ -33,7 +33,7 @@ from autotune.accuracy.parity import (
     read_reference,
     run_parity,
 )
-from autotune.accuracy.parity_verdict import TENSOR_FIGURES, floor_of
+from autotune.accuracy.parity_verdict import REPORTED_ONLY, TENSOR_FIGURES, floor_of
 from autotune.accuracy.reference_cache import ReferenceCache
 from autotune.errors import ConfigError
 from autotune.workload.models import WorkloadSpec
@@ -109,7 +109,9 @@ def test_each_band_is_k_times_the_calibrations_noise_plus_a_floor():
     figures = {f["figure"]: f for f in grads.figures}
     assert set(figures) == {"loss", "progress", *TENSOR_FIGURES}
     assert all(f["band"] == pytest.approx(4 * f["noise"] + floor_of(f["figure"], settings, 100.0))
-               for f in grads.figures if f["tensor"])
+               for f in grads.figures if f["tensor"] and f["figure"] not in REPORTED_ONLY)
+    # an update's direction is reported, never judged
+    assert [f["band"] for f in grads.figures if f["figure"] == "update_error"] == [None]
 
 
 def test_a_band_wider_than_max_band_judges_nothing():
