@@ -117,24 +117,30 @@ class ParitySettings:
     data: str | None = None
     """As AccuracySettings.data: None (synthetic), an image folder, or package.module:factory."""
     calibrations: int = 2
-    """FP32 runs from weights moved to other random bf16 neighbours; each figure's noise is the largest
-    of theirs. One run's noise is itself noisy: on ResNet-18 at batch 8 one calibration's update-size
-    figure for a BatchNorm gain ranged from 1% to 20% between directions."""
+    """FP32 runs moved by rounding-sized differences in other random directions (perturb_weights,
+    GradientRounding); each figure's noise is the largest of theirs. One run's noise is itself noisy:
+    on ResNet-18 at batch 8 one calibration's update-size figure for a BatchNorm gain ranged from 1%
+    to 20% between directions."""
     k: float = 3.0
-    """The band's multiple of the calibrations' noise."""
+    """The band's multiple of the calibrations' noise (the largest of ``calibrations`` runs'), as
+    Megatron-LM's golden values allow a multiple of repeated runs' spread."""
     loss_floor: float = 2 * BF16_EPS
     """Relative (windowed) loss difference accepted whatever the calibrations say (1.6%)."""
     grad_floor: float = 32 * BF16_EPS
-    """Relative error of a first gradient or an update accepted per tensor whatever the calibrations
-    say (25%: four times Megatron-LM's deepest bf16 bound, for the check's small batch: under bf16
+    """Relative error of a first gradient accepted per tensor whatever the calibrations say (25%: four
+    times Megatron-LM's deepest bf16 bound, for the check's small batch: under bf16
     autocast the ReLU gates that flip in a batch of 16 put one block's gradients 3.6-14% off FP32's
     over 20 seeds of scripts/parity_models.py's mlp)."""
     size_floor: float = 16 * BF16_EPS
     """How far (max(r, 1/r) - 1 of the norm ratio r) a tensor's first gradient or update may be from
-    FP32's size whatever the calibrations say (12.5%)."""
+    FP32's size whatever the calibrations say (12.5%: twice what bf16 autocast moved an update's size
+    on scripts/parity_models.py's ConvNeXt, 6.5% at worst, where the calibrations moved it 1.5%)."""
     share_floor: float = 0.02
     """Share of a tensor's elements that may vanish (first gradient) or stall (update) where FP32's
-    did not, whatever the calibrations say (and SHARE_ELEMENTS elements at least)."""
+    did not, whatever the calibrations say (and SHARE_ELEMENTS elements at least): bf16 autocast
+    zeroed one element of a 128-element bias (a unit dead in its batch); fp16 without loss scaling
+    on ResNet-18's loss x 2**-14 zeroed 6-7% of a BatchNorm bias's first gradient, all of them at
+    2**-22 (Micikevicius et al. 2018 measured such a flush to zero as the harm loss scaling avoids)."""
     drift_floor: float = 0.25
     """Share of FP32's progress on the first batch a run may lose whatever the calibrations say: over
     20 seeds of parity_models' wide_linear (loss down 0.03 in 20 steps at lr 1e-4) bf16 autocast lost
