@@ -13,9 +13,11 @@ from autotune.errors import AutotuneError, ConfigError, WorkloadError
 
 __version__ = "0.1.0"
 
-_LAZY = {"TunedConfig": "autotune.deploy.config", "load": "autotune.deploy.config", "Workload": "autotune.workload.models"}
+_LAZY = {"TunedConfig": "autotune.deploy.config", "load": "autotune.deploy.config", "Workload": "autotune.workload.models",
+         "load_compile_cache": "autotune.deploy.compile_cache"}
 
-__all__ = ["TunedConfig", "load", "Workload", "AutotuneError", "ConfigError", "WorkloadError", "__version__"]
+__all__ = ["TunedConfig", "load", "load_compile_cache", "Workload", "AutotuneError", "ConfigError", "WorkloadError",
+           "__version__"]
 
 
 def __getattr__(name: str) -> object:

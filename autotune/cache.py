@@ -32,8 +32,8 @@ def users_inductor_cache() -> str | None:
     default (/tmp/torchinductor_<user>) into os.environ of a process that had none, and importing
     torch._dynamo calls it: torchvision's models import it, so a search of a torchvision model had it
     set in its own process before its first trial, and every trial compiled into /tmp instead of
-    compile_cache_dir() (on the H200, a search_yield run "with empty caches" loaded the compiles of
-    the search before it). That default is no user's choice; set to it explicitly, it counts as unset."""
+    compile_cache_dir() (a search_yield run "with empty caches" would load the compiles of the search
+    before it). That default is no user's choice; set to it explicitly, it counts as unset."""
     value = os.environ.get(INDUCTOR_ENV)
     torch_cache = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
     if not value or torch_cache is None:  # torch has not written it: the user's, or none

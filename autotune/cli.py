@@ -24,7 +24,15 @@ def _add_search(sub: argparse._SubParsersAction) -> None:
                                    "the rest; docs/knobs.md) is measured in an isolated worker, and the best is "
                                    "exported as config.json.")
     # grouped by what a user decides, in the order they decide it; the most used first within each
-    tune = p.add_argument_group("what to tune", "the model, the device and the space searched")
+    _add_tune_options(p.add_argument_group("what to tune", "the model, the device and the space searched"))
+    _add_limit_options(p.add_argument_group("budget and limits", "how long the search runs, what each trial may use, "
+                                                                 "and how much accuracy a configuration may cost"))
+    _add_output_options(p.add_argument_group("output and storage", "where the config, the report and the study go"))
+    _add_scale_options(p.add_argument_group("scale-out (several GPUs or processes)",
+                                            "several machines share one study through --storage and --study-name"))
+
+
+def _add_tune_options(tune: argparse._ArgumentGroup) -> None:
     _add_option(tune, "--model")
     tune.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                       help="where to tune (default: cuda when a GPU is present)")
@@ -57,8 +65,8 @@ def _add_search(sub: argparse._SubParsersAction) -> None:
                       help="do not profile trials (torch.profiler and NVML, on a GPU) nor derive findings")
     tune.add_argument("--seed", type=int, default=0, help="sampler and data seed")
 
-    limits = p.add_argument_group("budget and limits", "how long the search runs, what each trial may use, and "
-                                                       "how much accuracy a configuration may cost")
+
+def _add_limit_options(limits: argparse._ArgumentGroup) -> None:
     limits.add_argument("--budget", help="wall-clock budget, e.g. 10m, 90s, 1h (default 10m when --trials is not given)")
     limits.add_argument("--trials", type=int, help="stop when this many trials are finished (resumed ones count)")
     limits.add_argument("--memory-limit", metavar="SIZE",
@@ -84,7 +92,8 @@ def _add_search(sub: argparse._SubParsersAction) -> None:
     limits.add_argument("--trial-timeout", type=float, default=600.0, help="seconds before a hung trial is killed")
     limits.add_argument("--min-measure-time", type=float, help="seconds of timed steps per trial (default 2)")
 
-    output = p.add_argument_group("output and storage", "where the config, the report and the study go")
+
+def _add_output_options(output: argparse._ArgumentGroup) -> None:
     output.add_argument("--out", type=Path, help="output folder (default runs/<model>-<gpu>/; a folder holding a study "
                                                  "resumes it)")
     output.add_argument("--resume", action="store_true",
@@ -101,8 +110,8 @@ def _add_search(sub: argparse._SubParsersAction) -> None:
                         help="also log each trial (parameters, figures), the best config and the report to this "
                              "MLflow tracking store, e.g. sqlite:///mlflow.db or http://HOST:5000 (needs mlflow-skinny)")
 
-    scale = p.add_argument_group("scale-out (several GPUs or processes)",
-                                 "several machines share one study through --storage and --study-name")
+
+def _add_scale_options(scale: argparse._ArgumentGroup) -> None:
     scale.add_argument("--gpus", help="CUDA GPUs to search on in parallel, one trial worker pinned to each: 0,1 "
                                       "or all (same GPU model; default: one GPU)")
     scale.add_argument("--ddp", type=int, metavar="N",
@@ -113,7 +122,6 @@ def _add_search(sub: argparse._SubParsersAction) -> None:
 
 
 _SHARED_OPTIONS: dict[str, dict[str, Any]] = {
-    # what a search trains (search and accuracy alike): --model and the options that shape its workload
     "--model": dict(required=True,
                     help="a torchvision classification model (see `autotune models`), hf:TYPE (a transformers "
                          "causal LM, e.g. hf:gpt2), timm:NAME (a timm classifier) or package.module:factory"),
@@ -125,37 +133,25 @@ _SHARED_OPTIONS: dict[str, dict[str, Any]] = {
     "--seq-len": dict(type=int, metavar="N",
                       help="an hf: model's sequence length: tokens per sample (default 1024, or the model's "
                            "longest if shorter); the report shows tokens/s next to samples/s"),
-    # how the accuracy check judges a configuration, and on what data
     "--max-accuracy-drop": dict(type=float, default=0.5,
                                 help="held-out accuracy drop versus FP32 allowed, in percentage points (default 0.5); "
                                      "a configuration that drops more is never recommended"),
-    "--max-loss-drift": dict(type=float, default=0.1,
-                             help="when the data has no held-out set: the share of FP32's training-loss decrease a "
-                                  "configuration may lose (default 0.1)"),
-    "--accuracy-steps": dict(type=int,
-                             help="training steps of the accuracy check (default: in a search with --budget, scaled to "
-                                  "the measured step time and --accuracy-share; at most 300 on GPU, 100 on CPU)"),
-    "--data": dict(help="real data: a folder in ImageFolder layout (DIR/<class>/<image>) "
-                        "or package.module:factory returning (train, held_out) datasets; it feeds the "
-                        "timed steps through a DataLoader (whose workers, pinning and prefetch are "
-                        "searched) and the accuracy check; default: synthetic batches, and a "
-                        "learnable synthetic set at the model's input size for the accuracy check"),
+    "--max-loss-drift": dict(type=float, default=0.1, help="when the data has no held-out set: the share of FP32's "
+                                                           "training-loss decrease a configuration may lose (default 0.1)"),
+    "--accuracy-steps": dict(type=int, help="training steps of the accuracy check (default: in a search with --budget, "
+                                            "scaled to the measured step time and --accuracy-share; at most 300 on GPU, "
+                                            "100 on CPU)"),
+    "--data": dict(help="real data: a folder in ImageFolder layout (DIR/<class>/<image>) or package.module:factory "
+                        "returning (train, held_out) datasets; it feeds the timed steps through a DataLoader (whose "
+                        "workers, pinning and prefetch are searched) and the accuracy check; default: synthetic "
+                        "batches, and a learnable synthetic set at the model's input size for the accuracy check"),
 }
-"""Options that `search` and `accuracy` share, by flag: each command places them where its help reads best."""
+"""The workload's and the accuracy check's options, which `search` and `accuracy` share: each places them in its help."""
 
 
 def _add_option(p: argparse.ArgumentParser | argparse._ArgumentGroup, *flags: str) -> None:
     for flag in flags:
         p.add_argument(flag, **_SHARED_OPTIONS[flag])
-
-
-def _add_model_options(p: argparse.ArgumentParser) -> None:
-    """What a search trains: --model and the options that shape its workload."""
-    _add_option(p, "--model", "--input-shape", "--num-classes", "--model-config", "--seq-len")
-
-
-def _add_accuracy_options(p: argparse.ArgumentParser) -> None:
-    _add_option(p, "--max-accuracy-drop", "--max-loss-drift", "--accuracy-steps", "--data")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -196,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("accuracy", help="train each precision mode briefly against FP32 and print the table",
                        description="Each precision mode of the device (fp16 with and without GradScaler) against "
                                    "an FP32 reference: same initial weights, same data, same order.")
-    _add_model_options(p)
+    _add_option(p, "--model", "--input-shape", "--num-classes", "--model-config", "--seq-len")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--precisions", help="comma-separated modes (default: all the device runs natively)")
     p.add_argument("--fp32-layers", help="also check autocast modes with these layer kinds kept in FP32, "
@@ -204,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, help="the check's batch size (default 64 on GPU, 16 on CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed for each training run")
-    _add_accuracy_options(p)
+    _add_option(p, "--max-accuracy-drop", "--max-loss-drift", "--accuracy-steps", "--data")
     return parser
 
 
@@ -218,8 +214,8 @@ def _command_line(args: argparse.Namespace) -> str:
 
 
 def _prestart_probe(args: argparse.Namespace) -> None:
-    """Start the search's probe worker now, under the GPUs it will see: its imports (torch: 4 s
-    on an H200 machine) then run while this process imports torch for its own checks. A search
+    """Start the search's probe worker now, under the GPUs it will see: its imports (torch: seconds)
+    then run while this process imports torch for its own checks. A search
     refused by those checks kills it on exit (autotune.trial.runner.discard_spares)."""
     from autotune.errors import ConfigError
     from autotune.trial.gpus import parse_gpus, pinned, probe_view
@@ -257,6 +253,17 @@ def cmd_search(args: argparse.Namespace) -> int:
     from autotune.trial.measure import MeasureSettings
 
     spec = _workload_spec(args)
+    measure = None
+    if args.min_measure_time is not None:  # replace() validates it: a typo like 0 or -1 gets a clear error
+        import dataclasses
+
+        from autotune.search.options import resolve_device
+
+        try:
+            measure = dataclasses.replace(MeasureSettings.for_device(resolve_device(args.device)),
+                                          min_time_s=args.min_measure_time)
+        except ValueError as exc:
+            raise ConfigError(f"--min-measure-time {args.min_measure_time:g}: {exc}") from None
     config = SearchConfig(
         workload=spec, device=args.device, out_dir=args.out, storage=args.storage, study_name=args.study_name,
         trials=args.trials, budget_s=parse_duration(args.budget) if args.budget else None,
@@ -265,7 +272,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         precisions=[m.strip() for m in args.precisions.split(",")] if args.precisions else None,
         input_on_device=args.input_on_device, compile=args.compile, profile=args.profile, steer=args.steer,
         early_stop_below=args.early_stop_below, started_at=getattr(args, "started_at", None),
-        objective=args.objective,
+        objective=args.objective, measure=measure,
         seed=args.seed, gpus=args.gpus, ddp=args.ddp, replay=args.replay, resume=args.resume,
         memory_limit=args.memory_limit, memory_headroom=args.memory_headroom,
         global_batch_size=args.global_batch_size,
@@ -275,17 +282,6 @@ def cmd_search(args: argparse.Namespace) -> int:
         accuracy_share=args.accuracy_share, accuracy_method=args.accuracy_method,
         mlflow=args.mlflow,
     )
-    if args.min_measure_time is not None:
-        import dataclasses
-
-        from autotune.search.options import resolve_device
-
-        # replace() validates the new value (a typo like 0 or -1 gets a clear error)
-        try:
-            config.measure = dataclasses.replace(MeasureSettings.for_device(resolve_device(args.device)),
-                                                 min_time_s=args.min_measure_time)
-        except ValueError as exc:
-            raise ConfigError(f"--min-measure-time {args.min_measure_time:g}: {exc}") from None
     view = SearchView(config)
     try:
         result = run_search(config, on_event=view)

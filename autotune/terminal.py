@@ -159,7 +159,7 @@ def trials_words(n: int) -> str:
     return f"{n} {plural(n, 'trial')}"
 
 
-OUTPUT_NAMES = ("config.json", "trials.csv", "report.html", "report.md", "trace-baseline.json.gz", "trace-best.json.gz")
+OUTPUT_NAMES = ("config.json", "compile-cache.zip", "trials.csv", "report.html", "report.md", "trace-baseline.json.gz", "trace-best.json.gz")
 """What a search writes into its output folder, in the order the last line names them."""
 
 
@@ -240,6 +240,8 @@ def print_summary(out_dir: Path, elapsed_s: float | None = None, phases: dict[st
         console.print("accuracy: not checked (--no-accuracy-check, or a config exported before the check existed)")
     for note in data.get("notes", []):
         console.print(f"note: {escape(note)}")
+    if line := compile_cache_line(data):
+        console.print(escape(line))
     console.print(files_line(out_dir, files))
     return True
 
@@ -298,6 +300,18 @@ def plain_recipe_line(data: dict[str, Any]) -> str | None:
         return (f"nothing measured beat the plain recipe: it is the recommendation ({plural_fix(plain['summary'])}: "
                 f"{rate}){fp32}")
     return f"best: {data['speedup_vs_plain_recipe']:.2f}x the plain recipe ({plural_fix(plain['summary'])}: {rate}){fp32}"
+
+
+def compile_cache_line(data: dict[str, Any]) -> str | None:
+    """The best's compile cache beside config.json, from config.json: "compile cache: compile-cache.zip,
+    0.2 MiB, for torch 2.14.1 on cpu: cfg.prepare loads it before the first compiled step"; None where
+    the best does not compile (or compiled nothing torch records)."""
+    cache = data.get("compile_cache")
+    if not cache:
+        return None
+    triton = f", Triton {cache['triton']}" if cache.get("device") != "cpu" and cache.get("triton") else ""
+    return (f"compile cache: {cache['file']}, {cache['bytes'] / 2**20:.1f} MiB, for torch {cache.get('torch')}{triton} "
+            f"on {cache.get('device')}: cfg.prepare loads it before the first compiled step")
 
 
 class AccuracyView:

@@ -9,13 +9,9 @@ the allocator maps and unmaps physical pages of 2 MiB as it needs them, so that 
 It changes where tensors live, not what is computed: same numerics, not checked for accuracy.
 
 When it pays: under a memory cap (``--memory-limit``, or a card just big enough), where the batch
-is what memory allows and the gap is what a larger batch lacks. On an H200 capped at 24 GiB, a
-1.24B-parameter Llama shape trained with the plain recipe (bf16 autocast, torch.compile, fused
-AdamW) measured at batch 1 a peak of 20.19 GiB allocated and 22.50 GiB reserved (+0.74 GiB outside
-the allocator); a hand-written loop at batch 2, 19.95 allocated and 23.21 reserved; a trial with the
-memory knobs at batch 16 (8-bit states, fused cross-entropy, every 2nd block checkpointed), 20.70
-allocated and 22.14 reserved. 1.4-3.3 GiB of a 24 GiB card were the allocator's, and the search's
-peak figure (reserved plus what lies outside) counts them. What it saves with the setting on is not
+is what memory allows and the gap is what a larger batch lacks: under a 24 GiB cap, a 1B Llama's
+steps reserved 1.4-3.3 GiB above what their tensors allocated, and the search's peak figure (reserved
+plus what lies outside the allocator) counts them. What it saves with the setting on is not
 measured here yet; the memory model (autotune.search.memory) predicts it from the gap measured on the
 same configuration without it. Its cost in speed is expected to be none (mapping pages happens when a
 segment grows, which a steady training step stops doing after its first steps): an assumption.

@@ -67,8 +67,8 @@ def attention_dtype(knobs: Mapping[str, Mapping[str, Any]]) -> str:
 
 def cannot_run(knobs: Mapping[str, Mapping[str, Any]], device: str) -> str | None:
     """Why a configuration's pinned backend cannot run its attention, known before it runs (a
-    half-precision-only backend given FP32 attention on a GPU), or None. The hf:gpt2 and hf:llama
-    searches on the H200 spent a worker start and a model build on each such trial."""
+    half-precision-only backend given FP32 attention on a GPU), or None: run, each such trial costs a
+    worker start and a model build."""
     backend = (knobs.get("attention") or {}).get("backend", "default")
     if device == "cuda" and backend in HALF_ONLY and attention_dtype(knobs) == "fp32":
         return (f"not run: {WORDS[backend]} takes only fp16 and bf16 inputs on a GPU, and this configuration "

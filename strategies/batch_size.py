@@ -24,7 +24,7 @@ from strategies.base import ReportKnob, Strategy
 LM_BASE_TOKENS = 16_384
 """A language model's default batch on a GPU, in tokens: nanoGPT's micro-batch (12 x 1,024 tokens
 on a 40 GB A100; 16 in scripts/lm_baseline.py). The image default, 256 samples, is 262,144 tokens of
-GPT-2 at 1,024: its FP32 step did not fit in an H200's 141 GB."""
+GPT-2 at 1,024: its FP32 step does not fit in 141 GB."""
 
 # multiples of 8 (Tensor-Core friendly), roughly geometric
 CANDIDATES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096]

@@ -2,25 +2,25 @@
 
 A depthwise convolution (one filter a channel: ``groups == in_channels == out_channels``, ConvNeXt's
 7x7, MobileNet's and EfficientNet's 3x3 and 5x5) is memory-bound, and cuDNN's backward-data kernel
-for it is slower than its forward kernel on the same shapes. On the H100 (reports/search-yield/
-h100-ec835cb, the plain recipe's profile) timm's ConvNeXt-T at batch 768 in bf16 channels_last spent
-28.7 ms a step in the 18 depthwise convolutions' backward-data kernel (``dgrad2d_c1_k1_nhwc_specialized``)
-against 13.3 ms in their forward (``conv2d_c1_k1_nhwc_specialized``): 14.6% of the step against 6.8%.
+for it is slower than its forward kernel on the same shapes (a profile's ``dgrad2d`` against its
+``conv2d`` kernels; reports/measurement-log.md has the figures).
 
 For stride 1 and dilation 1 the input's gradient is itself a depthwise convolution: the output's
 gradient convolved with each filter turned by 180 degrees, padded by ``kernel - 1 - padding``. With
 ``input_grad="flipped"`` the eligible layers compute it so, with the forward kernel; the weight's and
 the bias's gradients stay the framework's (``aten.convolution_backward`` for the weight alone). The
 result is the same sum taken in another order: equal up to rounding, which the accuracy check compares
-with FP32 as it does a precision. On the H100 torchvision's ConvNeXt-T's compiled plain-recipe step ran
-1.072x faster with it at batch 256 and 1.077x at 768 (reports/depthwise-h100, scripts/depthwise_bench.py):
-the planner's prior for the move. Whether it pays on another model is that model's trial to measure.
+with FP32 as it does a precision. What the move is hoped to give before a trial measures it is the
+priors table's row (autotune.search.priors, measured by scripts/depthwise_bench.py); whether it pays on
+a model is that model's trial to measure.
 
 Eligible: exact ``nn.Conv2d`` modules with ``groups == in_channels == out_channels``, stride 1,
 dilation 1, zero padding of at most ``kernel - 1`` on each side (``padding="same"`` included). The
 module keeps its parameters, its state_dict and its class's other behaviour (the class is swapped for
-:class:`FlippedGradConv2d`, as channel padding swaps classes); a forward without gradients
-(``torch.no_grad``, inference) is the framework's. Offered on CUDA for a model the probe found such layers in.
+:class:`FlippedGradConv2d`, as channel padding swaps classes): an unbatched (C, H, W) input, frozen
+parameters and ``torch.func``'s transforms (``vmap``, ``grad``, ``jvp``) give ``nn.Conv2d``'s gradients. A
+forward without gradients (``torch.no_grad``, inference) is the framework's, and so is one inside a
+``torch.func`` transform that ``torch.compile`` traces. Offered on CUDA for a model the probe found such layers in.
 """
 
 from __future__ import annotations
@@ -64,14 +64,25 @@ def depthwise_layers(model: nn.Module) -> int:
 
 
 class _FlippedGrad(torch.autograd.Function):
-    """A depthwise convolution (stride 1, dilation 1) whose input gradient is a forward convolution."""
+    """A depthwise convolution (stride 1, dilation 1) of a batched (N, C, H, W) input whose input gradient is a
+    forward convolution.
+
+    Written in the ``setup_context`` style and only of PyTorch operations so that ``generate_vmap_rule``
+    holds: ``torch.func``'s transforms (``vmap(grad(...))`` per-sample gradients as Opacus takes them,
+    ``jacrev``; ``jvp`` with :class:`_FlippedGradJvp`) compose with it as they do with ``nn.Conv2d``."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 padding: tuple[int, int]) -> torch.Tensor:
+        return F.conv2d(x, weight, bias, 1, padding, 1, weight.shape[0])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        x, weight, bias, padding = inputs
         ctx.save_for_backward(x, weight)
         ctx.padding, ctx.has_bias = padding, bias is not None
-        return F.conv2d(x, weight, bias, 1, padding, 1, weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -88,6 +99,37 @@ class _FlippedGrad(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
+class _FlippedGradJvp(_FlippedGrad):
+    """:class:`_FlippedGrad` with forward-mode AD (``torch.func.jvp``, ``jacfwd``, ``hessian``), for eager use:
+    Dynamo does not trace a Function with a custom ``jvp`` (it breaks the graph there)."""
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        _FlippedGrad.setup_context(ctx, inputs, output)
+        ctx.save_for_forward(*inputs[:2])
+
+    @staticmethod
+    def jvp(ctx, x_t: torch.Tensor | None, weight_t: torch.Tensor | None, bias_t: torch.Tensor | None, _):
+        """Linear in each argument: ``conv(x_t, w) + b_t + conv(x, w_t)``, the terms of ``nn.Conv2d``'s
+        forward-mode rule; a missing tangent is a zero term."""
+        x, weight = ctx.saved_tensors
+        padding, groups = ctx.padding, weight.shape[0]
+        if x_t is None and bias_t is not None:
+            x_t = torch.zeros_like(x)  # the bias's tangent alone still fills the output's shape
+        out_t = F.conv2d(x_t, weight, bias_t, 1, padding, 1, groups) if x_t is not None else None
+        if weight_t is not None:
+            term = F.conv2d(x, weight_t, None, 1, padding, 1, groups)
+            out_t = term if out_t is None else out_t + term
+        return out_t
+
+
+@torch.compiler.assume_constant_result
+def _in_func_transform() -> bool:
+    """Whether a ``torch.func`` transform (vmap, grad, jvp) is running. Constant within a compiled graph:
+    Dynamo traces a transform together with its body, so where the call sits in the code decides it."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
 class FlippedGradConv2d(nn.Conv2d):
     """:class:`torch.nn.Conv2d` (depthwise, stride 1) whose input gradient in training is a forward
     convolution of the output's gradient with the turned filters (:class:`_FlippedGrad`)."""
@@ -95,16 +137,27 @@ class FlippedGradConv2d(nn.Conv2d):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
             return super().forward(input)
-        weight, bias = self.weight, self.bias
-        device_type = input.device.type
+        function = _FlippedGradJvp
+        if torch.compiler.is_compiling():
+            # Dynamo neither traces a custom jvp nor vmaps a Function: inside a compiled torch.func
+            # transform the convolution is the framework's, elsewhere the Function without its jvp
+            if _in_func_transform():
+                return super().forward(input)
+            function = _FlippedGrad
+        if input.dim() == 3:  # unbatched (C, H, W), as nn.Conv2d takes it: a batch of one to the Function
+            return self._apply_flipped(function, input.unsqueeze(0)).squeeze(0)
+        return self._apply_flipped(function, input)
+
+    def _apply_flipped(self, function: type[_FlippedGrad], input: torch.Tensor) -> torch.Tensor:
+        weight, bias, device_type = self.weight, self.bias, input.device.type
         if torch.is_autocast_enabled(device_type):
             # autocast's cast, made here: the backward's convolutions see the forward's dtypes
             dtype = torch.get_autocast_dtype(device_type)
             input, weight = input.to(dtype), weight.to(dtype)
             bias = bias.to(dtype) if bias is not None else None
             with torch.autocast(device_type, enabled=False):
-                return _FlippedGrad.apply(input, weight, bias, _padding(self))
-        return _FlippedGrad.apply(input, weight, bias, _padding(self))
+                return function.apply(input, weight, bias, _padding(self))
+        return function.apply(input, weight, bias, _padding(self))
 
 
 def flip_input_grad(model: nn.Module) -> nn.Module:

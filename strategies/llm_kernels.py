@@ -36,8 +36,8 @@ How it composes:
 
 * torch.compile: each of liger's kernels is a graph break: it runs as in eager mode, and the compiled
   graphs end before it and start after it. Traced by TorchDynamo, liger's autograd Functions (their
-  forwards set attributes on ``ctx`` and write their outputs in place with Triton kernels) failed on
-  an H100 with torch 2.11: its rewritten autograd.Function tracing (pytorch/pytorch#166788) raised an
+  forwards set attributes on ``ctx`` and write their outputs in place with Triton kernels) failed with
+  torch 2.11: its rewritten autograd.Function tracing (pytorch/pytorch#166788) raised an
   AssertionError (overwrite_tensor_vt_proxy) at the first LigerRMSNorm of a compiled tiny Llama, and
   the same rewrite computes wrong gradients for forwards that write in place (#180642, fixed in 2.12
   by #180921). So :func:`apply_liger` wraps each forward it binds, and liger's RoPE in transformers'
@@ -223,18 +223,6 @@ def apply_liger(model: nn.Module) -> nn.Module:
     apply(model=target, **{switch: False for switch in LOSS_SWITCHES if switch in parameters})
     break_graphs_at_liger(target)
     return model
-
-
-def hf_switches(kernels: str, kind: str | None) -> dict[str, bool]:
-    """This knob's switches of TrainingArguments' ``liger_kernel_config`` for a model of type ``kind``:
-    with "liger", RoPE, RMSNorm and SwiGLU on and the type's other layer switches left to liger's
-    defaults (what :func:`apply_liger` applies); with "framework", every layer switch the type's apply
-    function takes off, since liger turns on what is left out (Gemma's GeGLU with a fused loss alone)."""
-    if kernels == "liger":
-        return {switch: True for switch in HF_SWITCHES}
-    apply = apply_function(kind)
-    parameters = inspect.signature(apply).parameters if apply is not None else {}
-    return {switch: False for switch in HF_SWITCHES + tuple(s for s in OTHER_SWITCHES if s in parameters)}
 
 
 def probe(model: nn.Module, *, device: str) -> dict[str, Any] | None:

@@ -144,16 +144,6 @@ def hf_liger_config(kernel: str, config: Mapping[str, bool] | None = None) -> di
             "fused_linear_cross_entropy": kernel == "fused_linear", "cross_entropy": False}
 
 
-def liger_patches(model_type: str) -> bool | None:
-    """Whether liger-kernel's transformers patches (what ``TrainingArguments(use_liger_kernel=True)``
-    applies) cover ``model_type`` ("llama": yes, "gpt2": no); None where liger-kernel does not import."""
-    try:
-        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
-    except Exception:  # not installed, or no Triton: nothing here says
-        return None
-    return model_type in MODEL_TYPE_TO_APPLY_LIGER_FN
-
-
 # the LM head and the loss it fuses with --------------------------------------------------------
 
 

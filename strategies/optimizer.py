@@ -157,16 +157,15 @@ def prime_fused_sgd(optimizer: torch.optim.Optimizer) -> bool:
     """Give a fused SGD with momentum zero momentum buffers before its first step; returns whether
     it made any.
 
-    Fused SGD creates its buffers with ``torch.empty_like`` on its first step and has the kernel
-    fill them. When GradScaler skips that step (fp16's usual overflow in the first steps), the
-    kernel returns at once (``found_inf``), the buffers keep whatever the memory held, and the next
-    step multiplies that into the weights: NaN right away on a GPU, where the caching allocator
-    hands back the memory of freed tensors. (On the H200, an fp16 + fused SGD + CUDA graphs trial of
-    the JPEG search ended with a NaN loss, which this explains; on this CPU the buffer after a
-    skipped first step held garbage such as 1.3e-13.) A zero buffer makes the first step the same computation,
-    ``0.9 * 0 + g = g``, because the first step's ``buf = g`` equals ``momentum * 0 + (1 - dampening) * g``
-    when dampening is 0; a skipped step then leaves it zero, as the other implementations leave
-    no buffer. Groups with dampening keep PyTorch's behaviour (their first step differs).
+    Fused SGD creates its buffers with ``torch.empty_like`` on its first step and has the kernel fill them.
+    When GradScaler skips that step (fp16's usual overflow in the first steps), the kernel returns at once
+    (``found_inf``), the buffers keep whatever the memory held, and the next step multiplies that into the
+    weights: NaN right away on a GPU, where the caching allocator hands back the memory of freed tensors (an
+    fp16 + fused SGD + CUDA graphs trial ends with a NaN loss; on a CPU the buffer after a skipped first
+    step holds garbage such as 1.3e-13). A zero buffer makes the first step the same computation, ``0.9 * 0
+    + g = g``, because the first step's ``buf = g`` equals ``momentum * 0 + (1 - dampening) * g`` when
+    dampening is 0; a skipped step then leaves it zero, as the other implementations leave no buffer. Groups
+    with dampening keep PyTorch's behaviour (their first step differs).
     """
     if not isinstance(optimizer, torch.optim.SGD):
         return False

@@ -36,12 +36,11 @@ What it changes, and how it composes:
   ``group["lr"] = value`` gets torchao's error asking for ``fill_``.
 
 * "8bit-bnb": bitsandbytes' ``AdamW8bit`` (``Adam8bit`` for an Adam), the same block-wise 8-bit
-  states stepped by one fused CUDA kernel a parameter. On the H200 torchao's AdamW8bit stepped the
-  1.24B parameters of a Llama-3.2-1B shape in 122 ms, fused AdamW in 11 ms
-  (scripts/memory_parts_bench.py): for a step of about 75 ms torchao's update alone is slower than the
-  memory it frees can buy back, so both are offered and measured. bitsandbytes is offered on a GPU
-  where it is installed (``pip install bitsandbytes``); a resumed run's FP32 moments are refused
-  there (start from a fresh optimizer, or use "8bit"), and so are CUDA graphs and a torch
+  states stepped by one fused CUDA kernel a parameter. torchao's update of a 1B model's parameters takes
+  about ten times fused AdamW's (scripts/memory_parts_bench.py measures both): for a step of about 75 ms it
+  alone is slower than the memory it frees can buy back, so both are offered and measured. bitsandbytes is
+  offered on a GPU where it is installed (``pip install bitsandbytes``); a resumed run's FP32 moments are
+  refused there (start from a fresh optimizer, or use "8bit"), and so are CUDA graphs and a torch
   implementation, as for torchao's.
 
 Offered where it can work: the workload's optimizer is exactly ``torch.optim.Adam`` or ``AdamW``

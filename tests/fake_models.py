@@ -99,6 +99,27 @@ def slow_cnn(num_classes: int = 10) -> nn.Module:
     return _Slow(num_classes)
 
 
+class _FasterCompiled(nn.Module):
+    """tiny_cnn whose eager forward sleeps and whose compiled one does not (TorchDynamo traces
+    torch.compiler.is_compiling() as True, so the sleep is not in its graph): a search with --compile
+    recommends compiling it."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.net = tiny_cnn(num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():
+            import time
+
+            time.sleep(0.1)
+        return self.net(x)
+
+
+def faster_compiled(num_classes: int = 10) -> nn.Module:
+    return _FasterCompiled(num_classes)
+
+
 def not_a_model():
     return 42
 
@@ -202,7 +223,8 @@ class _FastButBrokenUnderAutocast(nn.Module):
     """Logits offset by 2**16 in the head's bias: softmax ignores a common offset, so FP32 trains
     normally, but a bf16/fp16 head rounds logits to steps of 512 and learns nothing, unless
     fp32_layers keeps the head in FP32. Slower without autocast at every batch size, so the
-    broken configurations are the fastest ones a search sees."""
+    broken configurations are the fastest ones a search sees where the CPU's bf16 is fast (on a busy
+    or bf16-poor CPU they may not be)."""
 
     def __init__(self, num_classes: int) -> None:
         super().__init__()

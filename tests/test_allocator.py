@@ -17,8 +17,9 @@ from autotune.deploy.config import TunedConfig
 from autotune.deploy.space import SearchSpace
 from autotune.search import plain_recipe
 from autotune.search.levers import LEVERS, levers_of
-from autotune.search.memory import GAP_SLACK, MemoryModel, family
+from autotune.search.memory import MemoryModel, family
 from autotune.search.neighbours import Neighbours
+from autotune.search.priors import prior
 from autotune.trial import worker
 from strategies.allocator import ENVIRONMENT_FIX, SETTING, Allocator, set_allocator
 
@@ -179,7 +180,7 @@ def test_expandable_segments_are_predicted_from_the_measured_twin_less_its_gap_a
     on = _knobs(GPU_SPACE, {**plain_recipe.params(GPU_SPACE, 4), PARAM: True})
     assert [lever.param for lever in levers_of(on)] == [PARAM]
     base = 19 * GIB + 4 * GIB  # the twin's line at batch 4
-    saving = 4 * GIB - GAP_SLACK * (base - 4 * GIB)
+    saving = 4 * GIB - prior("allocator.expandable_segments", True, "gap slack") * (base - 4 * GIB)
     assert _model(4.0).predict(on) == pytest.approx(base - saving)
     assert _model(None).predict(on) == pytest.approx(base)
     assert _model(0.5).predict(on) == pytest.approx(base)  # a gap under the slack saves nothing

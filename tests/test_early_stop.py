@@ -58,6 +58,7 @@ def test_a_search_stops_clearly_slower_trials_and_the_sampler_sees_their_windows
     out = tmp_path / "out"
     run_cli("search", "--model", "fake_models:slow_cnn", "--device", "cpu", "--input-shape", "3x32x32",
             "--num-classes", "10", "--min-measure-time", "1.0", "--no-accuracy-check", "--trials", "7",
+            "--precisions", "fp32,bf16",  # the plain recipe on every CPU, native bf16 or not
             "--early-stop-below", "0.95", "--out", str(out))
     trials = _study(out).trials
     stopped = [t for t in trials if t.user_attrs.get("status") == "pruned"]

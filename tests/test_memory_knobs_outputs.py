@@ -41,12 +41,12 @@ def _export(study: optuna.Study, out: Path) -> dict:
     attrs = study.user_attrs
     config = SimpleNamespace(storage=None, command="autotune search --model hf:llama", input_on_device=False,
                              data=None, workload=WorkloadSpec.from_dict(attrs["workload"]),
-                             measure=MeasureSettings.for_device("cuda"))
+                             measure_settings=MeasureSettings.for_device)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.cuda, "is_available", lambda: True)
         mp.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
         files = export(study, out, config=config, space=SearchSpace.from_dict(attrs["space"]),
-                       probe={"provenance": attrs["provenance"]})
+                       probe={"provenance": attrs["provenance"]}, device="cuda")
     return json.loads(files["config.json"].read_text())
 
 

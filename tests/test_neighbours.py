@@ -16,6 +16,7 @@ from autotune.search.memory import MemoryModel, family
 from autotune.search.levers import LEVERS, lever_bytes
 from autotune.search.neighbours import RULE, Neighbours, prior_factor
 from autotune.search.planner import Planner
+from autotune.search.priors import prior
 from autotune.search.steering import complete_params
 from conftest import measured
 
@@ -445,7 +446,7 @@ def test_fp8_is_a_neighbour_of_a_bf16_bar_ranked_by_its_prior_where_the_probe_si
     assert len(fp8) == 1 and fp8[0].system_attrs["fixed_params"]["compile.mode"] == "default"
     plans = Planner(space, walls=[(10.0, False), (60.0, True)]).plans(study)
     # 1.36x predicted: more to gain than any other move (first by gain a second but for its compile's
-    # cost, 1.6x bf16's: walls.COMPILE_PRECISION_COST)
+    # cost, 1.6x bf16's: its "compile cost" prior)
     most = max(plans, key=lambda p: p.gain)
     assert most.number == fp8[0].number and most.predicted == pytest.approx(450.0 * fp8_speed(FP8_SIZES))
     assert most.cost_s == pytest.approx(10.0 + 50.0 * 1.6)
@@ -514,7 +515,7 @@ def test_a_cost_a_step_is_taken_off_a_measured_rate_before_its_batch_is_scaled()
     plan = Planner(space, walls=[(20.0, False), (70.0, True)]).plans(study)[0]
     cost = 27.9e-3 / 1.2358e9 * 1.236e9
     without = 4 / (4 / 39.4 - cost)
-    half = 1024 / 1024  # BATCH_HALF's tokens over a sample's
+    half = 1024 / 1024  # the half-speed batch's tokens over a sample's
     expected = 16 / (16 / (without * (16 / (16 + half)) / (4 / (4 + half))) + cost)
     assert plan.predicted == pytest.approx(expected, rel=1e-6)
     assert plan.predicted > 39.4 * (16 / 17) / (4 / 5)  # the whole rate scaled: the cost kept at 4's share
@@ -568,10 +569,10 @@ def test_a_candidate_holding_the_knob_values_of_failed_trials_goes_last():
 
 def test_a_compiled_family_measured_once_holds_what_its_peak_says_where_activations_set_it():
     """The H100's ConvNeXt-T: the eager probe held 1.16 GiB and 0.0706 a sample; the compiled plain recipe
-    peaked at 43.38 GiB at batch 768, 0.055 a sample (0.78 of the eager one, not COMPILED_SHARE's 0.65).
+    peaked at 43.38 GiB at batch 768, 0.055 a sample (0.78 of the eager one, not the compiled sample share prior's 0.65).
     A 1B Llama's compiled step at batch 1 peaks where its fixed part does (the optimizer's phase): there
-    the probe's sample, by COMPILED_SHARE, is what a sample holds."""
-    from autotune.search.memory import COMPILED_SHARE
+    the probe's sample, by the compiled sample share prior, is what a sample holds."""
+    compiled_share = prior("compile.mode", None, "compiled sample share")
 
     model = MemoryModel(16 * GIB)
     model.prior = ("eager", 1.16 * GIB, 0.0706 * GIB)
@@ -580,7 +581,7 @@ def test_a_compiled_family_measured_once_holds_what_its_peak_says_where_activati
     eager = {"precision": {"mode": "bf16"}, "compile": {"mode": "off"}}
     assert model.one_point_per_sample(eager, 768, 43.38 * GIB) == pytest.approx(0.0706 * GIB)
     model.prior = ("eager", 19.21 * GIB, 2.48 * GIB)
-    assert model.one_point_per_sample(compiled, 1, 23.04 * GIB) == pytest.approx(2.48 * COMPILED_SHARE * GIB)
+    assert model.one_point_per_sample(compiled, 1, 23.04 * GIB) == pytest.approx(2.48 * compiled_share * GIB)
 
 
 IMAGE_SPACE = SearchSpace(device="cuda", precisions=["fp32", "fp16", "bf16"], batch_sizes=[256, 512, 1024],
@@ -604,12 +605,13 @@ def test_a_side_stream_is_predicted_from_the_copies_the_bars_profile_measured_an
     first = study.trials[plans[0].number]
     assert {k: v for k, v in first.system_attrs["fixed_params"].items() if bar.params.get(k) != v} == {
         "streams.num_streams": 2}
-    assert plans[0].predicted == pytest.approx(6888.0 / (1 - 0.0778 * neighbours.STREAM_OVERLAP))
+    assert plans[0].predicted == pytest.approx(6888.0 / (1 - 0.0778 * prior("streams.num_streams", 2, "copy overlap")))
     assert 1.06 < plans[0].predicted / 6888.0 < 1.08
 
 
 def test_streams_factor_reads_the_copies_both_ways_and_nothing_without_a_profile():
-    assert neighbours.streams_factor(COPYING, 1, 2) == pytest.approx(1 / (1 - 0.0778 * neighbours.STREAM_OVERLAP))
+    overlap = prior("streams.num_streams", 2, "copy overlap")
+    assert neighbours.streams_factor(COPYING, 1, 2) == pytest.approx(1 / (1 - 0.0778 * overlap))
     assert neighbours.streams_factor({**COPYING, "memcpy_share": 0.0}, 1, 2) == 1.0  # nothing to hide
     overlapped = {"steps": 3, "memcpy_share": 0.009, "copy_overlap": 0.9, "gpu_time_per_step_ms": 150.0,
                   "h2d_ms_per_step": 12.0}
@@ -740,7 +742,7 @@ def test_a_side_stream_on_the_compiled_bar_costs_a_cached_compile_and_fits_the_e
     """The H100's 3-minute ResNet-50 at 6c61222 stopped with 33 s left: the side stream was costed as a
     cold compile (57 s) where it traces the bar's graph, which Inductor's cache loads (GPT-2's loaded in
     3.7 s against 25.4)."""
-    from autotune.search.walls import CACHED_COMPILE_SHARE
+    cached_share = prior("compile.mode", None, "cached compile share")
 
     study = _study()
     bar = measured(study, IMAGE_SPACE, plain_recipe.params(IMAGE_SPACE, 1024), 5558.0, role=plain_recipe.ROLE,
@@ -752,7 +754,7 @@ def test_a_side_stream_on_the_compiled_bar_costs_a_cached_compile_and_fits_the_e
         study.enqueue_trial(params, user_attrs={"role": "steered", "steered_by": {"rule": RULE}})
     planner = Planner(IMAGE_SPACE, walls=[(8.9, False), (56.8, True)])
     plans = {p.number: p for p in planner.plans(study)}
-    assert plans[2].cost_s == pytest.approx(56.8 - 41.9 * (1 - CACHED_COMPILE_SHARE))
+    assert plans[2].cost_s == pytest.approx(56.8 - 41.9 * (1 - cached_share))
     assert plans[1].cost_s == pytest.approx(56.8)  # fp16 is another graph: compiled cold
     assert planner.choose(study, left_s=33.0).number == 2
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import optuna
@@ -72,7 +73,9 @@ def test_a_base_batch_that_does_not_fit_opens_the_range_down_to_one_and_says_how
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert widen_to_fit(config, LM, fit)
-    assert config.min_batch_size == 1
+    assert config.min_batch_size is None  # the user's options stay as given: the space is built from 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.min_batch_size = 1
     said = str(caught[0].message)
     assert said.startswith("the base batch 16 does not fit (about 26.0 GiB of 24.0 GiB): batches from 1 are searched")
     assert "--global-batch-size 16 keeps it" in said

@@ -12,9 +12,13 @@ from optuna.trial import TrialState
 import strategies
 from autotune.deploy.space import SearchSpace
 from autotune.search.memory import PROBE_ATTR
-from autotune.search.planner import COMPILE_GAIN_PRIOR, Planner
+from autotune.search.planner import Planner
+from autotune.search.priors import prior
 from autotune.search.steering import complete_params
 from conftest import measured, workers_answer_ok
+
+COMPILE_GAIN = prior("compile.mode", "default", "speed over eager")
+"""torch.compile's gain over eager before a search measured one (autotune.search.priors)."""
 
 SPACE = SearchSpace(device="cuda", precisions=["fp32", "fp16", "bf16"], batch_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256],
                     base_batch_size=64, memory_formats=["contiguous"], compile_modes=["off", "default"],
@@ -56,7 +60,7 @@ def test_a_budget_that_holds_one_compile_spends_it_on_the_most_promising_compile
     planner = Planner(SPACE, walls=_compiled_walls())
     plan = planner.choose(study, left_s=100.0)  # one 80 s compile fits, not two
     assert plan.number == fast
-    assert plan.predicted == 1000.0 * COMPILE_GAIN_PRIOR
+    assert plan.predicted == 1000.0 * COMPILE_GAIN
     order = [p.number for p in planner.plans(study)]
     assert order.index(fast) < order.index(middling) < order.index(slow)
 
@@ -69,7 +73,7 @@ def test_the_budget_left_goes_to_the_most_gain_when_it_cannot_hold_both():
     _queue(study, _params("fp32", 64))  # new, but predicted at half the best: nothing to gain either
     # the foreach optimizer was never measured: it may give NOVELTY more, 55 in 11 s (5 a second)
     novel = _queue(study, complete_params({**_params("fp16", 64), "optimizer.implementation": "foreach"}, SPACE))
-    # predicted 1,300 from #0 x COMPILE_GAIN_PRIOR, 1,365 as new: 265 in 80 s (3.3 a second)
+    # predicted 1,300 from #0 x COMPILE_GAIN, 1,365 as new: 265 in 80 s (3.3 a second)
     compiled = _queue(study, _params("bf16", 64, "default"))
     planner = Planner(SPACE, walls=_compiled_walls())
     assert [p.number for p in planner.plans(study)][:2] == [novel, compiled]
@@ -108,9 +112,9 @@ def test_a_trial_that_failed_its_accuracy_check_is_no_bar_for_the_gain_of_what_i
     study = _study()
     _measured(study, _params("bf16", 64), 1000.0)
     failed = _measured(study, _params("fp16", 64), 2000.0, accuracy={"verdict": "violated", "constraint": 0.1})
-    twin = _queue(study, _params("bf16", 64, "default"))  # predicted 1,000 x COMPILE_GAIN_PRIOR
+    twin = _queue(study, _params("bf16", 64, "default"))  # predicted 1,000 x COMPILE_GAIN
     plan = Planner(SPACE, walls=_compiled_walls()).choose(study, left_s=1000.0)
-    assert plan.number == twin and plan.predicted == 1000.0 * COMPILE_GAIN_PRIOR and plan.gain > 300
+    assert plan.number == twin and plan.predicted == 1000.0 * COMPILE_GAIN and plan.gain > 300
     assert f"#{failed}" not in plan.why and "against the best #0's" in plan.why
     # passed, the fp16 figure is the bar again, and the twin gains nothing against it
     study = _study()
@@ -180,7 +184,7 @@ def test_the_chosen_trial_records_why_it_ran():
     trial = study.ask()
     assert trial.number == queued
     planned = study.trials[queued].user_attrs["planned"]
-    assert planned["predicted"] == 1000.0 * COMPILE_GAIN_PRIOR and planned["cost_s"] == 80.0
+    assert planned["predicted"] == 1000.0 * COMPILE_GAIN and planned["cost_s"] == 80.0
     assert "predicted 1,300 samples/s" in planned["why"]
     assert study.trials[queued].state == TrialState.RUNNING
 
@@ -213,7 +217,7 @@ def test_under_replay_the_queue_runs_in_its_order_after_the_sized_down_ones():
 
 
 def test_an_fp8_compile_is_costed_at_its_longer_compile():
-    """fp8 compiles 1.5-1.7x as long as bf16 on the H200 (autotune.search.walls.COMPILE_PRECISION_COST).
+    """fp8 compiles longer than bf16 (its "compile cost" prior in autotune.search.priors).
     Here both compiles are predicted at the compile prior's 1,300 and are new (fp8 is one more 16-bit
     mode to the priors): 365 to gain each. Costed alike (80 s), the one queued first, fp8, would run
     first; at 11 + 69 x 1.6 = 121 s it gains 3.0 a second against bf16's 4.6, and waits."""
@@ -237,11 +241,11 @@ def test_a_queued_candidate_predicted_clearly_past_a_value_that_the_budget_holds
     study = _study()
     _measured(study, _params("bf16", 64), 1000.0)
     _queue(study, _params("bf16", 128))  # predicted as measured: not past 1,000
-    compiled = _queue(study, _params("bf16", 64, "default"))  # predicted 1,000 x COMPILE_GAIN_PRIOR
+    compiled = _queue(study, _params("bf16", 64, "default"))  # predicted 1,000 x COMPILE_GAIN
     planner = Planner(SPACE, walls=_compiled_walls())
     assert planner.expects_better(study, 1000.0, left_s=200.0).number == compiled
     assert planner.expects_better(study, 1000.0, left_s=30.0) is None  # its 80 s compile does not fit
-    assert planner.expects_better(study, 1000.0 * COMPILE_GAIN_PRIOR * 0.95, left_s=200.0) is None  # near it
+    assert planner.expects_better(study, 1000.0 * COMPILE_GAIN * 0.95, left_s=200.0) is None  # near it
 
 
 class _Gate:

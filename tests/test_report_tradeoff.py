@@ -261,7 +261,7 @@ def test_each_configuration_in_a_tradeoff_plot_has_a_colour_and_marker_of_its_ow
 def test_series_styles_are_distinct_and_deterministic_for_any_number_of_series():
     """Precision modes and memory formats beyond the palette's named ones (a future mode, torch's
     channels_last_3d) still get pairs of their own, the same whatever order the trials came in."""
-    from autotune.report.plots import FORMAT_MARKERS, PRECISION_COLORS, SERIES_COLORS, SERIES_MARKERS, series_styles
+    from autotune.report.styles import FORMAT_MARKERS, PRECISION_COLORS, SERIES_COLORS, SERIES_MARKERS, series_styles
 
     modes = ["fp32", "tf32", "fp16", "bf16", "fp8", "mxfp8", "nvfp4", "fp6", "int8", "fp4"]
     formats = ["contiguous", "channels_last", "channels_last_3d", "preserve_format"]

@@ -9,7 +9,8 @@ from optuna.trial import TrialState
 
 from autotune.deploy.space import SearchSpace
 from autotune.search.objective import Objective
-from autotune.search.screening import GAIN_SPREAD, SCREEN_SHARE, CompileFinalist
+from autotune.search.priors import prior
+from autotune.search.screening import SCREEN_SHARE, CompileFinalist
 from autotune.workload.models import WorkloadSpec
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -86,7 +87,7 @@ def test_a_compile_that_could_not_win_with_its_precisions_measured_gain_is_not_r
     objective = Objective(space=space, workload=TINY.to_dict(), measure={}, input_on_device=False, seed=0,
                           trial_timeout_s=100.0)
     monkeypatch.setitem(SPEED, 16, 280.0)  # 93% of the fastest eager: past SCREEN_SHARE
-    assert 280.0 >= SCREEN_SHARE * 300.0 and 280.0 * 1.3 * (1 + GAIN_SPREAD) < 390.0
+    assert 280.0 >= SCREEN_SHARE * 300.0 and 280.0 * 1.3 * (1 + prior("compile.mode", None, "gain spread")) < 390.0
     study = optuna.create_study(direction="maximize")
     for batch, mode, precision in [(32, "off", "fp32"), (32, "default", "fp32"), (16, "off", "fp32"),
                                    (16, "default", "fp32"), (16, "off", "bf16"), (16, "default", "bf16")]:

@@ -16,6 +16,7 @@ from autotune.deploy.space import SearchSpace
 from autotune.search import neighbours, plain_recipe
 from autotune.search.neighbours import Neighbours
 from autotune.search.options import SearchConfig
+from autotune.search.priors import prior
 from autotune.workload.models import WorkloadSpec
 from conftest import assert_compiles_as_eager, measured
 from strategies.channel_alignment import align_channels
@@ -117,7 +118,7 @@ def test_only_strided_stems_on_few_channels_are_eligible() -> None:
 def test_the_stems_share_of_the_work_is_counted_from_one_forward() -> None:
     x = torch.randn(1, 3, 224, 224)
     resnet = stem_share(torchvision.models.resnet50().eval(), x)
-    assert resnet == pytest.approx(neighbours.RESNET50_STEM_SHARE, abs=5e-5)
+    assert resnet == pytest.approx(prior("stem_conv.stem", "space_to_depth", "measured stem share"), abs=5e-5)
     # by hand: 112 x 112 x 64 outputs of 3 x 7 x 7 multiply-adds each; the rest are larger
     assert resnet == pytest.approx(112 * 112 * 64 * 147 / 4.09e9, rel=0.02)
     assert 0.009 < stem_share(torchvision.models.vit_b_16().eval(), x) < 0.011  # attention's matmuls not counted
@@ -138,7 +139,8 @@ def test_the_moves_prior_follows_the_stems_share_and_never_passes_resnet50s() ->
     from autotune.search.planner import Planner
 
     assert neighbours.stem_speed({}) is None
-    assert neighbours.stem_speed({"stem_share": neighbours.RESNET50_STEM_SHARE}) == pytest.approx(1.037)
+    measured = prior("stem_conv.stem", "space_to_depth", "measured stem share")  # ResNet-50's
+    assert neighbours.stem_speed({"stem_share": measured}) == pytest.approx(1.037)
     assert neighbours.stem_speed({"stem_share": 0.065}) == pytest.approx(1.037)  # ResNet-18's: not measured
     assert neighbours.stem_speed({"stem_share": 0.0103}) == pytest.approx(1.0132, abs=1e-3)  # ViT-B/16's
     assert neighbours.stem_speed({"stem_share": 0.0}) == 1.0

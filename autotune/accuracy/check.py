@@ -16,8 +16,8 @@ HELD_OUT_TOKENS = 65_536
 """Tokens of a language model's held-out split at most. Its FP32 reshuffle noise is not the
 sampling of these: TinyLM's held-out loss moved 0.0023 nats (median of 3 seeds) between the two data
 orders on 8,192 held-out tokens and 0.0031 on 32,768 (scripts/teacher_calibration.py, 100 steps of
-16), while the forward passes over 1,024 sequences would cost a 2-layer Llama about 23 s on the H200
-(it trains 15 sequences/s in FP32; a forward is about a third of a step) in each of the check's runs."""
+16), while the forward passes over 1,024 sequences of a large language model would cost tens of seconds
+(a forward is about a third of an FP32 step) in each of the check's runs."""
 
 
 def run_check(request: Mapping[str, Any]) -> dict[str, Any]:
@@ -63,8 +63,7 @@ def datasets(spec, settings: AccuracySettings, device: str, *, init_device: str 
     """The check's training (and held-out) data. ``init_device``: where the workload built for its
     batch maker and shapes is initialised, as seeded_workload's; a worker whose runs build the model
     on the GPU passes theirs, so that this build is the one their copies come from. Built on the CPU,
-    the 1B Llama's 1.24B weights took about 17 s of the H100's parity worker (44 s for the FP32
-    reference, 26.9 of them in its runs), only for the data."""
+    a large model's weights would take seconds of the worker only for the data."""
     from autotune.workload.data import load_data
 
     workload = seeded_workload(spec, settings.seed, init_device=init_device)
@@ -412,8 +411,8 @@ def _one_step(spec, knobs, space, settings, batch, dtype) -> tuple[float, Any]:
 
 def without_dropout(model) -> None:
     """Dropout off for the one-step comparison: the same seed draws other masks on a GPU once the
-    dtype changes (fp32 against fp64 read 0.62 gradient cosine for hf:gpt2, dropout 0.1, on an
-    H200), and a comparison of two different masks measures the masks, not the numerics. Setting
+    dtype changes (fp32 against fp64 read 0.62 gradient cosine for hf:gpt2, dropout 0.1, on a GPU),
+    and a comparison of two different masks measures the masks, not the numerics. Setting
     ``p`` (not eval()) also reaches attention dropout that reads its module's ``p`` (transformers)."""
     import torch
 

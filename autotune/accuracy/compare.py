@@ -39,8 +39,8 @@ def compare_modes(*, workload: dict[str, Any], space, settings: AccuracySettings
                   on_row=None) -> list[dict[str, Any]]:
     """`autotune accuracy`: check each (label, numerics knobs) against FP32, one worker each, the
     FP32 reference trained once; returns one judged row per configuration. On a GPU the next
-    configuration's worker starts while one runs (a spare: about 12 s a worker for hf:llama on the
-    H200, where the check of three modes took 184 s)."""
+    configuration's worker starts while one runs (a spare: a worker's start is seconds of each
+    check)."""
     from autotune.trial.runner import prestart_setting, run_worker
 
     prestart = prestart_setting() is not False  # AUTOTUNE_PRESTART=0: every worker starts with its request

@@ -222,7 +222,7 @@ class AccuracyGate:
         """The check evaluates a held-out set after training (not for a workload's own batches)."""
         self.prestart = prestart
         """The search's GPU workers prestart: a check takes the spare started for the next trial, and
-        starts another (on the H200 each check otherwise left the next trial 13-15 s of start-up)."""
+        starts another (otherwise each check leaves the next trial a worker's start-up)."""
         self.cache = cache if cache is not None else ReferenceCache()
         self.spent_s = 0.0
         """Seconds this run's checks took."""
@@ -321,8 +321,7 @@ class AccuracyGate:
     def _first_verdict_fits(self, study) -> bool:
         """Whether, with no FP32 reference yet, the reference and one configuration's check fit in
         what is left of the share (the plan's ``first_verdict_s``). A reference the share cannot
-        follow with a check is time taken from the trials for nothing: a 2-layer Llama's took 94 s of
-        a 6-minute search on the H200 (its share: 90 s) and nothing was checked; the trials get that
+        follow with a check is time taken from the trials for nothing; the trials get that
         time instead, and the recommendation says it was not checked within the budget."""
         if self.budget_s is None or self._reference(study) is not None:
             return True

@@ -115,8 +115,8 @@ def later_check_s(study) -> float:
     it (CHECKS_ATTR: an FP32 check, alone, or a first verdict, before its configuration's run) where it
     returned them (measured_later_check_s), not less than the plan's ``check_s``; else that figure,
     scaled by how far that worker ran past the plan's figure for it (the first verdict; less the
-    configuration's run, alone). On the H100 the 1B Llama's reference took 44.4 s for 13.6 planned, and
-    the winner's check, planned at 9 s, was started with the 9.6 s left and cut."""
+    configuration's run, alone): a reference can take three times its plan, and a check planned from
+    the plan alone is started with too little left and cut."""
     plan = study.user_attrs.get(PLAN_ATTR) or {}
     check_s = plan.get("check_s") or 0.0
     first, step_s, steps = plan.get("first_verdict_s"), plan.get("step_s"), plan.get("steps")
@@ -136,14 +136,11 @@ PHASES = ("build", "perturb", "first step", "steps")
 
 def measured_later_check_s(trained: Mapping[str, Any]) -> float:
     """A later check's seconds from the phases of the worker that trained the reference (a CHECKS_ATTR
-    entry): its start, hand-over and exit, its set-up (the data), and a configuration's run (the last run
-    of a first verdict; the reference's own where it was trained alone). The reference's first gradients
-    are kept for the later checks (parity.GRAD_SAMPLE), so they take no FP32 step again. On the H100
-    (de94c74) the 1B Llama's first verdict took 34.3 s: 1.4 s outside the worker, 3.4 s of data, 5.2 s
-    for the FP32 step that later checks then took again, 14.0 s for the fp8 configuration's run; 23.9 s
-    in all for a later check, and the 54 s share did not hold the two. A configuration's run that stopped
-    on its first gradients (parity._one_run) took no other steps, which a later check's may: they are
-    counted at the FP32 reference's pace."""
+    entry): its start, hand-over and exit, its set-up (the data), and a configuration's run (the last run of
+    a first verdict; the reference's own where it was trained alone). The reference's first gradients are
+    kept for the later checks (parity.GRAD_SAMPLE), so they take no FP32 step again. A configuration's run
+    that stopped on its first gradients (parity._one_run) took no other steps, which a later check's may:
+    they are counted at the FP32 reference's pace."""
     runs = trained["runs"]
     total = [sum(r.get(k, 0.0) for k in PHASES) for r in runs]
     setup = max(0.0, trained["in_worker_s"] - sum(total))
@@ -156,9 +153,9 @@ def measured_later_check_s(trained: Mapping[str, Any]) -> float:
 
 UNFIT_ATTR = "accuracy_unfit:{fingerprint}:{key}"
 """A configuration's numerics whose parity check ran out of memory (the reason): not checked, not
-failed. The check runs eager at its own batch, under --memory-limit: on the H100 the 1B Llama's plain
-recipe (bf16, compiled, batch 1, 23.04 GiB) ran out of memory in its check under 24 GiB, after the
-FP32 reference had trained in the same worker, and was taken as failing."""
+failed. The check runs eager at its own batch, under --memory-limit: a configuration that fits a
+cap compiled may not fit it eager, after the FP32 reference trained in the same worker, and that is
+no verdict on its numerics."""
 
 
 def unfit(study, settings: ParitySettings, knobs: Mapping[str, Any]) -> str | None:
@@ -231,8 +228,7 @@ class ParityGate(AccuracyGate):
         to, autotune.search.objective); one later check's otherwise. On a 2-core CPU ResNet-50's best
         (bf16, the second trial) was left unchecked while its first verdict (84 s) and one more (31 s)
         did not fit the 90 s share together, and at the end the last trial had run into the seconds
-        kept for it. On the H100 the 1B Llama's winner, 2.2x the rest, kept 16 s of the 27 s left for
-        itself, was not checked when measured, and at the end got 14 s and was cut."""
+        kept for it."""
         if self.final or self.leads or self._reference(study) is None:
             return 0.0
         return later_check_s(study)

@@ -19,9 +19,9 @@ SUMS_CHUNK = 1 << 22
 """Elements a tensor's figures are summed over at a time (tensor_sums): 32 MiB of FP64 a copy."""
 GRAD_SAMPLE = 1 << 14
 """Elements of a parameter's first gradient and of its update that are kept and compared where it has
-more (sample_indices): drawn at random, the same ones in every run of a check. Kept whole, a 1B
-Llama's reference gradients were 4.9 GB: copied to the host in 3.3 s of an FP32 reference run on a
-GPU (about 1.5 GB/s). A sample of 16,384 elements estimates a tensor's relative error to about 1% of
+more (sample_indices): drawn at random, the same ones in every run of a check. Kept whole, a large
+model's reference tensors take gigabytes and seconds to copy to the host, too much to keep for later
+checks. A sample of 16,384 elements estimates a tensor's relative error to about 1% of
 itself where the error is spread over the tensor (its spread falls as one over the square root of the
 sample: tests/test_parity.py measures it); the tensor's finiteness is checked whole."""
 KINDS = ("grads", "updates")

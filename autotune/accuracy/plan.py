@@ -24,8 +24,7 @@ DEFAULT_SHARE = 0.25
 CHECKS_ATTR = "accuracy_checks"
 """Study user attribute: the checks this study's runs made, in order, each with its label, seconds, the
 time it was given and how it ended ("ok", "cut by the budget", "error"...): where the share went, for a
-recommendation left unchecked. On the H100 a 1B Llama's share of 54 s went to the FP32 reference and a
-check the share's end cut, and nothing said so."""
+recommendation left unchecked, which nothing would say otherwise."""
 CHECK_RUNS = 4
 """Training runs the checks are planned for: the FP32 reference, its reshuffled twin, and about two
 configurations (an fp16 and a bf16 class)."""
@@ -37,8 +36,7 @@ run and one-step comparison (16 over the CHECK_WORKERS: the reference's two runs
 FP64 steps; each configuration's run and its own, FP32's and FP64's steps), built for the first
 and deep-copied after (autotune.accuracy.check.seeded_workload; rebuilt for a model over a quarter
 of host memory), and it takes the FP64 step. The figure was set when each was a build; with the
-copies it still came close on the H200: a 2-layer Llama (0.67 billion parameters, builds of about
-6 s) planned 42.6 s a worker, and its reference worker spent about 50 s beside its training runs."""
+copies it still comes close to what a reference worker spends beside its training runs."""
 FIRST_VERDICT_RUNS = 3
 """Training runs before the first configuration has a verdict: the FP32 reference, its reshuffled
 twin and the configuration's run."""
@@ -95,10 +93,8 @@ def fitting_batch(batch_size: int, measured: Mapping[str, Any], *, bytes_factor:
     about twice an FP32 step; parity's runs are FP32 only: 1), rounded down to a ``multiple`` (from 8
     up) and at least ``minimum``. The FP32 baseline's peak over its batch bounds FP32's bytes per
     sample from above (the fixed part counted in); without a baseline, the measured trial's, twice
-    (FP32 keeps the same weights and states, its activations at most twice a 16-bit step's). On the
-    H200 hf:gpt2 at 1,024 tokens peaked at 115.9 GiB for an FP32 batch of 64, and its check at the
-    default 64 ran out of memory; under 24 GiB a 1B Llama's search measured no baseline, and its
-    check's FP32 reference ran out of memory at the default batch."""
+    (FP32 keeps the same weights and states, its activations at most twice a 16-bit step's): at the
+    default batch a language model's FP32 check can run out of memory, under a cap or not."""
     peak, batch, limit = measured.get("peak_memory_bytes"), measured.get("batch_size"), measured.get("limit_bytes")
     if not (peak and batch and limit):
         return batch_size
@@ -115,8 +111,7 @@ def plan(settings: AccuracySettings, *, budget_s: float, share: float, measured:
     ``step_time``'s figures; ``settings.steps`` (the default) is the most. The batch is
     ``fitting_batch``'s; the plan names it where it is not the default. Without a held-out set
     (``held_out`` False: a workload's own batches, a language model's random tokens) no evaluation
-    is counted: on the H200 an hf:llama plan counted 11 evaluation steps a run for 10 training
-    steps, twice the check's real cost."""
+    is counted: it would double a language model's planned cost."""
     batch = fitting_batch(settings.batch_size, measured)
     step_s = batch / measured["samples_per_s"]
     eval_steps = math.ceil(settings.held_out_size / batch) * EVAL_COST if held_out else 0.0

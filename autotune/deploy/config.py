@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 import strategies
-from autotune.deploy import runtime
+from autotune.deploy import compile_cache, runtime
 from autotune.deploy.recipe import Recipe, backend_flags
 from autotune.deploy.space import SearchSpace
 from autotune.errors import ConfigError
@@ -46,6 +46,8 @@ class TunedConfig:
         self.info = dict(info or {})
         """Everything else config.json holds: figures, baseline, provenance, study, command."""
         self.recipe: Recipe = strategies.build_recipe(self.knobs, space.device)
+        self.path: Path | None = None
+        """The config.json this was loaded from (``load``), beside which its compile cache lies."""
 
     # construction ------------------------------------------------------------------------------
 
@@ -90,6 +92,7 @@ class TunedConfig:
                 f"{path}: replaying its parameters gives {strategies.knobs_to_dict(cfg.knobs)}, not the "
                 f"recorded {data['knobs']}; the file was edited by hand or written by another version"
             )
+        cfg.path = path
         if not here:
             return cfg
         if space.device == "cuda" and not torch.cuda.is_available():
@@ -129,6 +132,20 @@ class TunedConfig:
         return list(self.recipe.notes)
 
     @property
+    def compile_cache_path(self) -> Path | None:
+        """The compile cache the search saved beside config.json (``compile-cache.zip``,
+        autotune.deploy.compile_cache) where this configuration compiles, else None."""
+        entry = self.info.get("compile_cache")
+        if self.recipe.compile_mode is None or not isinstance(entry, dict) or self.path is None:
+            return None
+        return self.path.parent / str(entry.get("file", compile_cache.ARCHIVE))
+
+    def _load_compile_cache(self) -> None:
+        # before the first compiled step: once per process; where it cannot, one warning says why
+        if self.compile_cache_path is not None:
+            compile_cache.load_once(self.compile_cache_path, self.device, stacklevel=3)
+
+    @property
     def accumulation_steps(self) -> int:
         """Micro-batches (of ``batch_size``) per optimizer step: 1 unless tuned with
         --global-batch-size. ``train_step`` accumulates them; a loop of your own divides each
@@ -160,8 +177,12 @@ class TunedConfig:
 
         With the allocator knob's expandable segments, the CUDA allocator is set to them first (as
         ``autotune.load`` does): the model moved here is in them, not what your code put on the GPU before.
+
+        A compiled configuration's compile cache (``compile_cache_path``) is loaded here, so its first
+        step loads the compiled graphs and kernels the search made instead of compiling them.
         """
         set_allocator(self.recipe)
+        self._load_compile_cache()
         model = runtime.prepare_model(model, self.recipe)
         if optimizer is not None:
             optimizer = runtime.prepare_optimizer(optimizer, self.recipe)
@@ -205,7 +226,9 @@ class TunedConfig:
     def train_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> runtime.TrainStep:
         """One callable for the whole optimized step: ``loss = step(x, y)``; with the cuda_graphs
-        knob, the step is captured in a CUDA graph after a few warm-up steps (fixed batch shapes)."""
+        knob, the step is captured in a CUDA graph after a few warm-up steps (fixed batch shapes).
+        Loads the compile cache as ``prepare`` does, where ``prepare`` did not."""
+        self._load_compile_cache()
         return runtime.TrainStep(model, optimizer, loss_fn, self.recipe)
 
     def backend_flags(self) -> contextlib.AbstractContextManager[None]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,12 +25,28 @@ def write_export(cfg: Any, target: str, out_dir: str | Path) -> Written:
     return writers[target](cfg, out)
 
 
+def compile_cache_note(cfg: Any, out: Path) -> dict[str, str] | None:
+    """How a script of the user's loads the search's compile cache (autotune.deploy.compile_cache)
+    before its first compiled step: the archive's path from ``out`` and the one call; None where the
+    configuration has none."""
+    archive = cfg.compile_cache_path
+    if archive is None or not archive.is_file():
+        return None
+    where = os.path.relpath(archive, out)
+    return {"file": where, "load": f"import autotune; autotune.load_compile_cache({where!r})  # before the first "
+                                   "training step (trainer.train()): it loads the search's compile instead of redoing it"}
+
+
 def write_hf(cfg: Any, out: Path) -> Written:
-    """hf_training_args.json: {"training_args": TrainingArguments kwargs, "unsupported": [...]}."""
+    """hf_training_args.json: {"training_args": TrainingArguments kwargs, "unsupported": [...]}, and
+    the compile cache's load where there is one."""
     args, missing = hf_training_args(cfg)
     path = out / "hf_training_args.json"
     usage = "TrainingArguments(output_dir=..., **json.load(open('hf_training_args.json'))['training_args'])"
-    path.write_text(json.dumps({"training_args": args, "unsupported": missing, "usage": usage}, indent=2) + "\n")
+    data = {"training_args": args, "unsupported": missing, "usage": usage}
+    if note := compile_cache_note(cfg, out):
+        data["compile_cache"] = note
+    path.write_text(json.dumps(data, indent=2) + "\n")
     return [path], missing
 
 
@@ -45,10 +62,15 @@ def write_accelerate(cfg: Any, out: Path) -> Written:
     """accelerate_config.yaml (for ``accelerate launch --config_file``) and accelerate_kwargs.json
     (what the script passes to Accelerator, its DataLoader and its optimizer)."""
     exp = accelerate_config(cfg)
+    note = compile_cache_note(cfg, out)
     path = out / "accelerate_config.yaml"
-    path.write_text(exp.yaml)
+    # accelerate's loader ignores comments: the load is the script's, one call before its first step
+    path.write_text(exp.yaml if note is None else f"# compile cache: {note['load']}\n{exp.yaml}")
     extra = out / "accelerate_kwargs.json"
-    extra.write_text(json.dumps({"accelerator_kwargs": exp.accelerator_kwargs, "ddp_kwargs": exp.ddp_kwargs,
-                                 "dataloader_kwargs": exp.dataloader_kwargs, "optimizer_kwargs": exp.optimizer_kwargs,
-                                 "unsupported": exp.unsupported}, indent=2) + "\n")
+    kwargs = {"accelerator_kwargs": exp.accelerator_kwargs, "ddp_kwargs": exp.ddp_kwargs,
+              "dataloader_kwargs": exp.dataloader_kwargs, "optimizer_kwargs": exp.optimizer_kwargs,
+              "unsupported": exp.unsupported}
+    if note is not None:
+        kwargs["compile_cache"] = note
+    extra.write_text(json.dumps(kwargs, indent=2) + "\n")
     return [path, extra], exp.unsupported

@@ -462,7 +462,9 @@ def lightning_settings(cfg: Any) -> dict[str, Any]:
                "activation_checkpointing.every": values["activation_checkpointing"]["every"],
                "llm_kernels.kernels": values["llm_kernels"]["kernels"],
                "model_transforms": [_transform_name(t) for t in recipe.model_transforms],
-               "grad_scaler": dict(recipe.grad_scaler) if recipe.grad_scaler is not None else None}
+               "grad_scaler": dict(recipe.grad_scaler) if recipe.grad_scaler is not None else None,
+               # the search's compile, loaded before the callback compiles (autotune.deploy.compile_cache)
+               "compile_cache": cfg.compile_cache_path.name if cfg.compile_cache_path is not None else None}
     return {"precision": trainer["precision"], "trainer": trainer,
             "strategy": {"class": "lightning.pytorch.strategies.DDPStrategy", "kwargs": ddp} if ddp else None,
             "callback": {"class": "autotune.deploy.lightning_callback.AutotuneCallback", "applies": applies},

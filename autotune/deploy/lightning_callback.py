@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from autotune.deploy.compile_cache import load_once
 from autotune.deploy.exports import LightningExport, lightning_settings, require
 from autotune.deploy.recipe import Recipe, apply_backend_flags
 from autotune.errors import ConfigError
@@ -66,10 +68,13 @@ class AutotuneCallback(pl.Callback):
 
     The compile and the input conversion act on the LightningModule's own ``forward`` (``self(x)``
     in ``training_step``); a channels_last model's convolutions run channels_last either way.
+    ``compile_cache_path``: the search's compile cache (autotune.deploy.compile_cache), loaded before
+    the module is compiled.
     """
 
-    def __init__(self, recipe: Recipe) -> None:
+    def __init__(self, recipe: Recipe, compile_cache_path: Path | None = None) -> None:
         self.recipe = recipe
+        self.compile_cache_path = compile_cache_path
         self.prepared: set[int] = set()  # modules already prepared (fit called again: not twice)
 
     def setup(self, trainer: Any, pl_module: nn.Module, stage: str) -> None:
@@ -87,6 +92,8 @@ class AutotuneCallback(pl.Callback):
             pl_module.to(memory_format=self.recipe.memory_format)
             hook = functools.partial(inputs_in_format, memory_format=self.recipe.memory_format)
             pl_module.register_forward_pre_hook(hook, with_kwargs=True)
+        if self.recipe.compile_mode is not None and self.compile_cache_path is not None:
+            load_once(self.compile_cache_path, self.recipe.device)  # one warning where it cannot
         if self.recipe.compile_mode == "regional":
             compile_regions(pl_module)  # its repeated blocks, each in place
         elif self.recipe.compile_mode is not None:
@@ -104,7 +111,7 @@ class AutotuneCallback(pl.Callback):
 def lightning_export(cfg: Any) -> LightningExport:
     """The Lightning export of a TunedConfig, with its callback and, for ``--ddp``, its DDPStrategy."""
     data = lightning_settings(cfg)
-    callback = AutotuneCallback(cfg.recipe)
+    callback = AutotuneCallback(cfg.recipe, cfg.compile_cache_path)
     kwargs = dict(data["trainer"], callbacks=[callback])
     if data["strategy"] is not None:
         kwargs["strategy"] = pl.strategies.DDPStrategy(**data["strategy"]["kwargs"])

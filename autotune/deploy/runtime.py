@@ -315,7 +315,7 @@ class TrainStep:
             with torch.cuda.stream(side):
                 # autocast's weight cache off as in the capture: a compiled model guards on it, and
                 # a recompile inside the capture autotuned Inductor's kernels there, which synchronises
-                # (ViT-B/16 and GPT-2 on the H200: "operation not permitted when stream is capturing")
+                # ("operation not permitted when stream is capturing")
                 loss = self._eager(inputs, targets, cache_enabled=False)
             torch.cuda.current_stream().wait_stream(side)
             self._num_graph_warmup += 1

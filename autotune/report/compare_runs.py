@@ -55,7 +55,7 @@ class Run:
 
     folder: Path
     label: str
-    """E.g. "resnet50 on NVIDIA H200, torch 2.11.0+cu130"."""
+    """E.g. "resnet50 on NVIDIA GeForce RTX 4090, torch 2.11.0+cu130"."""
     model: str
     workload: dict[str, Any]
     """config.json's workload: model, input_shape (None: the model's default), num_classes."""
@@ -79,7 +79,7 @@ class Run:
 
     @property
     def where(self) -> str:
-        """The device in words: "NVIDIA H200", "CPU (2 cores)"."""
+        """The device in words: "NVIDIA GeForce RTX 4090", "CPU (2 cores)"."""
         if self.device == "cuda":
             return str(self.provenance.get("gpu", "GPU"))
         cores = self.provenance.get("num_cpus")

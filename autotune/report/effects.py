@@ -1,8 +1,8 @@
 """Each knob's effect as far as the measurements can show it without the other knobs mixed in.
 
 The search changes many knobs at once, so the best or median samples/s of all trials with one value
-of a knob mixes that knob's effect with the others' (on the ResNet-50 H200 search, 1 CUDA stream looks
-far slower than 2 mostly because the FP32 baseline ran with 1). What isolates a knob is a pair of
+of a knob mixes that knob's effect with the others' (1 CUDA stream can look far slower than 2 mostly
+because the FP32 baseline ran with 1). What isolates a knob is a pair of
 measured trials whose parameters are the same except for it: ``autotune.search.knob_effects`` finds
 those pairs for the search's own no-effect rule, and the same pairs, with the same noise band
 (``pair_noise``), give the effects here. Beside them stands Optuna's PED-ANOVA importance of each

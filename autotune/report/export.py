@@ -14,6 +14,7 @@ import autotune
 import strategies
 from autotune.accuracy.gate import SETTINGS_ATTR, UNAVAILABLE_ATTR, accuracy_of
 from autotune.accuracy.plan import PLAN_ATTR
+from autotune.deploy import compile_cache
 from autotune.deploy.config import TunedConfig
 from autotune.deploy.space import SearchSpace
 from autotune.report.format import describe
@@ -126,9 +127,11 @@ def baseline_batch(base: optuna.trial.FrozenTrial, space: SearchSpace) -> dict[s
     return out
 
 
-def export(study: optuna.Study, out_dir: Path, *, config, space: SearchSpace, probe: dict[str, Any]) -> dict[str, Path]:
+def export(study: optuna.Study, out_dir: Path, *, config, space: SearchSpace, probe: dict[str, Any],
+           device: str) -> dict[str, Path]:
     """Write trials.csv and, when a trial completed, config.json (the best configuration, with the
-    evidence for it) into ``out_dir``; returns the paths by file name."""
+    evidence for it) into ``out_dir``; returns the paths by file name. ``device``: the one the trials
+    ran on ("cuda" or "cpu"), whose timing settings config.json records."""
     out_dir = Path(out_dir)
     files = {}
     frame = trials_frame(study)
@@ -137,7 +140,7 @@ def export(study: optuna.Study, out_dir: Path, *, config, space: SearchSpace, pr
     best = best_trial(study)
     if best is None:
         return files
-    info = _config_info(study, out_dir, best, config=config, space=space, probe=probe)
+    info = _config_info(study, out_dir, best, config=config, space=space, probe=probe, device=device)
     cfg = TunedConfig.from_params(best.params, space, info=info)
     # a study resumed by a newer autotune: its older trials ran knobs added since at their defaults
     recorded = strategies.knobs_from_dict(TrialRecord.of(best).knobs, fill_missing=True)
@@ -149,7 +152,7 @@ def export(study: optuna.Study, out_dir: Path, *, config, space: SearchSpace, pr
 
 
 def _config_info(study: optuna.Study, out_dir: Path, best: optuna.trial.FrozenTrial, *, config, space: SearchSpace,
-                 probe: dict[str, Any]) -> dict[str, Any]:
+                 probe: dict[str, Any], device: str) -> dict[str, Any]:
     """What config.json records besides the knobs: how the search ran, the best, baseline and plain
     recipe figures, where it ran, the search's cost, the objective and the accuracy evidence."""
     base = baseline_trial(study)
@@ -168,7 +171,7 @@ def _config_info(study: optuna.Study, out_dir: Path, best: optuna.trial.FrozenTr
         "input_on_device": config.input_on_device,
         # with --data the timed steps were fed by a DataLoader over it (`autotune verify` does so again)
         "data": config.data,
-        "measure": config.measure.to_dict(),
+        "measure": config.measure_settings(device).to_dict(),
         "summary": describe(best_record.knobs),
         "units": units.to_dict(),
         "figures": units.with_tokens(best_record.figures),
@@ -198,6 +201,11 @@ def _config_info(study: optuna.Study, out_dir: Path, best: optuna.trial.FrozenTr
     info.update(_memory_knobs_info(study, best, units))
     _add_objective_and_accuracy(info, study, best, base)
     info["objective"]["plain_recipe_value"] = plain.value if plain is not None else None
+    # the best's compile, beside config.json (autotune.search.outputs.keep_compile_cache): what it is
+    # valid for and its size; cfg.prepare loads it before the first compiled step
+    archive = compile_cache.describe(out_dir / compile_cache.ARCHIVE)
+    if archive is not None:
+        info["compile_cache"] = archive
     return info
 
 

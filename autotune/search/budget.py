@@ -112,9 +112,8 @@ class StopRule:
     def nothing_to_gain(self, study: optuna.Study, left_s: float) -> str | None:
         """Why the search ends before its budget, or None: no compile fits the ``left_s`` left, and the
         candidate the planner would run next is predicted below the best measured, with nothing new to
-        hope for (its gain is 0). On the H200 a 1B Llama's 5-minute search under 24 GiB spent its last
-        50 s after its winner (64.6 sequences/s) on eager candidates predicted at 9 to 35: two ran out of
-        memory at the cap's edge, and none could have been recommended. Only once a compiled trial was
+        hope for (its gain is 0): such candidates could not be recommended, and may run out of memory
+        at the cap's edge. Only once a compiled trial was
         measured (a CPU search compiles nothing: the rule never ends it)."""
         if self.planner is None or not any(compiled for _, compiled in self.walls):
             return None

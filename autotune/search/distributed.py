@@ -108,7 +108,7 @@ def wait_for_setup(storage: optuna.storages.RDBStorage, study: optuna.Study, *,
 
 
 def hardware_of(device: str, provenance: dict[str, Any]) -> str:
-    """What a study's measurements hold for: 'cuda NVIDIA H200', or 'cpu' and its model."""
+    """What a study's measurements hold for: 'cuda' and the GPU's name, or 'cpu' and its model."""
     if device == "cuda":
         return f"cuda {provenance.get('gpu', 'unknown GPU')}"
     return f"cpu {provenance.get('cpu', '')}".strip()

@@ -25,8 +25,8 @@ POWER_CAP_SHARE = 0.20
 THERMAL_SHARE = 0.05
 DDP_EFFICIENCY = 0.90
 """A DDP step whose per-GPU rate is below this share of the same step alone on one GPU spends
-enough on its gradient all-reduces to try DDP's own settings (on two H200s, ResNet-18 at batch
-128 ran at 70% with PyTorch's defaults and 89% with 100 MB buckets, bucket views and static_graph)."""
+enough on its gradient all-reduces to try DDP's own settings (larger buckets, bucket views and
+static_graph can take a small model on two GPUs from about 70% to about 90%)."""
 MISALIGNED_SHARE = 0.05
 """A share of the step in GEMMs and convolutions on widths off the Tensor Cores' multiple worth a padded trial."""
 TENSOR_CORE_MULTIPLE = {"fp16": 8, "bf16": 8, "fp8": 16}
@@ -110,8 +110,8 @@ def data_bound(x: Evidence) -> list[Finding]:
     fewer = sorted(w for w in offered.get("dataloader.num_workers", []) if 0 < w < workers)
     if workers and wait is not None and wait < CONTENTION_WAIT_SHARE and fewer:
         # batches were ready, yet the step ran slower than fed from memory: the workers' decoding
-        # takes the CPU time the training process needs (on the H200 host, 32 workers on 32 cores
-        # waited 0.4% and delivered 3,211 of 5,485 samples/s); try half as many
+        # takes the CPU time the training process needs (as many workers as cores can deliver little
+        # more than half of what the step takes); try half as many
         half = next((w for w in reversed(fewer) if w <= workers // 2), fewer[0])
         return [Finding("data-bound", f"data-bound: the DataLoader slows the step{rates}; the step waits "
                                       f"for its next batch {_pct(wait)} of the time, so its {workers} "

@@ -26,17 +26,15 @@ from autotune.trial.runner import run_worker
 PROBE_BATCHES = (1, 8)
 """Batches the memory probe steps at, up to the first that does not fit: far enough apart that
 their peaks' slope is a sample's activations, not the allocator's rounding. Two: each new batch is
-new shapes, which cudnn.benchmark times afresh for every convolution. On the H200 ResNet-50's probe
-at 1, 2, 4 and 8 took 29.3 s of a 5 min budget (the 1B Llama's, without convolutions, 3.5 s). Where
+new shapes, which cudnn.benchmark times afresh for every convolution (a convolutional model's probe at
+four batches took a tenth of a 5-minute budget). Where
 a batch does not fit, the probe also measures what the forward keeps at the smallest batch and at twice
 the largest that fit (memory_fit.forward_held): near the limit the smaller batch's peak is the
 optimizer's phase, and the peaks' slope says too little about a sample.
 
-cudnn.benchmark stays on, as in the plain recipe the probe sizes. On the H100 (scripts/memory_probe_bench.py)
-turning it off cut ResNet-50's two batches from 13.4 s to 0.8 s and ConvNeXt-T's from 9.8 to 4.5,
-but their line then put the peak at batch 256 3.3% and 1.6% under the measured one; with it on, 2.5%
-and 3.9% over: a trial sized by it fits. Those searches ended early by the stop rule, so the
-seconds would not have bought a trial."""
+cudnn.benchmark stays on, as in the plain recipe the probe sizes: off, the probe is faster, but its
+line puts the peak under the measured one (other algorithms, other workspaces), and a trial sized by
+it may not fit; on, the line is a little over it (scripts/memory_probe_bench.py measures both)."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +69,7 @@ def probe_fit(config: SearchConfig, device: str, space: SearchSpace, info: dict[
     eager = {**params, "compile.mode": "off"} if "compile.mode" in params else params
     knobs = strategies.knobs_of(eager, space)
     request = {"mode": "memory", "space": space.to_dict(), "knobs": knobs, "workload": config.workload.to_dict(),
-               "measure": (config.measure.to_dict() if config.measure else {}), "seed": config.seed,
+               "measure": config.measure_settings(device).to_dict(), "seed": config.seed,
                "batches": list(PROBE_BATCHES), **({"memory_limit_bytes": limit} if limit else {})}
     result = run_worker(request, timeout_s=config.trial_timeout_s, spare=spare)
     if result.get("status") != "ok":
@@ -92,12 +90,11 @@ def probe_fit(config: SearchConfig, device: str, space: SearchSpace, info: dict[
 
 
 def widen_to_fit(config: SearchConfig, space: SearchSpace, fit: Fit | None) -> bool:
-    """Where the base batch does not fit and the user set no --min-batch-size, search from batch 1
-    (the caller rebuilds the space); says so in one line, with how the user's batch is kept.
-    Returns whether the range changed."""
+    """Whether, the base batch not fitting and the user having set no --min-batch-size, the batches
+    from 1 are searched (the caller builds that space); says so in one line, with how the user's batch
+    is kept."""
     if fit is None or fit.base_fits or config.min_batch_size is not None or config.batch_size:
         return False
-    config.min_batch_size = 1
     predicted = fit.model().prior_predict({"precision": {"mode": plain_recipe.precision(space)}},
                                           space.base_batch_size)
     need = f" (about {gib(predicted)} of {gib(fit.limit_bytes)})" if predicted else ""

@@ -29,48 +29,27 @@ import optuna
 import strategies
 from autotune.errors import ConfigError
 from autotune.search.levers import GAP_LEVERS, lever_bytes, levers_of, without_levers
+from autotune.search.priors import prior, values
 from autotune.trial.record import TrialRecord
 
 PREDICT_MARGIN = 1.10
 """A prediction prunes only when it is this much over the limit: a line fitted from two or three
 peaks is an estimate, and a configuration wrongly pruned is never measured. Not where the family's own
-line predicts it (LINE_MARGIN): on the H200 under 24 GiB the compiled 1B Llama's plain recipe, measured
-at batches 1 and 2, was predicted at 26.0 GiB at 4, ran, and ran out of memory."""
+line predicts it (LINE_MARGIN): its own peaks measured at two batches predict the next one closely, and
+a margin there lets a batch that does not fit run out of memory."""
 LINE_MARGIN = 1.0
 """PREDICT_MARGIN for a configuration whose own family's measured peaks predict it."""
 BACKOFF_FILL = 0.92
-"""A back-off batch is one whose predicted (or probed) peak is within this share of the limit. On the
-H200 hf:gpt2 probed at 94.7% of the GPU for two steps at batch 96, then ran out of memory in its
-measured trial there, twice; ResNet-152's probe at 96.7% held."""
+"""A back-off batch is one whose predicted (or probed) peak is within this share of the limit: a
+probe's two steps near the limit can fit where the measured trial at that batch then runs out of
+memory."""
 
 PROBE_ATTR = "memory_probe"
 """The study's user attribute holding the memory probe's findings (autotune.search.fit): the family
 it measured, its peaks at small batches and the batch that did not fit, if one did not."""
-ACTIVATION_FACTOR = {"fp32": 2.0, "tf32": 2.0}
-"""How much more a sample holds in a precision mode than in the probed 16-bit autocast: FP32
-activations are twice bf16's; the fixed part (FP32 master weights, gradients, optimizer state) is
-the same in every mode, which keeps FP32 weights under autocast."""
-
 ADAM_CLASSES = ("torch.optim.adam.Adam", "torch.optim.adamw.AdamW")
-"""The optimizer classes, as the probe names them, whose foreach step FOREACH_ADAM_BYTES holds."""
-FOREACH_ADAM_BYTES = 4.0
-"""Bytes a parameter that a foreach Adam/AdamW step allocates and a fused one does not (foreach_bytes)."""
-COMPILED_SHARE = 0.65
-"""A compiled step's bytes per sample as a share of the eager step's the memory probe measured. The
-1B Llama's compiled hand-written loop held 1.57 GiB a sample (batches 1 to 4 on the H200), its eager
-forward 2.48 (the probe's forward_held): 0.63. Taken at 0.5, a compiled sample was 0.71 GiB on the H100
-at b1bcd84, and fp8 with 8-bit states, the fused loss and every 2nd block checkpointed was queued at
-batch 32, predicted at 21.3 GiB of 24: it ran out of memory after 141 s of a 6-minute budget. GPT-2's
-compiled step held about 0.45 of its eager one's: there the larger share sizes a batch down, which the
-plain recipe's growth (GrowToFit) measures back up."""
-
-GAP_SLACK = 0.05
-"""What expandable segments are predicted to leave reserved above the allocated peak, as a share of it:
-pages are mapped 2 MiB at a time, each stream's pool keeps segments of its own, and a freed block stays
-mapped until the allocator runs short, so the gap does not close to nothing; how far it closes is not
-measured yet. On the 1B Llama under 24 GiB (strategies.allocator) 5% of the 20.19 GiB allocated leaves
-about 1.3 of the 2.31 GiB gap as the saving: a saving predicted too large queues a batch that runs out of
-memory (a trial lost), one too small only a smaller batch."""
+"""The optimizer classes, as the probe names them, whose foreach step holds a tensor more a parameter
+than their fused one (foreach_bytes)."""
 
 SIBLING_KNOBS = frozenset({"streams.num_streams", "cuda_graphs.enabled", "vocab_padding.multiple",
                            "channel_alignment.multiple", "cudnn.benchmark", "compile.mode", "precision.mode",
@@ -82,9 +61,8 @@ convolution on its input rearranged, which it saves in place of the input padded
 a configuration one of them away from a measured one is held to that one's peak (:meth:`MemoryModel.sibling_peak`)."""
 SIBLING_FILL = 0.8
 """A measured sibling's peak, scaled to the batch, under this share of the limit overrides the memory
-probe's prediction of does-not-fit. On the H100 at 9443e57 hf:gpt2's compiled plain recipe peaked at
-35.7 GiB at batch 64, and each of its one-knob moves there was pruned as needing about 96 GiB of 79 (the
-eager probe's bytes per sample): the search measured none of them."""
+probe's prediction of does-not-fit: the eager probe's bytes per sample can predict a compiled step's
+one-knob moves far over the limit where the compiled step itself peaked well under it."""
 
 # knobs that do not change device memory: the batch is the model's variable, the rest act on the
 # host (threads, the data loader) or only on the loss scale's arithmetic (GradScaler settings)
@@ -212,35 +190,39 @@ class MemoryModel:
 
     def prior_predict(self, knobs: Mapping[str, Mapping[str, Any]], batch: int | None = None) -> float | None:
         """Predicted peak bytes of a family with no line of its own: the probe's bytes per sample,
-        scaled by the precision's ACTIVATION_FACTOR, from the family's one measured batch if it has
+        scaled by the precision's "activation factor" prior (FP32 activations are twice bf16's; the fixed
+        part, FP32 master weights, gradients and optimizer state, is the same in every mode, which keeps
+        FP32 weights under autocast), from the family's one measured batch if it has
         one, else from the probe's fixed part. None without a probe."""
         if self.prior is None:
             return None
         _, fixed, per_sample = self.prior
         mode = (knobs.get("precision") or {}).get("mode", "fp32")
-        per_sample *= ACTIVATION_FACTOR.get(mode, 1.0)
+        activation = values("precision.mode", "activation factor")
+        per_sample *= activation.get(mode, 1.0)
         batch = batch if batch is not None else batch_of(knobs)
         measured = sorted(self.peaks.get(family(knobs), {}).items())
         if measured:
             b, peak = measured[-1]
             return peak + per_sample * (batch - b)
         resident = fixed - held_line(self.probed)[0]  # without autocast's 16-bit copies of the weights
-        forward = (resident if mode in ACTIVATION_FACTOR else fixed) + per_sample * batch
+        forward = (resident if mode in activation else fixed) + per_sample * batch
         # a foreach step's temporaries come after the backward has let the activations and copies go
         return max(forward, resident + self.foreach_bytes(knobs))
 
     def foreach_bytes(self, knobs: Mapping[str, Mapping[str, Any]]) -> float:
         """What a foreach Adam/AdamW step holds on top of the probe's fused one: a new FP32 tensor a
-        parameter (torch._foreach_sqrt of the second moments), which the fused kernel never makes.
-        On the H200 under 24 GiB the 1B Llama's eager bf16 step with foreach AdamW was predicted at
-        the fused probe's 22.8 GiB and ran out of memory at batch 1."""
+        parameter (torch._foreach_sqrt of the second moments), which the fused kernel never makes:
+        its "bytes per parameter" prior. Predicted as the fused probe's, such a step can run out of
+        memory where the probe fitted."""
         probed = _parts(self.prior[0]) if self.prior else {}
         optimizer = knobs.get("optimizer") or {}
         if (optimizer.get("implementation") != "foreach" or probed.get("optimizer.implementation") != "fused"
                 or (knobs.get("optimizer_state") or {}).get("state", "full") != "full"
                 or self.sizes.get("optimizer_class") not in ADAM_CLASSES):
             return 0.0
-        return FOREACH_ADAM_BYTES * float(self.sizes.get("num_parameters") or 0)
+        per_parameter = prior("optimizer.implementation", "foreach", "bytes per parameter")
+        return per_parameter * float(self.sizes.get("num_parameters") or 0)
 
     def add(self, fam: str, batch: int, peak: float) -> None:
         self.peaks[fam][batch] = max(peak, self.peaks[fam].get(batch, 0.0))
@@ -289,23 +271,22 @@ class MemoryModel:
     def one_point_per_sample(self, knobs: Mapping[str, Mapping[str, Any]], batch: int, peak: float) -> float:
         """Bytes a sample holds in a family measured at one ``batch`` (its ``peak``): what that peak holds
         above the probe's fixed part, a sample's, where the probe's bytes per sample say the activations set
-        it (a compiled ViT-B/16 held 0.86 of its eager sample at 1,024 on the H200, a ResNet-50 about 1.0, a
-        ConvNeXt-T 0.74 at 768 on the H100); else (the fixed part sets it: a 1B Llama's step at batch 1) the
-        probe's, by the precision's ACTIVATION_FACTOR, and COMPILED_SHARE of it where it compiles."""
+        it (a compiled step holds 0.74 to 1.0 of its eager sample there); else (the fixed part sets it: a 1B
+        Llama's step at batch 1) the probe's, by the precision's "activation factor" prior, and the "compiled
+        sample share" prior of it where it compiles (autotune.search.priors)."""
         mode = (knobs.get("precision") or {}).get("mode", "fp32")
         compiled = (knobs.get("compile") or {}).get("mode", "off") != "off"
         _, fixed, eager = self.prior
-        eager *= ACTIVATION_FACTOR.get(mode, 1.0)
+        eager *= values("precision.mode", "activation factor").get(mode, 1.0)
         if compiled and batch * eager > fixed and peak > fixed:
             return (peak - fixed) / batch
-        return eager * (COMPILED_SHARE if compiled else 1.0)
+        return eager * (prior("compile.mode", None, "compiled sample share") if compiled else 1.0)
 
     def anchored(self, knobs: Mapping[str, Mapping[str, Any]], batch: int, levered: float) -> float:
         """A memory-knob configuration's prediction at ``batch`` from its own measured peak where it has
         one (a single batch: no line), with the knobs' predicted bytes per sample between the two
-        batches; ``levered`` (lever_predict's) otherwise. On the H200 under 24 GiB the 1B Llama with
-        8-bit states, a fused loss and every block checkpointed was predicted at 22.6 GB at batch 24
-        and measured 19.5 (reserved and outside counted): its next batch starts from what it measured."""
+        batches; ``levered`` (lever_predict's) otherwise: its next batch starts from what it measured,
+        not from the prediction it was queued by."""
         measured = sorted(self.peaks.get(family(knobs), {}).items())
         if not measured:
             return levered
@@ -317,7 +298,10 @@ class MemoryModel:
         """Predicted peak bytes of a configuration with expandable segments (strategies.allocator) and no
         line of its own: the same configuration without them as predicted (its own line, the other memory
         knobs' prediction, or the probe's), less the gap between reserved and allocated memory measured
-        on it (:meth:`measured_gap`), keeping GAP_SLACK of what it allocates; no saving where no gap was
+        on it (:meth:`measured_gap`), keeping the "gap slack" prior's share of what it allocates (pages are
+        mapped 2 MiB at a time, each stream's pool keeps segments of its own, and a freed block stays mapped
+        until the allocator runs short, so the gap does not close to nothing: a saving predicted too large
+        queues a batch that runs out of memory, one too small only a smaller batch); no saving where no gap was
         measured. None where nothing predicts the configuration without them."""
         twin = without_levers(dict(knobs), GAP_LEVERS)
         base = self.predict(twin, batch)
@@ -328,7 +312,8 @@ class MemoryModel:
             return base
         # what it allocates there: its predicted peak less the gap (and less what lies outside the
         # allocator, which the slack then over-counts a little)
-        return base - max(0.0, gap - GAP_SLACK * max(0.0, base - gap))
+        slack = prior("allocator.expandable_segments", True, "gap slack")
+        return base - max(0.0, gap - slack * max(0.0, base - gap))
 
     def measured_gap(self, knobs: Mapping[str, Mapping[str, Any]], batch: int) -> float | None:
         """Bytes reserved above the allocated peak, as measured on ``knobs``' family (at its measured batch
@@ -451,9 +436,8 @@ class MemoryModel:
     def borrowed_per_sample(self, knobs: Mapping[str, Mapping[str, Any]]) -> float | None:
         """Bytes per sample, fixed part included (so from above), of the hungriest measured family
         with ``knobs``' precision and compile mode; None without one. A family that only differs in
-        knobs such as FP32 layers, CUDA graphs or padding holds about as much: on the H200 an hf:gpt2
-        family with FP32 norms and head and CUDA graphs ran out of memory at 1,024, 512, 256 and 128
-        sequences, halving down from 1,024, while bf16 at 64 had peaked at 94 GiB of 139.8."""
+        knobs such as FP32 layers, CUDA graphs or padding holds about as much, where halving down from
+        a batch far too large spends a trial on each batch that still does not fit."""
         own = family(knobs)
         rates = [peak / batch for fam, peaks in self.peaks.items() if fam != own and _kind(fam) == _kind(own)
                  for batch, peak in peaks.items() if batch > 0]
@@ -465,8 +449,8 @@ def held_line(probed: Mapping[str, Any]) -> tuple[float, float]:
     measured batches (autotune.trial.memory_fit.forward_held); (0, 0) where it measured fewer than two.
     Per sample: a sample's activations and logits. Whatever the batch: autocast's 16-bit copies of the
     weights, 2.3 GiB for the 1B Llama, which an FP32 step never makes and an optimizer step comes after.
-    On the H200 under 24 GiB that Llama's step fits one sequence only; what was left above it (1.3 GB,
-    halved compiled) had 8-bit states predicted to fit 8 sequences, which ran out of memory there."""
+    Under a cap where the step fits one sample only, what is left above it says too little about a
+    sample: the memory knobs would be predicted to fit a batch that runs out of memory."""
     held = sorted((int(b), float(v)) for b, v in (probed.get("forward_held") or {}).items())
     if len(held) < 2:
         return 0.0, 0.0

@@ -2,9 +2,9 @@
 memory cap the plain recipe at a larger batch with the memory knobs that make it fit.
 
 The plain recipe (autotune.search.plain_recipe) is the bar every recommendation must clear, and it
-is compiled, so an eager candidate says little about beating it: on the H200 a 3-minute hf:gpt2
-search spent its time after the plain recipe on six eager candidates, each predicted at 0.77x of it,
-and the recommendation was the plain recipe itself. What can beat it is the plain recipe and one
+is compiled, so an eager candidate says little about beating it: an eager candidate is predicted well
+below it, and a search that spends its time after the bar on eager candidates recommends the bar
+itself. What can beat it is the plain recipe and one
 change a user would try next: the vocabulary padded to a multiple of 64 (nanoGPT's), fp16 in place of
 bf16, another compile mode, the whole step in a CUDA graph, a larger batch; and where memory caps the
 batch (a 1B Llama under 24 GiB fits the plain recipe at batch 1 or 2), the knobs that buy memory:
@@ -14,15 +14,14 @@ expandable segments, traded for a batch that fits and runs faster.
 ``Neighbours`` is a proposer (Optuna's callback after each trial): once the plain recipe is measured,
 it queues those candidates once each, as steered trials of RULE, from the fastest plain recipe
 measured, at the batch its measured step predicts fits where the eager memory probe sized it smaller
-(``start``: on the H100, 07cebda, hf:gpt2's CUDA graph at 64 sequences where its bar ran 48, 1.011x
-the hand-written loop at 64), and again from a larger batch of it, GrowToFit's, once that one is
-measured faster. The planner (autotune.search.planner) orders them by expected gain per second, from
-each move's prior (MOVES, LEVERS: what the knob gave elsewhere) until this search measures it. They
+(``start``), and again from a larger batch of it, GrowToFit's, once that one is measured faster. The
+planner (autotune.search.planner) orders them by expected gain per second, from each move's prior
+(autotune.search.priors: what the knob gave elsewhere) until this search measures it. They
 are compiled like the bar and skip eager screening: a compiled configuration one knob away from a
 measured compiled one is ranked from it. A move (or a profile finding's remedy)
 that beats the bar and every trial so far gets the other moves on top of it (``climb``): each move
-starts from the bar, so without it a side stream that beat ResNet-50's bar would never be tried in
-fp16, nor with its stem as space-to-depth (1.044x on top of it on the H100, h100-b11ebb1).
+starts from the bar, so without it a side stream that beat the bar would never be tried in fp16, nor
+with the stem as space-to-depth.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ import strategies
 from autotune.deploy.space import SearchSpace
 from autotune.search import plain_recipe
 from autotune.search.levers import LEVER_SETS, LEVERS, untuned
+from autotune.search.priors import prior, table
 from autotune.search.steering import complete_params
 from autotune.search.trials import planned_params
 from autotune.trial.record import TrialRecord, queue_attrs
@@ -46,134 +46,103 @@ RULE = "one knob from the plain recipe"
 
 @dataclass(frozen=True)
 class Move:
-    """One change of the plain recipe and what it is expected to give before it is measured."""
+    """One change of the plain recipe, in words."""
 
     param: str
     value: Any
-    gain: float
-    """Expected speed over the plain recipe (1.0: none known; the planner adds its novelty)."""
     why: str
+
+    @property
+    def gain(self) -> float:
+        """Expected speed over the plain recipe, its prior (1.0: none known; the planner adds its novelty)."""
+        return prior(self.param, self.value, "speed")
 
 
 MOVES: tuple[Move, ...] = (
-    Move("vocab_padding.multiple", 64, 1.04,
-         "a vocabulary padded to a multiple of 64 (nanoGPT's 50,304 for GPT-2's 50,257)"),
-    Move("compile.mode", "max-autotune-no-cudagraphs", 1.02, "Inductor's autotuned GEMM and Triton configurations"),
-    Move("precision.mode", "fp16", 1.01, "fp16 beat bf16 for ResNet-50 on the H200 (7,346 img/s at batch 1,024)"),
-    # the planner's prior for it is fp8_speed, from the model's sizes; 1.0 where they are not known
-    Move("precision.mode", "fp8", 1.0, "the Linear layers in float8 (torchao): 1.51x bf16 for a 2-layer Llama "
-                                       "of hidden size 4,096 on the H200"),
+    Move("vocab_padding.multiple", 64, "a vocabulary padded to a multiple of 64 (nanoGPT's 50,304 for GPT-2's 50,257)"),
+    Move("compile.mode", "max-autotune-no-cudagraphs", "Inductor's autotuned GEMM and Triton configurations"),
+    Move("precision.mode", "fp16", "fp16 autocast in place of bf16"),
+    # the planner's prior for it is fp8_speed, from the model's sizes; its row's 1.0 where they are not known
+    Move("precision.mode", "fp8", "the Linear layers in float8 (torchao)"),
     # the planner's prior for it is streams_factor, from the copies the bar's profile measured; 1.0 without one
-    Move("streams.num_streams", 2, 1.0, "the next batch copied on a side stream while the step computes"),
-    Move("cuda_graphs.enabled", True, 1.02, "the whole step in one CUDA graph: no launch gaps"),
-    # torchvision's ConvNeXt-T's compiled plain-recipe step on the H100: 1.072x at batch 256, 1.077x at 768
-    # (reports/depthwise-h100); a model with fewer of its layers depthwise gains less, which its trial measures
-    Move("depthwise_conv.input_grad", "flipped", 1.07,
+    Move("streams.num_streams", 2, "the next batch copied on a side stream while the step computes"),
+    Move("cuda_graphs.enabled", True, "the whole step in one CUDA graph: no launch gaps"),
+    # a model with fewer of its layers depthwise gains less than its prior, which its trial measures
+    Move("depthwise_conv.input_grad", "flipped",
          "a depthwise convolution's input gradient computed by the forward kernel, with its filters turned"),
-    # torchvision's ResNet-50's compiled plain-recipe step on the H100 at batch 1,024, its stem padded to 8 channels
-    # (the search's best there): 1.037x (1.033x with another max-pool backward that alone gave 0.996x,
-    # reports/stem-h100); a model whose stem is a smaller share of its step gains less, which its trial measures
-    Move("stem_conv.stem", "space_to_depth", 1.037,
+    # the planner scales its prior by the model's stem share (stem_speed)
+    Move("stem_conv.stem", "space_to_depth",
          "the stem convolution as a stride-1 convolution on its input rearranged into stride x stride blocks"),
-    Move("compile.mode", "reduce-overhead", 1.02, "compiled with CUDA graphs (cudagraph trees)"),
-    # not gradients zeroed in place (optimizer.set_to_none False): measured at 0.998x the bar on the H200
-    # (hf:gpt2, 3445a3e) and 0.997x on the H100 (5ece370), it was still hoped NOVELTY more and, loaded
-    # from the bar's compile, ran first where a side stream the profile bounded at 1.047x waited
-    # measured on the H200 against the whole-model compile (3445a3e): 0.96x on ViT-B/16, 0.61x on GPT-2;
-    # it starts sooner (17 s and 10 s against 39 s and 25 s), which a search saves and a training run does not
-    Move("compile.mode", "regional", 0.77, "each repeated block compiled once: a shorter first step"),
+    Move("compile.mode", "reduce-overhead", "compiled with CUDA graphs (cudagraph trees)"),
+    # not gradients zeroed in place (optimizer.set_to_none False): it measured no faster than the bar, and,
+    # loaded from the bar's compile, it was cheap enough to run before moves the profile bounded higher.
+    # Regional compile is expected slower than the whole-model compile: it starts sooner, which a search
+    # saves and a training run does not
+    Move("compile.mode", "regional", "each repeated block compiled once: a shorter first step"),
 )
-"""The one-knob moves, in the order the guides rank them (the queue's order breaks the planner's ties)."""
+"""The one-knob moves, in the order the guides rank them (the queue's order breaks the planner's ties);
+what each is expected to give is its "speed" row in autotune.search.priors."""
 
 
-PRIORS: dict[tuple[str, Any], float] = {(m.param, m.value): m.gain for m in MOVES}
-PRIORS.update({(lever.param, lever.value): lever.speed for lever in LEVERS})
-"""Expected speed of each move and lever over the plain recipe's value of that knob: the planner's
-factor for a knob it has no measured pair for (autotune.search.planner)."""
-# liger-kernel's README claims up to 20% more throughput for its kernels together (its fused loss among
-# them) on HF LLMs; a modest share of that for the layer kernels alone, a claim, not measured here
-PRIORS[("llm_kernels.kernels", "liger")] = 1.05
-COMPILED_PRIORS: dict[tuple[str, Any], float] = {("vocab_padding.multiple", 64): 0.99}
-"""PRIORS where the configurations on both sides compile. A vocabulary padded to 64 against hf:gpt2's
-compiled plain recipe measured 0.986x on the H100 at 5ece370 (with channels padded to 8), 0.988x twice at
-2b09a74 (the same, and alone on the CUDA-graph best) and 1.012x on the H200 (reports/gpt2-h200's verify):
-Inductor already pads a GEMM's odd dimension (its shape_padding). Its move's 1.04, eager's (1.27x on the
-H200, with the Linear widths padded to 8), had queued it first after the bar in both H100 searches."""
-
-
-FP8_GEMM_GAIN = 1.73
-"""fp8's speed over bf16 for a model all of whose parameters are in eligible Linear layers of width
-FP8_FULL_WIDTH and more, compiled: on the H200 (reports/llama-fp8-h200) a 2-layer Llama of hidden size
-4,096 (80% of its parameters in such layers, the rest its embedding) ran 1.51x bf16 at batch 64, which
-is 1.73x on those layers' share by Amdahl's law."""
-FP8_FULL_WIDTH = 4096
-"""The width from which fp8's matmuls are taken to give FP8_GEMM_GAIN."""
-FP8_NARROW_GAIN, FP8_NARROW_WIDTH = 0.744, 585
-"""fp8's speed over bf16 on the eligible layers of a narrow model, compiled: on the H100 (h100-b9cc902)
-timm's ConvNeXt-T (90.5% of its parameters in eligible Linear layers of mean width 585) ran 2,847 img/s
-in fp8 against 3,736 in bf16 at batch 192, 0.76x, which is 0.744x on those layers' share: float8's
-casts and scales cost about the same per element whatever the width, while a matmul's work grows with
-it. Taken from a share of FP8_GEMM_GAIN alone (1.09x there), fp8 was queued first and its compile took
-94 s of a 5-minute budget."""
-FP8_KNEE_WIDTH = 2048
-"""From this width up, fp8's gain is on the line to FP8_GEMM_GAIN at FP8_FULL_WIDTH (1.37x here); below
-it, on the line down to FP8_NARROW_GAIN (break-even near 1,000). The 1B Llama (width 2,006) ran fp8 at
-63.4 sequences/s with the memory knobs on the H100 (de94c74), about 1.38x its bf16 twin as estimated
-from the H200's 50.9 (3445a3e) and the hand loops' H100/H200 ratio (0.89): the upper line's value."""
+PRIORS: dict[tuple[str, Any], float] = table("speed")
+"""Expected speed of each move and memory knob (and liger's kernels) over the plain recipe's value of that
+knob, as the table holds them: the planner's factor for a knob it has no measured pair for
+(autotune.search.planner)."""
+COMPILED_PRIORS: dict[tuple[str, Any], float] = table("compiled speed")
+"""PRIORS where the configurations on both sides compile: Inductor already pads a GEMM's odd dimension
+(its shape_padding), so a padded vocabulary gives a compiled step less than an eager one."""
 
 
 def fp8_speed(sizes: dict[str, Any], layers: str = "all") -> float | None:
     """Expected speed of fp8 over bf16 for a model of ``sizes`` (the probe's fp8_eligible_share and
     fp8_width; with ``layers`` "feed-forward", fp8_ff_share and fp8_ff_width: strategies.fp8_layers):
-    Amdahl's law over the share of its parameters fp8 runs, at FP8_GEMM_GAIN scaled by the layers'
-    width (FP8_NARROW_GAIN at FP8_NARROW_WIDTH, FP8_KNEE_WIDTH's, FP8_GEMM_GAIN at FP8_FULL_WIDTH). None
-    where the probe did not size them. For the 1B Llama shape (every parameter in layers of mean width
-    2,006: its tied head is a Linear) about 1.35, its feed-forward layers alone (65% at 2,048) about
-    1.20; ViT-B/16 (74% at 768) 0.86: slower than bf16."""
+    Amdahl's law over the share of its parameters fp8 runs, at the layers' matmul gain for their width.
+    That gain is fp8's "gemm speed" prior at its "full width" and up, on a line down to the "knee width"
+    and below it on a line to the "narrow gemm speed" at the "narrow width" (autotune.search.priors):
+    float8's casts and scales cost about the same per element whatever the width, while a matmul's work
+    grows with it, so a narrow model runs fp8 slower than bf16 (break-even near width 1,000). None where
+    the probe did not size them. For the 1B Llama shape (every parameter in layers of mean width 2,006:
+    its tied head is a Linear) about 1.35, its feed-forward layers alone (65% at 2,048) about 1.20;
+    ViT-B/16 (74% at 768) 0.86: slower than bf16."""
     keys = ("fp8_eligible_share", "fp8_width") if layers == "all" else ("fp8_ff_share", "fp8_ff_width")
     share, width = (float(sizes.get(key) or 0) for key in keys)
     if not share or not width:
         return None
+    full_gain, full_width = prior("precision.mode", "fp8", "gemm speed"), prior("precision.mode", "fp8", "full width")
+    narrow_gain, narrow_width = (prior("precision.mode", "fp8", "narrow gemm speed"),
+                                 prior("precision.mode", "fp8", "narrow width"))
+    knee = prior("precision.mode", "fp8", "knee width")
     # the upper line, at the width (from the knee up) or at the knee (below it, where the gain falls)
-    gemm = 1.0 + (FP8_GEMM_GAIN - 1.0) * min(1.0, max(width, FP8_KNEE_WIDTH) / FP8_FULL_WIDTH)
-    if width < FP8_KNEE_WIDTH:
-        along = (width - FP8_NARROW_WIDTH) / (FP8_KNEE_WIDTH - FP8_NARROW_WIDTH)
-        gemm = max(0.5, FP8_NARROW_GAIN + (gemm - FP8_NARROW_GAIN) * along)
+    gemm = 1.0 + (full_gain - 1.0) * min(1.0, max(width, knee) / full_width)
+    if width < knee:
+        along = (width - narrow_width) / (knee - narrow_width)
+        gemm = max(0.5, narrow_gain + (gemm - narrow_gain) * along)
     return 1.0 / ((1.0 - share) + share / gemm)
-
-
-RESNET50_STEM_SHARE = 0.0289
-"""torchvision's ResNet-50's stem's share of its convolutions' and Linear layers' multiply-adds at 224x224
-(strategies.stem_conv.stem_share): where the stem_conv move's prior was measured (reports/stem-h100)."""
 
 
 def stem_speed(sizes: dict[str, Any]) -> float | None:
     """Expected speed of the stem_conv move for a model of ``sizes`` (the probe's stem_share): the move's
-    prior, measured on ResNet-50, scaled by the stem's share of the model's multiply-adds against
-    ResNet-50's, never above it (a share past ResNet-50's is not measured). ViT-B/16's 16x16 patchify is
-    1.0% of its work (1.013x), ConvNeXt-T's 4x4 0.32% (1.004x). None where the probe did not measure it."""
+    prior scaled by the stem's share of the model's multiply-adds against that of the model the prior was
+    measured on (its "measured stem share"), never above the prior (a larger share is not measured). A
+    16x16 patchify stem is about 1.0% of ViT-B/16's work (1.013x), ConvNeXt-T's 4x4 0.32% (1.004x). None
+    where the probe did not measure it."""
     share = sizes.get("stem_share")
     if share is None:
         return None
     gain = PRIORS[("stem_conv.stem", "space_to_depth")]
-    return 1.0 + (gain - 1.0) * min(1.0, float(share) / RESNET50_STEM_SHARE)
-
-
-STREAM_OVERLAP = 0.82
-"""The share of a step's host-to-device copy time that a side stream hides under compute: on the H200
-(b092e42) ResNet-50's fp16 eager trials with 2 streams overlapped 74% of it at batch 256 and 90% at
-1,024 (their profiles' copy_overlap)."""
+    measured = prior("stem_conv.stem", "space_to_depth", "measured stem share")
+    return 1.0 + (gain - 1.0) * min(1.0, float(share) / measured)
 
 
 def streams_factor(profile: dict[str, Any] | None, was: int, now: int,
-                   overlap: float = STREAM_OVERLAP) -> float | None:
+                   overlap: float | None = None) -> float | None:
     """Expected speed of ``now`` CUDA streams over ``was`` for a trial measured with ``was`` and this
-    ``profile`` (autotune.trial.profile): one stream to two hides ``overlap`` of the copies exposed in
-    the step (memcpy_share; 1.0: the most it can give); two to one adds back the copy time that
-    overlapped. None where the profile did not see the copies. On the H200 (b092e42) ResNet-50's plain recipe at batch 1,024 spent
-    7.8% of its step copying its 616 MB of images in series with compute (about 53 GB/s): about 1.07x,
-    where the move had no prior and the compiled trial waited behind regional compile's 0.77x until
-    the budget ended."""
+    ``profile`` (autotune.trial.profile): one stream to two hides ``overlap`` (default: the "copy
+    overlap" prior) of the copies exposed in the step (memcpy_share; 1.0: the most it can give); two to
+    one adds back the copy time that overlapped. None where the profile did not see the copies. A plain
+    recipe that spends 7.8% of its step copying its images in series with compute gets about 1.07x."""
+    if overlap is None:
+        overlap = prior("streams.num_streams", 2, "copy overlap")
     if was == now:
         return 1.0
     if not profile or not profile.get("steps"):
@@ -190,9 +159,8 @@ def streams_factor(profile: dict[str, Any] | None, was: int, now: int,
 def graphs_factor(profile: dict[str, Any] | None, prior: float | None) -> float | None:
     """A CUDA graph's expected speed (the whole step's, or cudagraph trees'), ``prior`` at most, for a
     trial measured without one and this ``profile``: it removes the gaps between launches, so it can
-    give no more than the share of the step the GPU sat idle (idle_share). On the H200 ResNet-50's
-    plain recipe at batch 1,024 was never idle (1.0: nothing to win) and GPT-2's at 64 idle 2%, where
-    reduce-overhead ran at 0.98x (3445a3e)."""
+    give no more than the share of the step the GPU sat idle (idle_share): a step never idle has
+    nothing to win."""
     if prior is None or not profile or not profile.get("steps") or profile.get("idle_share") is None:
         return prior
     return min(prior, 1.0 / (1.0 - min(float(profile["idle_share"]), 0.9)))
@@ -244,8 +212,8 @@ class Neighbours:
             return
         trials = study.get_trials(deepcopy=False)
         # from the fastest plain recipe measured, even while a larger batch of it is queued (GrowToFit):
-        # the planner weighs them against it. Held back until that one ran, ConvNeXt-T's moves on the H100
-        # (5ece370) never ran: the grown batch was hoped 0.5% for a cold compile, the budget ended first
+        # the planner weighs them against it. Held back until that one ran, the moves may never run: the
+        # grown batch is hoped little for a cold compile, and the budget may end first
         bar = max((t for t in trials if TrialRecord.of(t).role == plain_recipe.ROLE
                    and t.state == TrialState.COMPLETE and t.value is not None), key=lambda t: t.value)
         self._queue(study, trials, bar, self.candidates(study, bar))
@@ -265,9 +233,8 @@ class Neighbours:
     def climb(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         """A move that beat the plain recipe and every trial measured so far gets the other moves on
         top of it, once each: a side stream and fp16 each measured alone would not add up otherwise
-        (the moves all start from the bar). So does a finding's remedy that did: on the H100
-        (2b09a74) ResNet-50's side stream came from the bar's profile (rule "copies"), beat it 1.064x,
-        and no move was ever tried on top of it. The planner weighs them from this trial."""
+        (the moves all start from the bar). So does a finding's remedy that did (a side stream from the
+        bar's profile, rule "copies", say). The planner weighs them from this trial."""
         if TrialRecord.of(trial).role != "steered":
             return
         trials = study.get_trials(deepcopy=False)
@@ -307,10 +274,8 @@ class Neighbours:
         """What the moves change: the bar's parameters, at GrowToFit's batch where the bar's measured peak
         scaled to it stays within SIBLING_FILL of the limit (where the memory model holds a move to that
         peak, so it runs at that batch rather than being sized down). Held at the bar's batch, a move
-        measures what a user's plain recipe at the batch that fits already has: on the H100 (2b09a74)
-        hf:gpt2's bar was sized at 48 sequences by the eager probe, its hand-written loop ran 64, the grown
-        batch was hoped 0.5% (measured 0.9% at 5ece370) and never ran, and the best, a CUDA graph at 48,
-        measured 0.996x the loop."""
+        measures less than a user's plain recipe at the batch that fits already has, where the eager probe
+        sized the bar smaller than that batch."""
         from autotune.search.memory import SIBLING_FILL
 
         batch = int(bar.params.get("batch_size.batch_size", 0))
@@ -390,9 +355,8 @@ class Neighbours:
 
 def compile_mode_factor(was: str, now: str) -> float | None:
     """One compile mode against another, from the moves' priors (each against the plain recipe's
-    default mode); None where either has none. On the H200 (b092e42) ResNet-50's regional compile was
-    predicted at the default mode's 6,888 img/s, ran its 68 s of a 5 min budget and measured 6,068: the
-    moves' 0.77 had not been applied between two compiled configurations."""
+    default mode); None where either has none: two compiled configurations differ by their modes'
+    priors too, not only an eager one from a compiled one."""
     a = 1.0 if was == "default" else PRIORS.get(("compile.mode", was))
     b = 1.0 if now == "default" else PRIORS.get(("compile.mode", now))
     return None if a is None or b is None else b / a

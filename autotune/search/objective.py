@@ -12,6 +12,7 @@ from optuna.trial import TrialState
 
 import strategies
 from autotune import stop
+from autotune.search.outputs import compile_archive_name, prune_compile_archives
 from autotune.search.screening import queue_eager_twin, screen_eagerly
 from autotune.search.trials import planned_params
 from autotune.search.walls import cached_compile_saving, expected_wall, trial_cost_s
@@ -23,8 +24,8 @@ from strategies.compile import COMPILE_ALLOWANCE_S
 BASELINE_MIN_STEPS = 8
 """Timed steps the FP32 baseline needs at least (a trial's default is 20; the 2 s of timed time and the
 spread's re-measure still hold): its figure is the denominator of every speed-up, not a candidate
-that must be told from a close runner-up. Its 20 steps took 15.3 s of the baseline's 32.5 s on the
-H100 for ConvNeXt-T (reports/search-yield/h100-b1bcd84), 13.1 of 30.7 s on the H200 for ViT-B/16."""
+that must be told from a close runner-up, and an FP32 step is slow: 20 of them took about half of the
+baseline's trial."""
 
 # trial user attributes that hold a result; copied verbatim when a configuration repeats
 RESULT_ATTRS = ("status", "reason", "figures", "knobs", "timing", "energy", "profile", "findings", "screening")
@@ -205,8 +206,8 @@ class Objective:
         if (verdict or "").startswith("predicted") and record.role == "baseline" \
                 and batch_of(record.knobs) == min(self.space.batch_sizes):
             # the FP32 baseline at the smallest batch is measured whatever the prediction: every figure
-            # is compared with it, and out of memory there is the result (the search then says so). On
-            # the H200 a 1B Llama's was predicted at 30 GiB of 24 and not run; it had peaked at 23.9
+            # is compared with it, and out of memory there is the result (the search then says so); a
+            # prediction near the limit can be wrong, and without the baseline nothing has a speed-up
             return
         if verdict is not None:
             # not run, and not counted (no "status"): the sampler learns the region from the pruned
@@ -269,6 +270,10 @@ class Objective:
             request["prune_below"] = bar
         if self.profile and self.log_dir:
             request["trace_path"] = str(self.log_dir / f"trace-{trial.number:04d}.json")
+        if knobs["compile"].mode != "off" and self.log_dir:
+            # its compile, kept beside config.json if it is recommended; logs/ keeps only the best few
+            request["compile_cache_path"] = str(self.log_dir / compile_archive_name(trial.number))
+            prune_compile_archives(trial.study, self.log_dir)
         return request
 
     def _early_stop_bar(self, trial: optuna.Trial) -> float | None:
@@ -336,8 +341,8 @@ class Objective:
         role = record.role
         # the baseline is measured next, not after the seeds: every figure is compared with it. A
         # neighbour of the plain recipe keeps what steered it, so it is still ranked from the bar and
-        # not screened eagerly: on the H100 hf:gpt2's moves, sized down from batch 64 to 48, each
-        # waited for an eager twin that the planner predicted below the compiled bar
+        # not screened eagerly: a move sized down would otherwise wait for an eager twin that the
+        # planner predicts below the compiled bar
         queued = queue_attrs(role=role if role == "baseline" else "backed-off", backoff_of=trial.number,
                              **({"urgent": True} if role == "baseline" else {}),
                              **({"steered_by": record.steered_by} if record.steered_by else {}))
@@ -429,30 +434,28 @@ class Objective:
 
     @staticmethod
     def _fp32(trial: optuna.Trial) -> bool:
-        """Whether the trial has FP32's numerics: its check mid-search would only train the FP32
-        reference, in a worker of its own; the first other configuration's check trains it in its
-        worker, before its own run, one worker's set-up and FP32 step less (on the H100, the 1B Llama's
-        reference alone took 26 s of a 54 s share, and the winner's check was cut after the 29 s left).
-        A reference trained there is kept even where that configuration's run fails or is cut. At the
-        end an FP32 recommendation is checked as any other (ensure_recommendation)."""
+        """Whether the trial has FP32's numerics: its check mid-search would only train the FP32 reference,
+        in a worker of its own; the first other configuration's check trains it in its worker, before its
+        own run, one worker's set-up and FP32 step less (a large model's reference alone can take half the
+        share, leaving the winner's check too little). A reference trained there is kept even where that
+        configuration's run fails or is cut. At the end an FP32 recommendation is checked as any other
+        (ensure_recommendation)."""
         from autotune.accuracy.settings import numerics_key
 
         return numerics_key(TrialRecord.of(trial).knobs) == numerics_key({})
 
     def _bar(self, trial: optuna.Trial) -> bool:
         """Whether the trial is the plain recipe, in a planned search: its neighbours (one knob from it,
-        predicted from its figure) are queued after it, where expects_better cannot see them yet. On the
-        H100 the 1B Llama's plain recipe, best when measured, took 27 s of the 54 s share (its eager bf16
-        run out of memory under 24 GiB) and its neighbour with the memory knobs, 2.2x faster, went
-        unchecked. Where nothing beats it, it is checked at the end as the recommendation, in the
-        seconds the stop rule keeps for that (ParityGate.verdict_reserve_s)."""
+        predicted from its figure) are queued after it, where expects_better cannot see them yet: checked
+        when measured, the bar would take the share its faster neighbour's check needs. Where nothing beats
+        it, it is checked at the end as the recommendation, in the seconds the stop rule keeps for that
+        (ParityGate.verdict_reserve_s)."""
         return self.planner is not None and TrialRecord.of(trial).role == "plain-recipe"
 
     def _overtaken(self, trial: optuna.Trial, value: float) -> bool:
         """Whether the planner expects a queued candidate to overtake this trial: its accuracy check
-        would spend the share on a configuration that will not be recommended (on the H100 a 1B Llama's
-        plain recipe took it while the memory knobs predicted at twice its speed were queued, and the
-        winner went unchecked; the stop rule keeps the recommendation's verdict its seconds)."""
+        would spend the share on a configuration that will not be recommended, and leave the winner
+        unchecked (the stop rule keeps the recommendation's verdict its seconds)."""
         if self.planner is None:
             return False
         return self.planner.expects_better(trial.study, value) is not None

@@ -20,9 +20,11 @@ DEFAULT_BUDGET_S = 600.0  # when neither --trials nor --budget is given
 MIN_BUDGET_S = 10.0
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class SearchConfig:
-    """Everything `autotune search` was asked to do; validated on creation."""
+    """Everything `autotune search` was asked to do, resolved and validated on creation and never
+    changed afterwards: what a search learns (the probe's batch floor, the budget left) lives in its
+    study, not here."""
 
     workload: WorkloadSpec
     device: str = "auto"
@@ -35,7 +37,8 @@ class SearchConfig:
     trials: int | None = None
     """Stop once this many trials are finished (resumed ones included)."""
     budget_s: float | None = None
-    """Stop starting trials when the next one would end after this many seconds."""
+    """Stop starting trials when the next one would end after this many seconds; without --trials,
+    DEFAULT_BUDGET_S."""
     batch_size: int | None = None
     """Pin the batch size (no batch search)."""
     base_batch_size: int | None = None
@@ -102,7 +105,7 @@ class SearchConfig:
     then the micro-batch (a divisor of it), and gradient accumulation makes up the rest."""
     memory_limit: int | str | None = None
     """--memory-limit: every worker caps its GPU memory at this many bytes ("24GiB" is parsed), what
-    lives outside PyTorch's allocator included, so an H200 tunes for a 24 GB card's memory."""
+    lives outside PyTorch's allocator included, so a large GPU tunes for a smaller card's memory."""
     memory_headroom: int | str | None = None
     """--memory-headroom: leave this much of the GPU's memory free (for other processes)."""
     resume: bool = False
@@ -129,7 +132,7 @@ class SearchConfig:
             raise ConfigError(f"--early-stop-below {self.early_stop_below}: give a share of the best throughput "
                               "so far, from 0 (measure every trial in full) to below 1, e.g. 0.5")
         if isinstance(self.gpus, str):
-            self.gpus = parse_gpus(self.gpus)
+            self._resolve("gpus", parse_gpus(self.gpus))
         if self.gpus is not None and self.device == "cpu":
             raise ConfigError("--gpus runs one trial worker per CUDA GPU; it cannot go with --device cpu")
         if self.ddp is not None:
@@ -145,19 +148,21 @@ class SearchConfig:
                                   "DistributedSampler shard); drop --data, the accuracy check then uses "
                                   "synthetic data")
         if self.replay is not None:
-            self.replay = Path(self.replay)
+            self._resolve("replay", Path(self.replay))
             if not (self.replay / "study.db").is_file():
                 raise ConfigError(f"--replay {self.replay}: no study.db there; give the output folder of an "
                                   "earlier `autotune search` (the one holding its config.json and study.db)")
         from autotune.search.memory import parse_size
 
         if self.memory_limit is not None:
-            self.memory_limit = parse_size(self.memory_limit, "--memory-limit")
+            self._resolve("memory_limit", parse_size(self.memory_limit, "--memory-limit"))
         if self.memory_headroom is not None:
-            self.memory_headroom = parse_size(self.memory_headroom, "--memory-headroom")
+            self._resolve("memory_headroom", parse_size(self.memory_headroom, "--memory-headroom"))
         if (self.memory_limit or self.memory_headroom) and self.device == "cpu":
             raise ConfigError("--memory-limit and --memory-headroom cap a GPU's memory; a CPU search has none "
                               "to cap (drop them, or search on --device cuda)")
+        if self.trials is None and self.budget_s is None:
+            self._resolve("budget_s", DEFAULT_BUDGET_S)
         if self.trials is not None and self.trials < 1:
             raise ConfigError(f"--trials must be at least 1, got {self.trials}")
         if self.budget_s is not None and self.budget_s < MIN_BUDGET_S:
@@ -194,6 +199,15 @@ class SearchConfig:
         if self.data is not None and self.input_on_device:
             raise ConfigError("--input-on-device keeps synthetic batches on the GPU, but --data feeds the timed "
                               "steps from a DataLoader; drop one of them")
+
+    def _resolve(self, name: str, value: Any) -> None:
+        """Set an option to its resolved form (a parsed size, a path), in __post_init__ only: the config
+        is frozen once created."""
+        object.__setattr__(self, name, value)
+
+    def measure_settings(self, device: str) -> MeasureSettings:
+        """How each trial is timed: --min-measure-time's settings, else the device's defaults."""
+        return self.measure or MeasureSettings.for_device(device)
 
     def _check_accuracy_options(self) -> None:
         """The accuracy check's options, and --data (which feeds the accuracy check and the timed steps)."""
@@ -248,7 +262,8 @@ def parse_duration(text: str) -> float:
 
 
 def device_slug(provenance: dict[str, Any], device: str) -> str:
-    """'NVIDIA H200' -> 'h200'; the CPU -> 'cpu'."""
+    """The GPU's name without "NVIDIA" and "GeForce", in lower case, other characters as '-'; the CPU ->
+    'cpu'."""
     if device != "cuda":
         return "cpu"
     name = provenance.get("gpu", "gpu").lower().replace("nvidia", "").replace("geforce", "")

@@ -1,5 +1,6 @@
 """The output folder: checked writable before any device time, and filled at the end of a search
-(config.json and trials.csv, the report, the baseline's and the best trial's traces)."""
+(config.json and trials.csv, the report, the baseline's and the best trial's traces, the best
+trial's compile cache)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,19 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+from optuna.trial import TrialState
 
+from autotune.deploy import compile_cache
 from autotune.deploy.space import SearchSpace
 from autotune.errors import ConfigError
 from autotune.search.options import SearchConfig
-from autotune.search.trials import baseline_trial, best_trial
+from autotune.search.trials import baseline_trial, best_trial, ranked_trials
+from autotune.trial.record import TrialRecord
+
+COMPILE_ARCHIVES_KEPT = 3
+"""Compiled trials whose compile archives logs/ keeps while a search runs: the best few, so that an
+accuracy check failing the best still leaves the next one's. On a GPU one is up to tens of MB (its
+Triton kernels), and a search compiles dozens of trials."""
 
 
 def check_writable(out_dir: Path, min_free_bytes: int = 50 * 2**20) -> None:
@@ -34,12 +43,14 @@ def check_writable(out_dir: Path, min_free_bytes: int = 50 * 2**20) -> None:
 
 
 def write_outputs(study: optuna.Study, out_dir: Path, config: SearchConfig, space: SearchSpace,
-                  info: dict[str, Any]) -> dict[str, Path]:
-    """config.json and trials.csv, then report.html and report.md."""
+                  info: dict[str, Any], device: str) -> dict[str, Path]:
+    """compile-cache.zip, config.json and trials.csv, then report.html and report.md; ``device``: the
+    one the trials ran on."""
     from autotune.report.export import export
     from autotune.report.render import write_report
 
-    files = export(study, out_dir, config=config, space=space, probe=info)
+    files = keep_compile_cache(study, out_dir)  # before config.json, which records it
+    files.update(export(study, out_dir, config=config, space=space, probe=info, device=device))
     files.update(keep_traces(study, out_dir))
     exported = json.loads(files["config.json"].read_text()) if "config.json" in files else None
     files.update(write_report(study, out_dir, exported))
@@ -66,3 +77,56 @@ def keep_traces(study: optuna.Study, out_dir: Path) -> dict[str, Path]:
         if trace not in sources.values():
             trace.unlink()
     return keep
+
+
+def compile_archive_name(number: int) -> str:
+    """The compile archive (autotune.deploy.compile_cache) trial ``number``'s worker saves in logs/."""
+    return f"compile-{number:04d}.zip"
+
+
+def archive_of(trial: optuna.trial.FrozenTrial) -> str | None:
+    """The file name of the compile archive in logs/ that holds ``trial``'s compile: its own, or, for
+    a repeat of a measured configuration, the measured trial's (its figures are copied)."""
+    saved = (TrialRecord.of(trial).figures or {}).get("compile_archive") or {}
+    return saved.get("file")
+
+
+def prune_compile_archives(study: optuna.Study, log_dir: Path, keep: int = COMPILE_ARCHIVES_KEPT) -> None:
+    """Delete the compile archives in ``log_dir`` but those of the ``keep`` best trials (as
+    best_trial ranks them) and of trials still running."""
+    kept = {archive_of(t) for t in ranked_trials(study)[:keep]}
+    running = {compile_archive_name(t.number) for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+    for path in Path(log_dir).glob("compile-*.zip"):
+        if path.name not in kept and path.name not in running:
+            path.unlink(missing_ok=True)
+
+
+def keep_compile_cache(study: optuna.Study, out_dir: Path) -> dict[str, Path]:
+    """The best trial's compile archive copied beside config.json as compile-cache.zip, where it
+    compiled; every compile archive in logs/ is then deleted. A compile-cache.zip already there
+    stays where it is the same best's (a resumed search whose best did not change), and goes
+    where the best changed or does not compile."""
+    import shutil
+
+    logs, target = out_dir / "logs", out_dir / compile_cache.ARCHIVE
+    best = best_trial(study)
+    name = archive_of(best) if best is not None else None
+    kept = {}
+    if name is not None and (logs / name).is_file():
+        shutil.copyfile(logs / name, target)
+        kept[target.name] = target
+    elif name is not None and target.is_file() and _exported_trial(out_dir) == best.number:
+        kept[target.name] = target
+    else:
+        target.unlink(missing_ok=True)
+    for archive in logs.glob("compile-*.zip"):
+        archive.unlink()
+    return kept
+
+
+def _exported_trial(out_dir: Path) -> int | None:
+    """The trial the folder's config.json (an earlier export) recommends, if any."""
+    try:
+        return json.loads((out_dir / "config.json").read_text())["study"]["trial_number"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

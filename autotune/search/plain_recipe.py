@@ -101,12 +101,10 @@ class GrowToFit:
     what it allocated, plus a compiled sample's bytes for each sample more, stays within the memory
     model's fill of the limit. A compiled sample is what the measured step held above the probe's fixed
     part (MemoryModel.one_point_per_sample), where its activations set its peak; else (a 1B Llama at
-    batch 1) COMPILED_SHARE of the probe's. A compiled step holds less per sample than the eager probe
-    measured, so "the largest batch that fits" is found by measuring it, as a user would, in one trial
-    rather than one batch a trial. On the H100 (5ece370) hf:gpt2's compiled plain recipe allocated 0.42
-    GiB a sequence above the probe's fixed part at batch 48 (29.4 GiB predicted at 64, 29.7 measured),
-    where the eager probe held 1.46: by those figures, under 24 GiB the probe sizes it at 12 and this
-    queues 32, where the next batch up was 16."""
+    batch 1) the "compiled sample share" prior of the probe's (autotune.search.priors). A compiled step
+    holds less per sample than the eager probe measured (a third of it, for a GPT-2), so "the largest
+    batch that fits" is found by measuring it, as a user would, in one trial rather than one batch a
+    trial."""
 
     def __init__(self, space: SearchSpace, limit_bytes: float | None) -> None:
         self.space = space

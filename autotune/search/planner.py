@@ -9,25 +9,25 @@ proposes from a TrialScheduler that chooses), from the whole picture:
 * each candidate's predicted value: that of its nearest measured configuration (the fewest knobs
   apart whose effect is not known, then the fewest known, then the least extrapolated: the smallest
   sum of |log factor|), times what the differing knobs are known to give: compiling's
-  gain as this search measured it for the precision (else COMPILE_GAIN_PRIOR), 16-bit autocast over
-  FP32 (AUTOCAST_GAIN_PRIOR), a larger batch (BATCH_HALF), a side stream from the copies the
-  measured trial's profile saw in series with compute, a CUDA graph at most the time it sat idle;
+  gain as this search measured it for the precision (else its prior), 16-bit autocast over FP32, a
+  larger batch (the half-speed batch), a side stream from the copies the measured trial's profile saw
+  in series with compute, a CUDA graph at most the time it sat idle; every prior is a row of
+  autotune.search.priors;
 * its predicted cost in seconds: this run's measured walls of its kind (compiled or eager), a first
   compile's cost from the model's size before any compile ran, a measured graph's from Inductor's cache
   (autotune.search.walls);
 * its predicted peak memory (autotune.search.memory, which the memory probe primes).
 
-Fixed roles first: a baseline backed off to a batch that fits, then a configuration predicted not to
-fit (sized down before it runs, at no cost), a repeat of a measured one (its result is copied), the
-FP32 baseline, the plain recipe (the bar every recommendation must clear, compiled early). The rest
-by expected gain per second of budget: the predicted improvement on the best so far, where a knob
-value no trial measured yet may give NOVELTY more than predicted (what it gives is unknown until it
-runs; on the H200 eager hf:gpt2 candidates predicted at 0.77x the compiled plain recipe took a
-3-minute search's time for compiles, as "new"). When
-the budget left holds the candidate of most gain but not after the one of most gain per second, and
-it is expected to gain clearly more (by NOVELTY of the best so far), it runs first. Each chosen trial
-records its plan (predicted value, cost, peak, why) as its ``planned`` user attribute: "why did this
-trial run now?" is answered on the trial itself.
+Fixed roles first: a baseline backed off to a batch that fits, then a configuration predicted not to fit
+(sized down before it runs, at no cost), a repeat of a measured one (its result is copied), the FP32
+baseline, the plain recipe (the bar every recommendation must clear, compiled early). The rest by expected
+gain per second of budget: the predicted improvement on the best so far, where a knob value no trial
+measured yet may give NOVELTY more than predicted (what it gives is unknown until it runs), but no more than
+that: an eager candidate predicted far below a compiled best gains nothing by being new. When the budget
+left holds the candidate of most gain but not after the one of most gain per second, and it is expected to
+gain clearly more (by NOVELTY of the best so far), it runs first. Each chosen trial records its plan
+(predicted value, cost, peak, why) as its ``planned`` user attribute: "why did this trial run now?" is
+answered on the trial itself.
 """
 
 from __future__ import annotations
@@ -43,26 +43,14 @@ from optuna.trial import TrialState
 from autotune.deploy.space import SearchSpace
 from autotune.search.levers import step_costs
 from autotune.search.neighbours import compile_mode_factor, fp8_speed, prior_factor, profiled_factor, stem_speed
+from autotune.search.priors import prior, values
 from autotune.search.trials import planned_params
 from autotune.search.walls import cached_compile_saving, trial_cost_s
 from autotune.trial.record import TrialRecord
 
-COMPILE_GAIN_PRIOR = 1.3
-"""torch.compile's gain over eager before this search measured one: 1.12-1.20 for ResNet-50 in fp16
-and 1.44 in bf16, 1.6-2.2 for the language models, on the H200 (the reports' records)."""
-AUTOCAST_GAIN_PRIOR = {("fp32", "16"): 2.0, ("tf32", "16"): 1.3, ("fp32", "tf32"): 1.5}
-"""Speed of one precision over another before this search measured them apart ("16": fp16, bf16
-and fp8 alike): the guides' 2x for AMP over FP32 (ResNet-50 on an RTX 4090, 842 -> 1882 img/s)."""
-BATCH_HALF = {"samples": 16, "tokens": 1024}
-"""The batch at which a step runs at half its large-batch throughput, for the prior on a batch change
-(samples/s at batch b taken as b / (b + half)): 16 images; 1,024 tokens of a language model (one
-sequence of GPT-2's). It gives ResNet-50's 256 -> 512 about 3%, and a 1B Llama's batch 1 -> 2 33%
-(the hand-written loop on the H200 under 24 GiB: 34,656 tokens/s at 1, 45,784 at 2)."""
 NOVELTY = 0.05
 """How much more than predicted a candidate with a knob value no trial measured (a precision mode,
 CUDA graphs, a compile mode) may give: about the run-to-run spread of the measured gains."""
-UNMEASURED_COST_S = 10.0
-"""A trial's cost before any trial was measured (the compile prior comes on top for a compiled one)."""
 
 _SIXTEEN = {"fp16", "bf16", "fp8"}
 _IGNORED = ("grad_scaler.",)  # settings of a knob another parameter decides (fp16's GradScaler)
@@ -221,10 +209,7 @@ class Planner:
     def _clear_gain(self, study: optuna.Study) -> float:
         """How much more a candidate must be expected to gain than the one of most gain per second to
         run first in its place: NOVELTY of the best so far, the spread of the hopes themselves. Nearer,
-        the two are a tie the cheaper one wins, and it leaves time for more. On the H100 at 9443e57
-        ResNet-50's max-autotune compile (hoped 406 img/s over the bar at about 153 s, from the prior)
-        ran before the side stream (404, from its profile, at 57 s) and was cut off by the budget's end
-        after 191 s: the search measured nothing after its plain recipe."""
+        the two are a tie the cheaper one wins, and it leaves time for more."""
         best = self._best(self._measured(study.get_trials(deepcopy=False)), study)
         return NOVELTY * abs(best.value) if best is not None else 0.0
 
@@ -285,10 +270,9 @@ class Planner:
 
     def _best(self, done, study: optuna.Study) -> optuna.trial.FrozenTrial | None:
         """The best measured trial that can be recommended: one that failed its accuracy check is still a
-        measurement the predictions learn from (``done``), but no bar for a candidate's gain. On the H100
-        the 1B Llama's fp8 winner (63.4 sequences/s) failed its parity check, and its bf16 twin with the
-        same memory knobs, queued and predicted at about 46 against the plain recipe's 28.7 and then
-        41.9, gained nothing against 63.4 and never ran; the plain recipe was recommended."""
+        measurement the predictions learn from (``done``), but no bar for a candidate's gain: against a
+        winner that failed, the twin that might pass in its place would be expected to gain nothing, and
+        never run."""
         from autotune.accuracy.gate import accuracy_of, failed
 
         eligible = [t for t, _, _ in done if not failed(accuracy_of(study, t))]
@@ -307,7 +291,8 @@ class Planner:
 
     def _cost(self, mode: str, precision: str | None = None, saved_s: float = 0.0) -> float:
         """A trial's expected seconds in ``mode`` and ``precision``, a cached compile's ``saved_s`` less (walls)."""
-        return trial_cost_s(self.walls, mode, precision, self.compile_prior_s, UNMEASURED_COST_S, saved_s)
+        return trial_cost_s(self.walls, mode, precision, self.compile_prior_s, prior("trial", None, "seconds"),
+                            saved_s)
 
     def _memory(self, memory, params: dict[str, Any]) -> tuple[float | None, str | None]:
         """Predicted peak bytes of ``params``, and the memory model's reason it cannot fit (None: it may)."""
@@ -350,8 +335,8 @@ class Planner:
             value = value * factor if self.maximize else value / factor
             value, notes = self._with_step_costs(value, params, notes)
             words = f"#{t.number}" + (f" {' '.join(notes)}" if notes else "")
-            # equally near: the least extrapolated (on the H200 ResNet-50's regional compile, measured at
-            # 0.88x the default mode, predicted max-autotune at 1.32x itself by the moves' priors)
+            # equally near: the least extrapolated (a compile mode is predicted from the default mode's
+            # trial, not from another mode's trial times the ratio of two priors)
             rank = (apart, known, round(stretch, 3),
                     -value if self.maximize else value)
             if best is None or rank < best[0]:
@@ -364,9 +349,8 @@ class Planner:
 
     def _step_costs_off(self, value: float, measured: dict[str, Any]) -> float:
         """A measured value (samples/s) without its per-step costs: what the factors of a batch, a compile
-        or a precision scale (on the H200 the 1B Llama's 8-bit states at batch 4 ran 39.4 sequences/s, of
-        which 27.9 ms a step was theirs: scaled whole to batch 64 it predicted 38, the plain recipe at
-        batch 2 predicted 53.6 for the same configuration)."""
+        or a precision scale (a cost a step scaled whole with the batch would predict a larger batch too
+        slow, and the same configuration differently from each measured trial)."""
         cost, batch = self._step_cost_s(measured), measured.get("batch_size.batch_size")
         if not cost or not batch or value <= 0 or not self.maximize:
             return value
@@ -390,7 +374,7 @@ class Planner:
             if (was == "off") == (now == "off"):
                 return compile_mode_factor(was, now)  # one compile mode against another
             mode = after.get("precision.mode") if now != "off" else before.get("precision.mode")
-            gain = gains.get(mode, COMPILE_GAIN_PRIOR)
+            gain = gains.get(mode, prior("compile.mode", "default", "speed over eager"))
             return gain if was == "off" else 1.0 / gain
         if key == "precision.mode":
             return _precision_factor(before.get(key, "fp32"), after.get(key, "fp32"), gains.get("fp8 speed"))
@@ -407,7 +391,7 @@ class Planner:
 
     def compile_gains(self, study: optuna.Study) -> dict[str, float]:
         """torch.compile's gain for each offered precision as this search measured it (its compiled
-        trials over their eager twins), else any precision's, else COMPILE_GAIN_PRIOR; each
+        trials over their eager twins), else any precision's, else its prior (autotune.search.priors); each
         precision's compiled trials are read once."""
         from autotune.search.screening import compile_gains
 
@@ -416,7 +400,8 @@ class Planner:
         measured = {mode: [g for g, _, _ in compile_gains(study, self.space, mode, "default")]
                     for mode in self.space.precisions}
         anywhere = [g for gains in measured.values() for g in gains]
-        return {mode: max(gains or anywhere or [COMPILE_GAIN_PRIOR]) for mode, gains in measured.items()}
+        gain = prior("compile.mode", "default", "speed over eager")
+        return {mode: max(gains or anywhere or [gain]) for mode, gains in measured.items()}
 
     def _words(self, predicted, source, best, cost, gain, novel) -> str:
         if predicted is None:
@@ -455,9 +440,8 @@ def accuracy_suspects(study: optuna.Study, trials: list[optuna.trial.FrozenTrial
     """The precision of a trial that failed its accuracy check, as suspects do for a crash, where no
     passing check and no plain recipe ran in it (nor FP32): it changes the arithmetic of every matmul,
     where the memory knobs recompute exactly (checkpointing), accumulate in FP32 (a fused linear
-    cross-entropy) or round only the optimizer's states. On the H100 the 1B Llama's fp8 winner failed
-    its parity check (first gradients 45% off FP32), and fp8 with other memory knobs was queued
-    next to the same knobs in bf16. ("#18's accuracy check", {("precision.mode", "fp8")})."""
+    cross-entropy) or round only the optimizer's states. ("#18's accuracy check",
+    {("precision.mode", "fp8")})."""
     from autotune.accuracy.gate import accuracy_of, failed
     from autotune.search import plain_recipe
 
@@ -476,11 +460,14 @@ def accuracy_suspects(study: optuna.Study, trials: list[optuna.trial.FrozenTrial
 
 
 def _batch_half(study: optuna.Study) -> float:
-    """BATCH_HALF in samples of this study's workload (a language model's: its tokens over a sample's)."""
+    """The half-speed batch (autotune.search.priors) in samples of this study's workload (a language
+    model's: its prior in tokens over a sample's tokens)."""
     from autotune.workload.units import ATTR, Units
 
     tokens = Units.from_dict(study.user_attrs.get(ATTR) or {}).tokens_per_sample
-    return BATCH_HALF["tokens"] / tokens if tokens else BATCH_HALF["samples"]
+    if tokens:
+        return prior("batch_size.batch_size", "tokens", "half-speed batch") / tokens
+    return prior("batch_size.batch_size", "samples", "half-speed batch")
 
 
 def _precision_factor(before: str, after: str, fp8: float | None = None) -> float | None:
@@ -492,8 +479,9 @@ def _precision_factor(before: str, after: str, fp8: float | None = None) -> floa
         if fp8 is not None and (before == "fp8") != (after == "fp8"):
             return fp8 if after == "fp8" else 1.0 / fp8
         return None  # fp16 against bf16, say: measured, not assumed
-    if (a, b) in AUTOCAST_GAIN_PRIOR:
-        return AUTOCAST_GAIN_PRIOR[(a, b)]
-    if (b, a) in AUTOCAST_GAIN_PRIOR:
-        return 1.0 / AUTOCAST_GAIN_PRIOR[(b, a)]
+    speeds = values("precision.mode", "speed over")  # (before, after) -> after's speed over before's
+    if (a, b) in speeds:
+        return speeds[(a, b)]
+    if (b, a) in speeds:
+        return 1.0 / speeds[(b, a)]
     return None

@@ -1,12 +1,10 @@
 """A costly candidate's accuracy verdict before it runs (autotune.search.objective).
 
-A numerics parity check (autotune.accuracy.parity_gate) runs the configuration eager at the check's
-batch: it needs nothing the trial measures. A compiled candidate that the planner expects to lead
-costs its compile before a figure exists, and its check follows if it leads; checked first, one that
-fails costs the check alone. On the H100 (de94c74) the 1B Llama's fp8 candidate with the memory knobs
-ran 145 s (an 87 s compile) of a 6-minute search and then failed its check (the first verdict,
-34 s): the same knobs in bf16, queued beside it, had no time left, and the plain recipe was
-recommended. A candidate whose numerics were already judged failed is not run either.
+A numerics parity check (autotune.accuracy.parity_gate) runs the configuration eager at the check's batch:
+it needs nothing the trial measures. A compiled candidate that the planner expects to lead costs its compile
+before a figure exists, and its check follows if it leads; checked first, one that fails costs the check
+alone, and leaves the budget to the candidates that may pass. A candidate whose numerics were already judged
+failed is not run either.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 import warnings
@@ -23,7 +24,6 @@ from autotune.search.fit import plain_recipe_batch, probe_fit, widen_to_fit
 from autotune.search.goal import Goal, goal, nvml_refusal
 from autotune.search.objective import Objective, TrialFailed
 from autotune.search.options import (
-    DEFAULT_BUDGET_S,
     DEFAULT_OUT,
     SearchConfig,
     device_slug,
@@ -43,7 +43,6 @@ from autotune.search.study import SearchLock, prepare_study, recover_dead_trials
 from autotune.search.trials import counted_trials
 from autotune.search.walls import compile_prior_s
 from autotune.trial.gpus import GpuPool, pinned, probe_view
-from autotune.trial.measure import MeasureSettings
 from autotune.trial.runner import discard_spares, forks, prestart_setting, start_spare
 from autotune.workload.models import check_spec
 
@@ -124,7 +123,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
             phases["final accuracy checks"] = time.time() - t
         t = time.time()
         emit("phase", "writing config.json, trials.csv and the report")
-        files = write_outputs(study, out_dir, config, space, info)
+        files = write_outputs(study, out_dir, config, space, info, device)
         artifacts.attach_outputs(study, files)
         if tracking is not None:
             tracking.finish(study, files, interrupted=interrupted is not None)
@@ -147,8 +146,6 @@ def _check_before_device_time(config: SearchConfig) -> tuple[str, bool, optuna.s
     """Settle the budget and refuse what cannot run, before any device time. Returns the device,
     whether trial workers prestart, the user's --storage (opened; None: the folder's own) and the
     objective."""
-    if config.trials is None and config.budget_s is None:
-        config.budget_s = DEFAULT_BUDGET_S
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     check_spec(config.workload)
     device = resolve_device(config.device)
@@ -171,10 +168,9 @@ def _fit(config: SearchConfig, device: str, info: dict[str, Any], phases: dict[s
     the model needs at small batches, which sizes every trial before it starts; where the base batch
     does not fit, the batch range goes down to 1. The probe's findings go into ``info``."""
     space = build_space(config, device, info)
-    config.measure = config.measure or MeasureSettings.for_device(device)
     fit = probe_fit(config, device, space, info, memory_limit_bytes(config, device, info), spare=spare)
-    if widen_to_fit(config, space, fit):
-        space = build_space(config, device, info)
+    if widen_to_fit(config, space, fit):  # the batches from 1: the space the study records
+        space = build_space(dataclasses.replace(config, min_batch_size=1), device, info)
     if fit is not None:
         info["memory_probe"] = {**fit.probed, "plain_recipe_batch": plain_recipe_batch(space, fit)}
         phases["memory probe"] = fit.probed.get("seconds") or 0.0
@@ -285,7 +281,7 @@ def _accuracy_gate(config: SearchConfig, device: str, space: SearchSpace, out_di
 def _objective(config: SearchConfig, device: str, info: dict[str, Any], space: SearchSpace, out_dir: Path,
                started: float, *, target: Goal, gate, prestart: bool, limit: int | None) -> Objective:
     """What each trial runs: its worker's request settings, its deadline, and how its value is judged."""
-    return Objective(accuracy=gate, space=space, workload=config.workload.to_dict(), measure=config.measure.to_dict(),
+    return Objective(accuracy=gate, space=space, workload=config.workload.to_dict(), measure=config.measure_settings(device).to_dict(),
                      input_on_device=config.input_on_device, seed=config.seed, data=config.data,
                      trial_timeout_s=config.trial_timeout_s, log_dir=out_dir / "logs",
                      deadline=_deadline(config, started),

@@ -1,14 +1,15 @@
 """Eager screening: a configuration is compiled only once its eager twin ran among the fastest.
 
-A compiled trial costs a minute or more of compiling (58-66 s for ResNet-50 on an H200) where an
-eager one costs seconds, and torch.compile speeds up a configuration that is already fast eagerly
-by a bounded factor, so the eager figure ranks candidates for compiling at a fraction of the cost:
+A compiled trial costs a minute or more of compiling where an eager one costs seconds, and torch.compile
+speeds up a configuration that is already fast eagerly by a bounded factor, so the eager figure ranks
+candidates for compiling at a fraction of the cost:
 
 * ``screen_eagerly`` (the objective, before a compiled trial runs): a compiled configuration whose
   eager twin (the same knobs, compile off) was not measured yet is not started, and its twin is
   queued; one whose twin ran below SCREEN_SHARE of the fastest eager trial is not compiled at all,
   and once a compile of its precision was measured, neither is one that could not win with the
-  most that compiling gave that precision here (GAIN_SPREAD over it).
+  most that compiling gave that precision here (its "gain spread" prior over it:
+  autotune.search.priors).
   Both are pruned unstarted and uncounted (no "status"); Optuna's sampler ranks them low, so its own
   proposals stay mostly eager and the budget measures many configurations. fp8 is the exception
   (COMPILED_ONLY_PRECISIONS): it is built to be compiled, and its eager figure says little. So is a
@@ -26,20 +27,17 @@ import optuna
 from optuna.trial import TrialState
 
 from autotune.deploy.space import SearchSpace
+from autotune.search.priors import prior
 from autotune.search.steering import complete_params
 from autotune.search.trials import best_trial, planned_params
 from autotune.trial.record import TrialRecord, queue_attrs, write
 
 SCREEN_SHARE = 0.9
 """A configuration is compiled only when its eager twin ran at this share of the fastest eager
-trial or more (ResNet-50 on the H200: the best eager 5,800 img/s, compiled 7,200 to 7,491)."""
-
-GAIN_SPREAD = 0.05
-"""How much more compiling may give one configuration than it gave another of the same precision
-and compile mode in the same search: the compiled-to-eager ratios measured on the H200 spread by
-4.4% at most (ResNet-50 fp16: 1.116-1.165 in one search, 1.163-1.200 in another; the GPT-style LM's
-bf16 1.784-1.837; GPT-2's bf16 2.186-2.235), while they differ by far more between precisions
-(ResNet-50 bf16 1.44-1.45 against fp16's 1.12-1.20), so a gain is carried within a precision only."""
+trial or more: compiling speeds up a configuration by a bounded factor, so one far behind eagerly
+stays behind compiled. How much more compiling may give one configuration than another of the same
+precision and compile mode is the "gain spread" prior (autotune.search.priors); the gains differ far
+more between precisions, so a gain is carried within a precision only."""
 
 RULE_SCREEN, RULE_FINALIST = "screen eagerly", "compile the fastest eager"
 
@@ -126,8 +124,8 @@ def screen_eagerly(trial: optuna.Trial, space: SearchSpace, *, compile_mode: str
                       "configuration is compiled only if that one ranks among the fastest")
     if twin.state in (TrialState.WAITING, TrialState.RUNNING):
         _prune(trial, f"screened eagerly first: its eager twin #{twin.number} is queued")
-    # a twin stopped early in its warm-up counts by its warm-up's rate: on the H200 every eager hf:gpt2
-    # trial was stopped below half the compiled plain recipe, and no compile ran after it
+    # a twin stopped early in its warm-up counts by its warm-up's rate: an eager trial stopped far
+    # below the compiled plain recipe has no rate otherwise, and its compile would never run
     rate = eager_rate(twin)
     if rate is None:
         _prune(trial, f"not compiled: its eager twin #{twin.number} did not complete")
@@ -167,20 +165,21 @@ def compile_gains(study: optuna.Study, space: SearchSpace, precision: str, compi
 def _prune_if_it_cannot_win(trial: optuna.Trial, twin: optuna.trial.FrozenTrial, rate: float, space: SearchSpace,
                             *, compile_mode: str, maximize: bool, unit: str) -> None:
     """Prune a compiled configuration whose eager twin, times the most that compiling gave its
-    precision in this search (GAIN_SPREAD more), stays behind the best trial: a compile costs the
-    time of several eager trials (ResNet-50 on the H200: 42-51 s against 9-13 s)."""
+    precision in this search (its "gain spread" prior more), stays behind the best trial: a compile
+    costs the time of several eager trials."""
     params = complete_params(trial.params, space)
     gains = compile_gains(trial.study, space, params.get("precision.mode"), compile_mode)
     best = best_trial(trial.study)
     if not gains or best is None:
         return
     gain, compiled, measured_twin = (max if maximize else min)(gains)
-    reach = rate * gain * ((1 + GAIN_SPREAD) if maximize else 1 / (1 + GAIN_SPREAD))
+    spread = prior("compile.mode", None, "gain spread")
+    reach = rate * gain * ((1 + spread) if maximize else 1 / (1 + spread))
     if reach >= best.value if maximize else reach <= best.value:
         return
     _prune(trial, f"not compiled: its eager twin #{twin.number} measured {rate:,.4g} {unit}; with compiling's "
                   f"gain for {params.get('precision.mode', 'its precision')} here (x{gain:.2f}: #{compiled} over "
-                  f"#{measured_twin}) and {GAIN_SPREAD:.0%} more, about {reach:,.4g}, "
+                  f"#{measured_twin}) and {spread:.0%} more, about {reach:,.4g}, "
                   f"{'below' if maximize else 'over'} the best #{best.number} ({best.value:,.4g})")
 
 

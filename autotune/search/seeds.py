@@ -82,8 +82,7 @@ def enqueue_replay(study: optuna.Study, folder: Path, space: SearchSpace,
 
 LM_SEED_TOKENS = (LM_BASE_TOKENS, 4 * LM_BASE_TOKENS)
 """Tokens per step of the language-model recipes: nanoGPT's micro-batch (the language-model
-baseline's, 16k tokens) and four times that, where an H200 ran hf:gpt2 fastest
-(449,695 tokens/s at 64 x 1,024 against 411,077 at 16 x 1,024, hand-written, 2026-12-03)."""
+baseline's, 16k tokens) and four times that, where a hand-written hf:gpt2 loop ran fastest."""
 
 
 def seed_configurations(space: SearchSpace, tokens_per_sample: int | None = None,
@@ -125,7 +124,7 @@ def seed_configurations(space: SearchSpace, tokens_per_sample: int | None = None
             # configuration is then compiled (CompileFinalist)
             ("fp16", 256, {}), ("fp16", 1024, {}), ("bf16", 512, {}), ("fp16", 512, {}),
             ("fp16", 256, {**fused, "cuda_graphs.enabled": True}),
-            # the hand-tuned top (~7,200 img/s ResNet-50 on an H200): bf16 + channels_last +
+            # the hand-tuned top: bf16 + channels_last +
             # torch.compile, compiled once its eager twin ranks among the fastest; and the compiled
             # step captured whole
             ("bf16", 512, {**fused, "compile.mode": "default"}), ("bf16", 256, {**fused, "compile.mode": "default"}),
@@ -171,9 +170,8 @@ class SeedFeeder:
     """Optuna's callback after each trial: queue the next known-good configuration from the
     backlog once the search's own trials (sampled, steered, backed off) have caught up with the
     seeds, so seeds serve the search instead of replacing it. A seed of a precision mode no trial
-    has run or queued yet goes first and does not wait: every offered mode gets measured early
-    (a 6-minute hf:llama search on an H200 ended with its fp8 seed, 1.51x the best bf16, still
-    queued behind trials of the bf16 it had measured five times). A seed is dropped when what was
+    has run or queued yet goes first and does not wait: every offered mode gets measured early,
+    rather than behind more trials of a mode already measured. A seed is dropped when what was
     measured already answers it: the same configuration measured or queued, or its precision
     mode unstable or failing the accuracy check."""
 

@@ -17,8 +17,8 @@ from strategies import compile as compile_strategy
 def probe(config: SearchConfig, device: str, list_devices: bool = False, spare: bool = False) -> dict[str, Any]:
     """Ask a worker what the device can do, and check the model builds; with list_devices, also
     the names of the CUDA devices it sees ("cuda_devices"; only those when it sees none). ``spare``:
-    the first trial's worker starts while the probe runs (a search whose GPU workers prestart): on
-    the H200 the first trial of an hf:gpt2 or hf:llama search waited 13 s for its own otherwise. Not
+    the first trial's worker starts while the probe runs (a search whose GPU workers prestart), so
+    the first trial does not wait for a worker of its own. Not
     with --gpus: a trial's worker sees its own GPU, not the probe's view of them all."""
     request = {"mode": "probe", "device": device, "workload": config.workload.to_dict(),
                "check_compile": compile_strategy.wanted(config, device), "list_devices": list_devices}

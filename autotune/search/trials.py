@@ -55,15 +55,20 @@ def best_trial(study: optuna.Study, where: Callable[[TrialRecord], bool] | None 
     """The best completed trial under the study's objective (its direction: the fastest, or the
     least energy or memory) that is neither unstable nor failed its accuracy check; among those whose
     record ``where`` accepts, where given."""
+    ranked = ranked_trials(study, where)
+    return ranked[0] if ranked else None
+
+
+def ranked_trials(study: optuna.Study, where: Callable[[TrialRecord], bool] | None = None
+                  ) -> list[optuna.trial.FrozenTrial]:
+    """The trials best_trial chooses among, best first (ties in the order they ran)."""
     from autotune.accuracy.gate import accuracy_of, failed
 
     done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
             if not TrialRecord.of(t).unstable and not failed(accuracy_of(study, t))
             and (where is None or where(TrialRecord.of(t)))]
-    if not done:
-        return None
-    pick = max if study.direction == optuna.study.StudyDirection.MAXIMIZE else min
-    return pick(done, key=lambda t: t.value)
+    # a stable sort keeps the first of equal values first, as max and min do
+    return sorted(done, key=lambda t: t.value, reverse=study.direction == optuna.study.StudyDirection.MAXIMIZE)
 
 
 def best_without_memory_knobs(study: optuna.Study) -> optuna.trial.FrozenTrial | None:

@@ -7,37 +7,25 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-COMPILE_PRIOR_S = 60.0
-"""Seconds a compiled trial is expected to spend compiling before this run has measured one: a
-ResNet-50 (126 leaf modules) compiled in 58-66 s on an H200 (reports/resnet50-h200-8m); a model's
-prior is scaled by its own count of leaf modules (compile_prior_s)."""
-_PRIOR_MODULES = 126
-COMPILE_MODE_COST = {"max-autotune-no-cudagraphs": 5.0, "max-autotune": 5.0, "regional": 0.4}
-"""A compile's seconds in a mode against default mode's: max-autotune benchmarks kernel candidates for
-every matmul and convolution (minutes for a ResNet-50: its trial timeout allows 1,200 s against
-default's 300; on the H100 at 9443e57 it was still compiling 191 s into its trial, the default mode's
-compile having taken 42 s: at least 4.2x, taken at 3 it was queued at 153 s); regional compiles one
-block (a held-out 24-layer LM on the H200: 13.6 s to its first two steps against 57.5 s for the whole
-model)."""
-COMPILE_PRECISION_COST = {"fp8": 1.6}
-"""A compile's seconds in a precision mode against bf16's: fp8 (torchao's float8 training) traces
-and fuses a cast and a scale around every eligible Linear. Measured on the H200 (a 12-layer causal
-LM, reports/search-yield/h200 and h200-6b8b65c, and reports/gpt_lm-h200-5m): 24.1 s against 14.7,
-25.9 against 15.9, 22.6 against 13.5 and 15.3: 1.5-1.7x. Counted as bf16's, an fp8 compile with the
-memory knobs on a 1B Llama was queued on the H100 at b1bcd84 as if it cost what the plain recipe's
-57 s trial did; it was still running at 141 s."""
+from autotune.search.priors import prior, values
 
 
 def compile_prior_s(probe: dict[str, Any]) -> float:
-    """What the first compile of the probed model is expected to cost (COMPILE_PRIOR_S scaled by its
-    leaf modules, at least 15 s); ResNet-50's figure when the probe did not count them."""
-    modules = probe.get("num_leaf_modules") or _PRIOR_MODULES
-    return max(15.0, COMPILE_PRIOR_S * modules / _PRIOR_MODULES)
+    """What the first compile of the probed model is expected to cost: the prior's compile seconds
+    scaled by the model's leaf modules against those of the model it was measured on, and no less than
+    the prior's least (autotune.search.priors); the prior itself when the probe did not count them."""
+    measured_on = prior("compile.mode", "default", "leaf modules")
+    modules = probe.get("num_leaf_modules") or measured_on
+    return max(prior("compile.mode", "default", "least compile seconds"),
+               prior("compile.mode", "default", "compile seconds") * modules / measured_on)
 
 
 def compile_cost_factor(mode: str, precision: str | None = None) -> float:
-    """A compile's seconds in ``mode`` and ``precision`` against a default-mode bf16 compile's."""
-    return COMPILE_MODE_COST.get(mode, 1.0) * COMPILE_PRECISION_COST.get(precision or "", 1.0)
+    """A compile's seconds in ``mode`` and ``precision`` against a default-mode bf16 compile's (their
+    "compile cost" priors: max-autotune benchmarks kernel candidates for every matmul and convolution,
+    regional compiles one block, fp8 traces and fuses a cast and a scale around every eligible Linear)."""
+    return (values("compile.mode", "compile cost").get(mode, 1.0)
+            * values("precision.mode", "compile cost").get(precision or "", 1.0))
 
 
 def trial_cost_s(walls: list[tuple[float, bool]], mode: str, precision: str | None = None,
@@ -63,10 +51,8 @@ def trial_wall(record) -> tuple[float, bool] | None:
 
     A trial whose every graph was loaded from Inductor's cache counts among the eager walls: its wall
     is an eager trial's and a load, and a cold compile's cost is what the compiled walls predict
-    (a cached one's is that less cached_compile_saving). Counted as compiled, on the H100 (ec835cb)
-    ViT-B/16's two cache hits (22.0 and 22.4 s) outvoted its plain recipe's cold 52.6 s: a
-    max-autotune compile was predicted at 32 s (175 s from the cold compile), started with 129 s left,
-    and was cut off by the budget, still compiling."""
+    (a cached one's is that less cached_compile_saving): counted as compiled, cache hits would outvote
+    a cold compile and predict the next cold compile far too cheap."""
     if record.status is None or record.duplicate_of is not None:
         return None
     compiled = record.knob("compile", "mode", "off") != "off" and record.timing.get("compile_cache") != "hit"
@@ -90,19 +76,15 @@ GRAPH_NEUTRAL = ("streams.", "cuda_graphs.", "optimizer.", "allocator.", "datalo
 """Knobs that act outside the compiled forward and loss (the batch's copy, a capture around the whole
 step, the optimizer step, the allocator, the host): a compiled configuration that differs from a
 measured one only in these traces the same graph, which Inductor's cache then loads instead of
-compiling. On the H200 (reports/search-yield/h200-3445a3e) hf:gpt2's plain recipe compiled in 25.4 s
-and its twin with gradients zeroed in place loaded in 3.7 s ("hit"): a 17.5 s trial against 35.7."""
-CACHED_COMPILE_SHARE = 0.15
-"""A compile loaded from Inductor's cache as a share of the cold compile it repeats, before this run
-measured one (hf:gpt2: 3.7 s against 25.4; its regional compile, 2.6 against 10.5)."""
+compiling."""
 
 
 def cached_compile_saving(params: dict[str, Any], measured: list[tuple[dict[str, Any], dict[str, Any]]]) -> float:
     """Seconds less than a cold compile that a compiled configuration ``params`` is expected to take,
     from ``measured``'s (params, timing) of measured trials (those that compiled: a ``compile_s``):
     where one traced the same graph (the same parameters but GRAPH_NEUTRAL knobs) and compiled cold,
-    that compile less what loading it from the cache takes (this run's median cache hit, else
-    CACHED_COMPILE_SHARE of it); 0 otherwise."""
+    that compile less what loading it from the cache takes (this run's median cache hit, else the
+    "cached compile share" prior of it); 0 otherwise."""
     def graph(p: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in p.items() if not k.startswith(GRAPH_NEUTRAL)}
 
@@ -114,5 +96,5 @@ def cached_compile_saving(params: dict[str, Any], measured: list[tuple[dict[str,
     if not same:
         return 0.0
     cold = max(same)
-    loaded = statistics.median(hits) if hits else CACHED_COMPILE_SHARE * cold
+    loaded = statistics.median(hits) if hits else prior("compile.mode", None, "cached compile share") * cold
     return max(0.0, cold - loaded)

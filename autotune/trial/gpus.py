@@ -209,12 +209,12 @@ def _pci_bus_id(props: Any) -> str:
 
 
 def own_device_bytes(cuda_index: int = 0) -> int | None:
-    """Device memory this process holds on CUDA device ``cuda_index`` as NVML lists it per process:
-    the CUDA context, library handles and the caching allocator's pool together, and nothing of
-    other processes on the GPU. The driver's free-memory figure counts those too: on the H200 every
-    trial's peak took in the next trial's prestarted worker (518 MiB), and a --memory-limit cap
-    tightened by it. None where NVML cannot tell (no NVML, or a driver or container that does not
-    list this process): the caller then falls back to the device's whole use."""
+    """Device memory this process holds on CUDA device ``cuda_index`` as NVML lists it per process: the CUDA
+    context, library handles and the caching allocator's pool together, and nothing of other processes on
+    the GPU. The driver's free-memory figure counts those too: every trial's peak would take in the next
+    trial's prestarted worker, and a --memory-limit cap tighten by it. None where NVML cannot tell (no NVML,
+    or a driver or container that does not list this process): the caller then falls back to the device's
+    whole use."""
     try:
         with _nvml_handle(cuda_index) as (pynvml, handle):
             for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):

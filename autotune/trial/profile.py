@@ -29,8 +29,8 @@ from typing import Any, Callable, Iterable
 from autotune.trial import gemm_shapes
 
 # kernel name -> category. Kernel names are the libraries' own (cuDNN, cuBLAS/cuBLASLt, CUTLASS,
-# PyTorch's ATen, Triton from torch.compile); the patterns were checked against traces recorded on
-# an H200 (tests/fixtures/profile-*.json.gz). A Tensor Core kernel names its MMA instruction
+# PyTorch's ATen, Triton from torch.compile); the patterns are checked against recorded traces
+# (tests/fixtures/profile-*.json.gz). A Tensor Core kernel names its MMA instruction
 # (hmma, wgmma/gmma, imma, tensorop, an MMA shape such as 16816 or tensor16x8x16) or a half/tf32
 # operand type (f16, bf16, tf32); cuDNN's and cuBLAS's FP32 kernels are "xmma" kernels too, but
 # they say ffma (SIMT fused multiply-add) and f32 operands, and are not. cuBLASLt's Hopper GEMMs

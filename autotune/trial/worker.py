@@ -30,6 +30,7 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 
 import strategies  # noqa: E402
+from autotune.deploy.compile_cache import save as save_compile_cache  # noqa: E402
 from autotune.deploy.config import TunedConfig  # noqa: E402
 from autotune.trial.batches import input_batches  # noqa: E402
 from autotune.trial.instruments import compile_cache, compiled_graphs, nvml_monitor, profile_window  # noqa: E402
@@ -62,9 +63,8 @@ def _preload() -> list[str]:
     if os.environ.get(PRELOAD_CUDA) == "1":
         if module:
             try:
-                # a trial's first optimizer imports it (torch.optim does), 1-4 s: on the H200 every trial
-                # of the yield benchmark's MLP and LM spent 3.5-5.6 s building its model and optimizer,
-                # against 0.2-0.4 s for ResNet-50, whose torchvision import had brought it in. A GPU
+                # a trial's first optimizer imports it (torch.optim does), 1-4 s: a model that does not
+                # import it itself (torchvision's do) would spend them building its optimizer. A GPU
                 # worker does it here, as a spare while the trial before it runs; a CPU's fork server has
                 # it already (autotune.trial.zygote), and a CPU spare (the probe's) would take a core
                 # from the search
@@ -155,8 +155,8 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     else:
         result["precisions"] = supported_modes("cpu")
     started = time.perf_counter()
-    # an hf: model is built on the GPU, as its trials build it: the 1B Llama shape's 1.24B parameters
-    # took 17-26 s to initialise on the H200 machine's CPU, and the probe took 47 s of a 5 min budget
+    # an hf: model is built on the GPU, as its trials build it: a billion parameters take tens of
+    # seconds to initialise on a CPU
     workload = build(WorkloadSpec.from_dict(request["workload"]), init_device=device)
     x, _ = workload.batch(2, torch.Generator().manual_seed(0))
     x = on_device_of(workload.model, x)
@@ -219,8 +219,8 @@ class _Steps:
         torch.manual_seed(seed)
         self.workload = build(spec, init_device=cfg.device)
         if cfg.device == "cuda":
-            # what building on the GPU freed goes back: on the H200 a 1B Llama built there peaked 0.5 GiB
-            # higher at batch 2 (23.9 GiB of a 24 GiB cap), and its FP32 baseline ran out of memory at 1
+            # what building on the GPU freed goes back: kept in the pool, it raises the step's peak (half
+            # a GiB for a 1B model), enough to run out of memory under a cap
             torch.cuda.empty_cache()
         model = self.workload.model
         optimizer = self.workload.optimizer(model)
@@ -235,8 +235,7 @@ class _Steps:
             # the loader's first batches, cycled from memory: the same step with no loader to wait for
             self.batches = self.feed.first_batches()
         self.stream = iter(cfg.loader(itertools.cycle(self.batches)))
-        # where a build's seconds go (on the H200 the yield benchmark's MLP took 4-6 s a trial to
-        # build, ResNet-50 1-2 s, and the MLP 0.1-0.4 s on a CPU): the model and its optimizer as
+        # where a build's seconds go: the model and its optimizer as
         # the workload makes them, the tuned config's preparation of both (device, memory format,
         # compile wrapper) and its train step, the input batches
         self.build_parts = {"build_model_s": t1 - t0, "build_prepare_s": t2 - t1,
@@ -324,10 +323,27 @@ def run_trial(request: dict[str, Any]) -> dict[str, Any]:
             first_line = str(exc).splitlines()[0][:300] if str(exc) else ''
             result["profile_error"] = f"{type(exc).__name__}: {first_line}"
         timings["profile_s"] = time.perf_counter() - t1
+    if cfg.recipe.compile_mode is not None and request.get("compile_cache_path"):
+        # after every step this process compiles: what the search keeps beside config.json if this
+        # trial is recommended (autotune.search.outputs)
+        t1 = time.perf_counter()
+        figures["compile_archive"] = _save_compile_archive(request["compile_cache_path"], device)
+        timings["compile_archive_s"] = time.perf_counter() - t1
     if run.feed is not None:
         run.feed.close()
     figures.update(timings)
     return result
+
+
+def _save_compile_archive(path: str, device: str) -> dict[str, Any] | None:
+    """This trial's compile artifacts saved to ``path`` (autotune.deploy.compile_cache): the
+    archive's file name and size, or why it could not be saved (the measurement stands without
+    it), or None where torch recorded no compile."""
+    try:
+        meta = save_compile_cache(path, device)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    return None if meta is None else {"file": os.path.basename(path), "bytes": meta["bytes"]}
 
 
 def probe_memory(request: dict[str, Any]) -> dict[str, Any]:
@@ -374,8 +390,8 @@ def probe_memory(request: dict[str, Any]) -> dict[str, Any]:
     result = {"status": "ok", "peaks": peaks, "does_not_fit_at": does_not_fit_at}
     if peaks and does_not_fit_at is not None:
         # the memory runs out: one batch fits (no line through the peaks), or the smaller batch's peak is
-        # the optimizer's phase and the line is too flat (the 1B Llama's at 1 and 2 under 24 GiB on the
-        # H100: 1.42 GiB a sample, where its forward keeps 2.48), so a sample's activations are measured
+        # the optimizer's phase and the line is too flat (a large model's at 1 and 2 under a cap: about
+        # half of what its forward keeps a sample), so a sample's activations are measured
         # apart, over a wider span than the peaks' (the optimizer's state and gradients are let go first)
         low, high = min(map(int, peaks)), max(map(int, peaks))
         result["forward_held"] = forward_held(run.step, run.workload, cfg, [low, 2 * high], seed)

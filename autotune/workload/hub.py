@@ -180,8 +180,8 @@ def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 CAUSAL_SDPA = "autotune_causal_sdpa"
 """A transformers attention implementation: SDPA with ``is_causal=True`` and no mask built, as
 nanoGPT calls it. transformers' own "sdpa" builds the causal mask as a tensor while torch.compile
-traces (its skip of the mask is off under tracing), and SDPA's flash kernel refuses a mask: the
-hand-written baseline's flash attention failed to compile so on the H200 (transformers 5.17)."""
+traces (its skip of the mask is off under tracing), and SDPA's flash kernel refuses a mask, so flash
+attention fails to compile with it (transformers 5.17)."""
 
 
 def causal_sdpa() -> str:

@@ -167,8 +167,8 @@ def import_factory(target: str, *, option: str = "--model", error: type[Exceptio
 
 def build(spec: WorkloadSpec, *, init_device: str = "cpu") -> Workload:
     """Build the workload in training mode, with random weights: on the CPU, except an hf: model's
-    weights, which ``init_device`` "cuda" creates and initialises on the GPU (a trial's worker: the
-    1B Llama shape's 1.24B parameters took 17-26 s a trial to initialise on the H200 machine's CPU)."""
+    weights, which ``init_device`` "cuda" creates and initialises on the GPU (a trial's worker: a
+    billion parameters take tens of seconds a trial to initialise on a CPU)."""
     check_spec(spec)
     if spec.model.startswith(hub.HF_PREFIX):
         with torch.device(init_device):
