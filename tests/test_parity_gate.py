@@ -46,27 +46,27 @@ MEASURED = {"samples_per_s": 32.0, "overhead_s": 2.0, "trial": 0, "baseline": Tr
 
 def test_the_first_verdict_fits_in_the_share_and_later_ones_cost_one_run():
     roomy = parity_plan(ParitySettings(), budget_s=600, share=DEFAULT_SHARE, measured=MEASURED)
-    # 90 s of share: the default 20 steps fit; the first verdict trains the reference, the
-    # calibration and the configuration (21 steps each), a later one the configuration and one step
-    assert roomy["steps"] == 20 and roomy["fits"]
-    assert roomy["first_verdict_s"] == pytest.approx(2 + 3 * 21 * 0.5)
-    assert roomy["check_s"] == pytest.approx(2 + 21 * 0.5)  # no FP32 step: the reference's gradients are kept
-    assert describe(roomy) == ("20 steps of numerics parity against FP32 (scaled to 15% of the 10 min budget; the "
-                               "first verdict about 34 s, each later one 12 s)")
-    # 9 s of share, 7 s after the worker's start: 3 steps at batch 16, so the batch is halved for 8
+    # 90 s of share: the default 40 steps fit; the first verdict trains the reference, the two
+    # calibrations and the configuration (41 steps each), a later one the configuration
+    assert roomy["steps"] == 40 and roomy["fits"]
+    assert roomy["first_verdict_s"] == pytest.approx(2 + 4 * 41 * 0.5)
+    assert roomy["check_s"] == pytest.approx(2 + 41 * 0.5)  # no FP32 run: the reference's tensors are kept
+    assert describe(roomy) == ("40 steps of numerics parity against FP32 (scaled to 15% of the 10 min budget; the "
+                               "first verdict about 84 s, each later one 22 s)")
+    # 9 s of share, 7 s after the worker's start: 2 steps at batch 16, 6 at 8, so the batch is halved for 8
     tight = parity_plan(ParitySettings(), budget_s=60, share=DEFAULT_SHARE, measured=MEASURED)
-    assert (tight["batch_size"], tight["steps"], tight["fits"]) == (8, 8, True) and tight["first_verdict_s"] <= 9
-    assert "against FP32 at batch 8 (scaled to 15% of the 60 s budget" in describe(tight)
-    # 6 s of share: batch 4 (0.125 s a step) gets 9 steps
+    assert (tight["batch_size"], tight["steps"], tight["fits"]) == (4, 13, True) and tight["first_verdict_s"] <= 9
+    assert "against FP32 at batch 4 (scaled to 15% of the 60 s budget" in describe(tight)
+    # 6 s of share: no batch gets 8 steps, batch 8 (0.25 s a step) gets 3
     shorter = parity_plan(ParitySettings(), budget_s=40, share=DEFAULT_SHARE, measured=MEASURED)
-    assert (shorter["batch_size"], shorter["steps"]) == (4, 9)
+    assert (shorter["batch_size"], shorter["steps"]) == (8, 3)
 
 
 def test_where_no_verdict_fits_the_plan_says_so_with_the_budget_that_would():
     short = parity_plan(ParitySettings(), budget_s=20, share=DEFAULT_SHARE, measured=MEASURED)
     assert not short["fits"] and short["steps"] == MIN_STEPS and short["batch_size"] == 4
-    # 3 steps at batch 4: 2 s + 3 runs x 4 steps x 0.125 s = 3.5 s, in 15%: a budget of 23.3 s
-    assert short["needed_budget_s"] == pytest.approx(3.5 / 0.15, abs=0.1)
+    # 3 steps at batch 4: 2 s + 4 runs x 4 steps x 0.125 s = 4 s, in 15%: a budget of 26.7 s
+    assert short["needed_budget_s"] == pytest.approx(4 / 0.15, abs=0.1)
     notice = no_verdict_notice(short)
     assert notice == ("no accuracy verdict fits: one numerics parity check against FP32 takes about 4 s here, more "
                       "than 15% of the 20 s budget; the recommendation will say it was not checked (--budget 1m "

@@ -9,9 +9,9 @@ reshuffle allowance, or no verdict because its runs did not fit the budget. A pa
 few dozen steps and fails what breaks training (scripts/parity_calibration.py).
 
 The plan (``parity_plan``): once the FP32 baseline is measured, its throughput gives the check's step
-time; the first verdict trains the reference, its calibration and the configuration (each ``steps``
-steps and the first batch again) in one worker; a later one the configuration's run and one FP32
-step. The steps are the most (up to ParitySettings.steps) with which the first verdict fits in the
+time; the first verdict trains the reference, its calibrations and the configuration (each ``steps``
+steps and the first batch again: ParitySettings.first_verdict_runs runs) in one worker; a later one
+the configuration's run. The steps are the most (up to ParitySettings.steps) with which the first verdict fits in the
 share, halving the check's batch for PREFERRED_STEPS where needed. Where even MIN_STEPS do not fit,
 the search says so in one line, with the budget that would fit one, and checks nothing. The best
 trial so far is checked as it is measured; other checks keep one check's seconds of the share for
@@ -92,16 +92,17 @@ def _sized(settings: ParitySettings, batch: int, *, budget_s: float, share: floa
     fits, what a first and a later verdict cost, and the budget MIN_STEPS would need."""
     step_s = batch / measured["samples_per_s"]
     overhead = measured["overhead_s"]
-    # the first verdict: the reference, the calibration and the configuration, each steps + 1
-    steps = min(settings.steps, math.floor((share * budget_s - overhead) / (3 * step_s)) - 1)
+    # the first verdict: the reference, the calibrations and the configuration, each steps + 1
+    runs = settings.first_verdict_runs
+    steps = min(settings.steps, math.floor((share * budget_s - overhead) / (runs * step_s)) - 1)
     fits = steps >= MIN_STEPS
     steps = max(MIN_STEPS, steps)
     return {"batch": batch, "steps": steps, "fits": fits, "step_s": round(step_s, 6),
-            "estimate_s": round(overhead + 3 * run_s(steps, step_s), 1),
-            "first_verdict_s": round(overhead + 3 * run_s(steps, step_s), 1),
-            # its run: the reference's first gradients are kept for it (parity.GRAD_SAMPLE), no FP32 step
+            "estimate_s": round(overhead + runs * run_s(steps, step_s), 1),
+            "first_verdict_s": round(overhead + runs * run_s(steps, step_s), 1),
+            # its run: the reference's first gradients and updates are kept for it (parity.GRAD_SAMPLE)
             "check_s": round(overhead + run_s(steps, step_s), 1),
-            "needed_budget_s": round((overhead + 3 * run_s(MIN_STEPS, step_s)) / share, 1)}
+            "needed_budget_s": round((overhead + runs * run_s(MIN_STEPS, step_s)) / share, 1)}
 
 
 def run_s(steps: int, step_s: float) -> float:
