@@ -177,11 +177,17 @@ def test_the_evidence_gets_what_it_would_have_proposed_queued(tmp_path):
     _first_search(tmp_path)
     study = optuna.create_study(direction="maximize")
     warm.warm_start(study, SPACE, KEY, JUDGED)
+    # the search queues its seeds before it starts (autotune.search.seeds): a queued seed is not a trial run
+    seed = _params("fp32", 128, "off")
+    study.enqueue_trial(seed, user_attrs={"role": "known-good"})
     assert warm.propose_from_evidence(study, [Neighbours(SPACE, None)]) == 3
     queued = [t.system_attrs["fixed_params"] for t in study.get_trials(states=(TrialState.WAITING,))]
-    assert queued and _params("bf16", 64, "default", "channels_last") not in queued
-    assert all(TrialRecord.of(t).role == "steered" for t in study.get_trials(states=(TrialState.WAITING,)))
-    # a study with trials of its own (queued or run) has had its proposals
+    assert len(queued) > 1 and _params("bf16", 64, "default", "channels_last") not in queued
+    assert all(TrialRecord.of(t).role == "steered" for t in study.get_trials(states=(TrialState.WAITING,))
+               if t.system_attrs["fixed_params"] != seed)
+    # a study that has run a trial of its own has had its proposals
+    trial = study.ask()
+    study.tell(trial, 1500.0)
     assert warm.propose_from_evidence(study, [Neighbours(SPACE, None)]) == 0
 
 

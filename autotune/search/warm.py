@@ -146,10 +146,11 @@ def propose_from_evidence(study: optuna.Study, proposers: list) -> int:
     """Hand each trial the study was warmed with to the proposers (Optuna callbacks after a trial:
     autotune.search.run._proposers), in the order they were measured, as if it had just finished here:
     the plain recipe's neighbours, the climbs from a winner, the compile of the fastest eager trial are
-    queued where no trial measured them, before this search's first trial. Only for a study with no
-    trial of its own yet (a resumed one has had its proposals); returns how many trials were handed."""
+    queued where no trial measured them, before this search's first trial. Only for a study that has not
+    started a trial of its own (a resumed one has had its proposals; the seeds queued at its creation
+    wait); returns how many trials were handed."""
     trials = study.get_trials(deepcopy=False)
-    if any(TrialRecord.of(t).warm_from is None for t in trials):
+    if any(TrialRecord.of(t).warm_from is None and t.state != TrialState.WAITING for t in trials):
         return 0
     warm = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
     for trial in sorted(warm, key=lambda t: (t.user_attrs["warm_from"]["finished"], t.user_attrs["warm_from"]["number"])):
