@@ -50,18 +50,22 @@ with warnings.catch_warnings(record=True) as said:
         torch.cuda.synchronize()
     started = time.perf_counter()
     model, optimizer = cfg.prepare(model, optimizer)
+    prepare_s = time.perf_counter() - started
     step = cfg.train_step(model, optimizer, loss_fn)
     loss = step(x, y)
     if cfg.device == "cuda":
         torch.cuda.synchronize()
     first_step_s = time.perf_counter() - started
-from torch._dynamo.utils import counters
-print(json.dumps({"first_step_s": round(first_step_s, 2), "loss": float(loss),
+from torch._dynamo.utils import compile_times, counters
+# where the step's time went: Dynamo's timed phases (tracing, the caches' loads, Inductor), slowest first
+names, seconds = compile_times(repr="csv", aggregate=True)
+phases = dict(sorted(((n, round(float(s), 2)) for n, s in zip(names, seconds)), key=lambda p: -p[1])[:8])
+print(json.dumps({"first_step_s": round(first_step_s, 2), "prepare_s": round(prepare_s, 2), "loss": float(loss),
                   "fx_graph_hits": int(counters["inductor"]["fxgraph_cache_hit"]),
                   "fx_graph_misses": int(counters["inductor"]["fxgraph_cache_miss"]),
                   "aot_autograd_hits": int(counters["aot_autograd"]["autograd_cache_hit"]),
                   "aot_autograd_misses": int(counters["aot_autograd"]["autograd_cache_miss"]),
-                  "warnings": [str(w.message) for w in said]}))
+                  "warnings": [str(w.message) for w in said], "phases": phases}))
 """
 
 

@@ -60,12 +60,16 @@ with warnings.catch_warnings(record=True) as said:
         torch.cuda.synchronize()  # the CUDA context is made before the clock starts: no compile's cost
     started = time.perf_counter()
     model, optimizer = cfg.prepare(model, optimizer)
+    prepare_s = time.perf_counter() - started
     step = cfg.train_step(model, optimizer, torch.nn.functional.cross_entropy)
     losses = [float(step(x, y))]
     first_step_s = time.perf_counter() - started
     losses.append(float(step(x, y)))
-from torch._dynamo.utils import counters
-out = {"first_step_s": first_step_s, "losses": losses,
+from torch._dynamo.utils import compile_times, counters
+# where the step's time went: Dynamo's timed phases (tracing, the caches' loads, Inductor), slowest first
+names, seconds = compile_times(repr="csv", aggregate=True)
+phases = dict(sorted(((n, round(float(s), 2)) for n, s in zip(names, seconds)), key=lambda p: -p[1])[:8])
+out = {"first_step_s": first_step_s, "prepare_s": prepare_s, "losses": losses, "phases": phases,
        "warnings": [str(w.message) for w in said if "compile-cache" in str(w.message)],
        "fx_graph_hits": counters["inductor"]["fxgraph_cache_hit"],
        "fx_graph_misses": counters["inductor"]["fxgraph_cache_miss"],
@@ -133,7 +137,7 @@ def test_a_fresh_process_loads_the_compile_instead_of_redoing_it(cold) -> None:
     assert loaded["aot_autograd_hits"] >= 1 and loaded["aot_autograd_misses"] == 0
     assert loaded["losses"] == pytest.approx(cold["losses"], rel=1e-5)
     print(f"\nfirst compiled step: cold {cold['first_step_s']:.1f} s, with {saved['bytes'] / 2**20:.2f} MiB of "
-          f"compile cache {loaded['first_step_s']:.1f} s")
+          f"compile cache {loaded['first_step_s']:.1f} s (prepare {loaded['prepare_s']:.1f} s; {loaded['phases']})")
     # the issue's figure is a quarter (scripts/warm_start_bench.py measures it: 15% on a quiet 2-core CPU);
     # a loaded step still traces the model, and in a busy CI run it took 27% (4.1 s against 15.3 s), so
     # the test holds the loaded step to half: a compile that is not loaded takes all of the cold one's
