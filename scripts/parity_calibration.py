@@ -7,6 +7,7 @@ model, each control passing at least 19 times in 20). Exits 1 when a case misses
     python3 scripts/parity_calibration.py --repeats 3 --models llama,convnext
     python3 scripts/parity_calibration.py --save runs.jsonl    # each verdict, to re-read with --load
     python3 scripts/parity_calibration.py --load runs.jsonl --k 2.5 --size-floor 0.1   # judged again
+    python3 scripts/parity_calibration.py --load reports/parity-calibration/*.jsonl.xz   # the committed table
 
 Each seed draws new initial weights, data and calibration directions; each model's FP32 reference
 and calibrations are trained once per seed (and per loss weighting) and shared by its cases. The
@@ -177,6 +178,17 @@ def table(results: dict[tuple[str, str], list[dict]]) -> tuple[list[str], bool, 
     return lines, ok, widest
 
 
+
+def _read_text(path: str) -> str:
+    """A saved file's text, read through xz or gzip where its name ends so (the committed runs are xz)."""
+    import gzip
+    import lzma
+
+    opener = {".xz": lzma.open, ".gz": gzip.open}.get(Path(path).suffix, open)
+    with opener(path, "rt") as f:
+        return f.read()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     defaults = ParitySettings()
@@ -202,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.load:
         entries: dict[tuple[str, str, int], dict] = {}  # a row run again (a run cut and resumed): its last
         for path in args.load:
-            for line in Path(path).read_text().splitlines():
+            for line in _read_text(path).splitlines():
                 entry = json.loads(line)
                 entries[(entry["case"], entry["model"], entry["seed"])] = entry
         results: dict[tuple[str, str], list[dict]] = {}
