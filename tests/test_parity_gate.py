@@ -284,7 +284,7 @@ def test_a_configuration_that_breaks_training_fails_and_fp32s_numerics_pass_as_t
     # kept judged in the study: the trial, checked after it finished, reads it; FP32 is the reference
     assert accuracy_of(study, study.trials[1])["reason"] == broken["reason"]
     fp32 = accuracy_of(study, study.trials[0])
-    assert fp32["verdict"] == "passed" and fp32["reason"].startswith("FP32 numerics: the parity check's reference")
+    assert fp32["verdict"] == "passed" and fp32["reason"].startswith("fp32: passed: its numerics are FP32's")
     # its reference was kept for the next search, under the device and torch that trained it
     assert list((tmp_path / "cache").glob("*.json"))
 

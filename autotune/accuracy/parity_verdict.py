@@ -560,7 +560,8 @@ def reference_evidence(reference: Mapping[str, Any], *, numerics_key: str | None
     calib = reference.get("calibration") or {}
     steps = len(reference.get("losses") or [])
     return {"method": METHOD, "verdict": "passed", "stable": True, "constraint": 0.0, "steps": steps,
-            "reason": f"FP32 numerics: the parity check's reference itself ({steps} steps; its calibrations moved its "
-                      f"loss by {_pct(calib.get('loss_deviation', 0.0))} at worst)",
+            "reason": f"fp32: passed: its numerics are FP32's, the reference every other configuration is checked "
+                      f"against ({steps} steps; the run-to-run noise moved the loss "
+                      f"{_pct(calib.get('loss_deviation', 0.0))} at worst)",
             "loss_deviation": 0.0, "progress_drift": 0.0, "reference_source": reference.get("reference_source"),
             "numerics_key": numerics_key}
