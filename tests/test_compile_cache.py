@@ -46,9 +46,9 @@ with warnings.catch_warnings(record=True) as said:
     warnings.simplefilter("always")
     cfg = autotune.load(config)
     torch.manual_seed(0)
-    if model_name == "resnet18":
+    if model_name != "tiny":  # a torchvision model by name
         import torchvision
-        model = torchvision.models.resnet18(num_classes=10)
+        model = getattr(torchvision.models, model_name)(num_classes=10)
     else:
         import fake_models
         model = fake_models.tiny_cnn_module(10)
@@ -348,14 +348,17 @@ def test_a_search_keeps_the_compiled_recommendations_compile_beside_config_json(
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_on_a_gpu_a_fresh_process_loads_the_compile_instead_of_redoing_it(tmp_path) -> None:
+    """Issue 59's figure, on its model: a ResNet-50's first compiled step in a fresh process takes at most
+    15% of its cold compile's time with the compile carried. The phases printed say where a loaded step's
+    time goes (an H100 took 4.3 s of a ResNet-18's 17.6 s at 64x64 with both graphs loaded)."""
     folder = compiled_config(tmp_path / "run", GPU_SPACE)
-    cold = first_step(tmp_path, folder, tmp_path / "cold-inductor-cache", model="resnet18", shape="3x64x64",
+    cold = first_step(tmp_path, folder, tmp_path / "cold-inductor-cache", model="resnet50", shape="3x224x224",
                       save=True)
     assert cold["fx_graph_misses"] >= 1 and cold["fx_graph_hits"] == 0
     saved = cold["saved"]
     assert saved["device"] == torch.cuda.get_device_name() and saved["entries"]["inductor"] >= 1
     record_archive(folder)
-    loaded = first_step(tmp_path, folder, tmp_path / "fresh-inductor-cache", model="resnet18", shape="3x64x64")
+    loaded = first_step(tmp_path, folder, tmp_path / "fresh-inductor-cache", model="resnet50", shape="3x224x224")
     print(f"\n{saved['device']}: first compiled step cold {cold['first_step_s']:.1f} s, with "
           f"{saved['bytes'] / 2**20:.1f} MiB of compile cache ({saved['libraries']} libraries) "
           f"{loaded['first_step_s']:.1f} s; {loaded}")
