@@ -325,14 +325,24 @@ def plain_recipe_line(data: dict[str, Any]) -> str | None:
 
 def compile_cache_line(data: dict[str, Any]) -> str | None:
     """The best's compile cache beside config.json, from config.json: "compile cache: compile-cache.zip,
-    0.2 MiB, for torch 2.14.1 on cpu: cfg.prepare loads it before the first compiled step"; None where
-    the best does not compile (or compiled nothing torch records)."""
+    0.2 MiB, for torch 2.14.1 on cpu: cfg.prepare loads it before the first compiled step"; where
+    Inductor cached none of its graphs (each bypassed the cache: compile_cache.bypassed), that its first
+    step still compiles them; None where the best does not compile (or compiled nothing torch records)."""
+    from autotune.deploy.compile_cache import graphs
+
     cache = data.get("compile_cache")
     if not cache:
         return None
     triton = f", Triton {cache['triton']}" if cache.get("device") != "cpu" and cache.get("triton") else ""
-    return (f"compile cache: {cache['file']}, {cache['bytes'] / 2**20:.1f} MiB, for torch {cache.get('torch')}{triton} "
-            f"on {cache.get('device')}: cfg.prepare loads it before the first compiled step")
+    head = (f"compile cache: {cache['file']}, {cache['bytes'] / 2**20:.1f} MiB, for torch {cache.get('torch')}{triton} "
+            f"on {cache.get('device')}")
+    if graphs(cache) == 0:
+        left = sum((cache.get("bypassed") or {}).values())
+        why = f" ({left} bypassed its cache)" if left else ""
+        kinds = ", ".join(sorted(cache.get("entries") or {})) or "nothing"
+        return (f"{head}: Inductor cached none of this configuration's graphs{why}, so its first step still "
+                f"compiles them (the archive carries {kinds} entries)")
+    return f"{head}: cfg.prepare loads it before the first compiled step"
 
 
 class AccuracyView:

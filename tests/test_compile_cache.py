@@ -291,6 +291,26 @@ def _study_with_archives(log_dir: Path, values: list[float]) -> optuna.Study:
     return study
 
 
+def test_an_archive_without_graphs_says_its_first_step_still_compiles(monkeypatch) -> None:
+    """On an H100 the 1B Llama's recommendation (fp8 on its feed-forward layers, a fused linear
+    cross-entropy, recomputed blocks) saved 29 autotuning entries and no graph: the summary said
+    "cfg.prepare loads it before the first compiled step" of an archive that saves no compile."""
+    from torch._dynamo.utils import counters
+
+    from autotune.terminal import compile_cache_line
+
+    monkeypatch.setitem(counters["inductor"], "fxgraph_cache_bypass", 2)
+    monkeypatch.setitem(counters["aot_autograd"], "autograd_cache_bypass", 0)
+    assert compile_cache.bypassed() == {"inductor": 2}
+    meta = {"file": "compile-cache.zip", "bytes": 3702, "torch": "2.11.0+cu130", "triton": "3.6.0",
+            "device": "NVIDIA H100 80GB HBM3", "entries": {"autotune": 29}, "bypassed": {"inductor": 2}}
+    line = compile_cache_line({"compile_cache": meta})
+    assert "Inductor cached none of this configuration's graphs (2 bypassed its cache)" in line
+    assert "still compiles them (the archive carries autotune entries)" in line and "cfg.prepare loads" not in line
+    with_graphs = {**meta, "entries": {"autotune": 3, "inductor": 2, "aot_autograd": 1}, "bypassed": {}}
+    assert compile_cache_line({"compile_cache": with_graphs}).endswith("cfg.prepare loads it before the first compiled step")
+
+
 def test_logs_keep_the_archives_of_the_best_few_trials_and_the_running_ones(tmp_path) -> None:
     study = _study_with_archives(tmp_path, [10.0, 30.0, 20.0, 5.0])
     running = study.ask()  # its worker is saving its archive

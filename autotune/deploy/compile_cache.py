@@ -109,7 +109,7 @@ def save(path: str | Path, device: str) -> dict[str, Any] | None:
     libraries = compiled_libraries()
     meta = {"format": FORMAT, **valid_for(device),
             "entries": {kind: len(keys) for kind, keys in sorted(info.artifacts.items())},
-            "mega_cache_bytes": len(blob), "libraries": len(libraries),
+            "bypassed": bypassed(), "mega_cache_bytes": len(blob), "libraries": len(libraries),
             "libraries_bytes": sum(p.stat().st_size for p in libraries.values())}
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
@@ -120,6 +120,22 @@ def save(path: str | Path, device: str) -> dict[str, Any] | None:
             archive.write(source, LIBRARIES + name)
     os.replace(tmp, path)
     return {**meta, "bytes": path.stat().st_size}
+
+
+def bypassed() -> dict[str, int]:
+    """How many graphs this process compiled that Inductor's FX-graph cache or AOTAutograd's cache left
+    out (a cache "bypass": a graph holding something neither can serialize), by cache; an archive
+    carries none of those, and the first step compiles them again wherever it is loaded."""
+    from torch._dynamo.utils import counters
+
+    found = {"inductor": counters["inductor"]["fxgraph_cache_bypass"],
+             "aot_autograd": counters["aot_autograd"]["autograd_cache_bypass"]}
+    return {kind: int(n) for kind, n in found.items() if n}
+
+
+def graphs(meta: dict[str, Any]) -> int:
+    """How many compiled graphs an archive's ``meta.json`` says it carries (its FX-graph entries)."""
+    return int((meta.get("entries") or {}).get("inductor", 0))
 
 
 def describe(path: str | Path) -> dict[str, Any] | None:
