@@ -40,7 +40,7 @@ def test_rows_are_looked_up_by_knob_value_and_quantity() -> None:
     with pytest.raises(KeyError, match="no prior for"):
         priors.prior("compile.mode", "default", "per-sample share")
     assert priors.values("compile.mode", "compile cost") == {
-        "max-autotune-no-cudagraphs": 5.0, "max-autotune": 5.0, "regional": 0.4}
+        "max-autotune-no-cudagraphs": 7.0, "max-autotune": 7.0, "regional": 0.4}
 
 
 def test_the_moves_and_the_memory_knobs_take_their_speed_from_the_table() -> None:

@@ -156,13 +156,14 @@ PRIORS: tuple[Prior, ...] = (
     Prior(knob="compile.mode", value="default", what="least compile seconds", prior=15.0,
           means="the least a first compile is expected to take, however few modules: assumed",
           source=_log("assumed-priors")),
-    Prior(knob="compile.mode", value="max-autotune-no-cudagraphs", what="compile cost", prior=5.0,
-          means="a compile's seconds against the default mode's: max-autotune benchmarks kernel candidates for "
-                "every matmul and convolution (ResNet-50 still compiling after 191 s, default 42 s)",
-          source="reports/search-yield/h100-9443e57/resnet50-5m", measured_on="H100"),
-    Prior(knob="compile.mode", value="max-autotune", what="compile cost", prior=5.0,
-          means="as max-autotune-no-cudagraphs", source="reports/search-yield/h100-9443e57/resnet50-5m",
-          measured_on="H100"),
+    Prior(knob="compile.mode", value="max-autotune-no-cudagraphs", what="compile cost", prior=7.0,
+          means="a compile's seconds against the default mode's: max-autotune benchmarks 17-21 kernel candidates "
+                "for every convolution and matmul, 10-22 s each on ResNet-50. A lower bound: ResNet-50 at batch "
+                "1024 was still compiling after 262 s, its default compile 41-48 s (6.4x beyond the eager "
+                "trial's part), and a trial cut by the budget measures nothing; ViT-B/16 finished in 175 s against "
+                "52.6 s (3.3x)", source="reports/warm-start-h100-e2adee6", measured_on="H100"),
+    Prior(knob="compile.mode", value="max-autotune", what="compile cost", prior=7.0,
+          means="as max-autotune-no-cudagraphs", source="reports/warm-start-h100-e2adee6", measured_on="H100"),
     Prior(knob="compile.mode", value="regional", what="compile cost", prior=0.4,
           means="one block compiled: a 24-layer LM took 13.6 s to its first two steps against 57.5 s for the "
                 "whole model", source=_log("compile"), measured_on="H200"),
