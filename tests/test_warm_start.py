@@ -28,7 +28,7 @@ from autotune.search.steering import complete_params
 from autotune.search.trials import baseline_trial, best_trial, counted_trials, plain_recipe_trial
 from autotune.trial.record import TrialRecord
 from autotune.workload.models import WorkloadSpec
-from conftest import measured, run_cli
+from conftest import ROOT, measured, run_cli
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -290,3 +290,30 @@ def test_on_a_gpu_the_second_search_loads_the_first_ones_compiles_and_measures_s
     assert second["warm_from"].notna().sum() == len(kept)
     assert not own["role"].isin(["baseline", "plain-recipe"]).any() and len(own) >= 1
     assert not set(own["config"]) & set(first["config"])
+
+
+def test_replayed_from_the_h100_second_search_a_compile_that_cannot_finish_is_not_started():
+    """reports/warm-start-h100-e2adee6/r50-second: a second 5-minute ResNet-50 search started with the
+    first's five trials and 270 s left, and ran max-autotune on the first's best (predicted 207 s); it was
+    still compiling when the budget cut it at 262 s. Replayed from its study: with 270 s left the planner
+    runs a neighbour that fits, and with 560 s the max-autotune compile."""
+    from optuna.trial import create_trial
+
+    from autotune.search.planner import Planner
+    from autotune.search.plain_recipe import GrowToFit
+
+    db = ROOT / "reports" / "warm-start-h100-e2adee6" / "r50-second" / "study.db"
+    src = optuna.load_study(study_name=None, storage=f"sqlite:///{db}")
+    space = SearchSpace.from_dict(src.user_attrs["space"])
+    study = optuna.create_study(direction="maximize")
+    for t in src.trials:
+        if TrialRecord.of(t).warm_from is not None:
+            study.add_trial(create_trial(state=t.state, params=t.params, distributions=t.distributions,
+                                         values=t.values, user_attrs=t.user_attrs, system_attrs=t.system_attrs))
+    assert warm.propose_from_evidence(study, [GrowToFit(space, None), Neighbours(space, None)]) == 5
+    planner = Planner(space, walls=warm.warm_walls(study))
+    chosen = {left: planner.choose(study, left_s=left) for left in (270.0, 560.0)}
+    modes = {left: study.trials[plan.number].system_attrs["fixed_params"]["compile.mode"]
+             for left, plan in chosen.items()}
+    assert modes[560.0] == "max-autotune-no-cudagraphs" and 270.0 < chosen[560.0].cost_s < 560.0
+    assert modes[270.0] != "max-autotune-no-cudagraphs" and chosen[270.0].cost_s < 270.0
