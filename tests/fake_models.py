@@ -222,21 +222,39 @@ def tiny_loss_cnn(num_classes: int = 10):
 class _FastButBrokenUnderAutocast(nn.Module):
     """Logits offset by 2**16 in the head's bias: softmax ignores a common offset, so FP32 trains
     normally, but a bf16/fp16 head rounds logits to steps of 512 and learns nothing, unless
-    fp32_layers keeps the head in FP32. Slower without autocast at every batch size, so the
-    broken configurations are the fastest ones a search sees where the CPU's bf16 is fast (on a busy
-    or bf16-poor CPU they may not be)."""
+    fp32_layers keeps the head in FP32. FP32's forward sleeps 3 ms a sample, so the broken
+    configurations are the fastest ones a search sees where the CPU's bf16 is fast. A CPU without
+    native bf16 emulates it, and on a busy 2-core machine bf16 ran slower than FP32: no bf16
+    configuration came near the frontier, none was checked, and a test whose premise is that the
+    fastest one breaks training failed. With FAKE_FP32_SLOWER=K in the environment, FP32's forward
+    sleeps K times what a bf16 forward took when the model was built instead (3 ms a sample at least):
+    a training step is about three forwards in either precision, so K=6 makes FP32's step at least
+    twice bf16's on any CPU, at the cost of slower FP32 runs."""
 
     def __init__(self, num_classes: int) -> None:
         super().__init__()
         self.net = tiny_cnn(num_classes)
         with torch.no_grad():
             self.net[-1].bias.fill_(2.0**16)
+        slower = float(os.environ.get("FAKE_FP32_SLOWER") or 0)
+        self.sleep_per_sample = max(0.003, slower * self._bf16_forward_per_sample_s() if slower else 0.0)
+
+    def _bf16_forward_per_sample_s(self) -> float:
+        import time
+
+        x = torch.randn(8, 3, 32, 32)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            self.net(x)  # the first call picks its kernels
+            started = time.perf_counter()
+            for _ in range(3):
+                self.net(x)
+        return (time.perf_counter() - started) / (3 * x.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_autocast_enabled(x.device.type):
             import time
 
-            time.sleep(0.003 * x.shape[0])  # caps FP32 at ~330 samples/s at any batch
+            time.sleep(self.sleep_per_sample * x.shape[0])
         return self.net(x)
 
 
