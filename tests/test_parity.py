@@ -19,22 +19,17 @@ import torch
 from autotune.accuracy.parity import (
     BF16_EPS,
     MAX_BAND,
-    NOISE_TENSOR,
     ParityResult,
     ParitySettings,
-    cached_reference,
     check_parity,
     judge,
-    keep_reference,
-    loss_deviation,
     parity_recipe,
     perturb_weights,
-    progress_drift,
-    read_reference,
     run_parity,
 )
-from autotune.accuracy.parity_verdict import REPORTED_ONLY, TENSOR_FIGURES, floor_of
-from autotune.accuracy.reference_cache import ReferenceCache
+from autotune.accuracy.parity_figures import TENSOR_FIGURES, loss_deviation, progress_drift
+from autotune.accuracy.parity_verdict import NOISE_TENSOR, REPORTED_ONLY, floor_of
+from autotune.accuracy.reference_cache import ReferenceCache, read_reference, reference_key
 from autotune.errors import ConfigError
 from autotune.workload.models import WorkloadSpec
 
@@ -259,7 +254,7 @@ def test_a_run_that_learns_less_of_the_first_batch_than_fp32_fails_on_its_progre
 def test_the_loss_is_compared_over_windows_of_steps():
     """At batch 8 one step's loss scatters with its batch; the trajectory is compared as the means of
     windows of steps // LOSS_WINDOW steps, the first step alone (both runs from the same weights)."""
-    from autotune.accuracy.parity_verdict import LOSS_WINDOW, window_means
+    from autotune.accuracy.parity_figures import LOSS_WINDOW, window_means
 
     assert LOSS_WINDOW == 8 and window_means([1.0, 3.0, 2.0, 4.0], 4) == [1.0, 3.0, 2.0, 4.0]
     assert window_means([1.0] * 8 + [3.0] * 8, 16) == [1.0] * 8 + [2.0] + [3.0] * 7  # windows of 2 steps
@@ -407,13 +402,16 @@ def test_a_kept_reference_gives_the_same_verdict_at_the_cost_of_one_fp32_run(tmp
     workload = spec("underflow_mlp").to_dict()
     trained, reference = check("underflow_mlp", FP16)
     assert reference["reference_source"] == "trained" and reference["device_name"] == "cpu"
-    assert cached_reference(cache, workload, SETTINGS, device_name="cpu", torch_version=torch.__version__) is None
-    assert keep_reference(cache, workload, SETTINGS, reference)
-    found = cached_reference(cache, workload, SETTINGS, device_name="cpu", torch_version=torch.__version__)
-    assert found["reference_source"] == "cache" and found["losses"] == reference["losses"]
-    # another step count, or the accuracy check's key, is another reference
-    assert cached_reference(cache, workload, ParitySettings(steps=11), device_name="cpu",
-                            torch_version=torch.__version__) is None
+
+    def key(settings):  # the gate's key (autotune.accuracy.gate): workload, settings, device, torch
+        return reference_key(workload, settings, device_name="cpu", torch_version=torch.__version__)
+
+    assert cache.load(key(SETTINGS)) is None
+    assert cache.store(key(SETTINGS), reference, {**workload, "device": "cpu"})
+    found = {**cache.load(key(SETTINGS)), "reference_source": "cache"}
+    assert found["losses"] == reference["losses"] and found["calibration"] == reference["calibration"]
+    # another step count is another reference
+    assert cache.load(key(ParitySettings(steps=11))) is None
     again, _ = check("underflow_mlp", FP16, reference=found)
     assert again.reference_source == "cache"
     assert (again.verdict, again.losses, again.grad_rel_error) == (trained.verdict, trained.losses, trained.grad_rel_error)
@@ -489,7 +487,7 @@ def test_a_gradients_figures_are_summed_in_chunks_as_whole_and_unscaled():
     """A 1B Llama's embedding gradient is 262M elements: summed whole in FP64 it took four 2 GB
     copies on a card its FP32 step had filled. In chunks the figures are the same, and a GradScaler's
     scale divides each chunk."""
-    from autotune.accuracy.parity import tensor_sums
+    from autotune.accuracy.parity_grads import tensor_sums
 
     g, r = torch.randn(1000, 37), torch.randn(1000, 37)
     g.view(-1)[:10], r.view(-1)[5:20] = 0.0, 0.0  # 5 elements vanished where r is not zero, of 37,000 - 15
@@ -502,8 +500,8 @@ def test_a_large_gradient_is_compared_on_a_sample_that_estimates_its_figures():
     """A tensor of more than GRAD_SAMPLE elements keeps and compares GRAD_SAMPLE of them, the same ones
     in every run (drawn from the seed and its name): its relative error and cosine are estimated within
     about 1% of the whole tensor's, and a NaN anywhere in it is still seen. Smaller ones are whole."""
-    from autotune.accuracy.parity import GRAD_SAMPLE, sample_indices, tensor_sums
-    from autotune.accuracy.parity_verdict import sums_figures
+    from autotune.accuracy.parity_grads import GRAD_SAMPLE, sample_indices, tensor_sums
+    from autotune.accuracy.parity_figures import sums_figures
 
     assert sample_indices("head.bias", GRAD_SAMPLE, 0) is None
     idx = sample_indices("layers.0.weight", 1_000_003, 0)
@@ -533,7 +531,7 @@ def test_a_later_check_runs_the_configuration_alone_where_the_references_tensors
     """The worker that trains the reference keeps its first gradients and updates (sampled) in the
     gate's file; a later worker given the reference reads them and runs the configuration alone, to
     the same verdict; without them it takes the FP32 reference's run again."""
-    from autotune.accuracy.parity import read_grads
+    from autotune.accuracy.parity_grads import read_grads
 
     path = tmp_path / "grads.pt"
     request = {"workload": spec("mlp").to_dict(), "device": "cpu", "knobs": BF16,

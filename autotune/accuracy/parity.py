@@ -58,29 +58,22 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from autotune.accuracy.parity_verdict import (  # noqa: F401  (the check's verdict, importable from here)
+from autotune.accuracy.parity_figures import progress_drift
+from autotune.accuracy.parity_verdict import (  # noqa: F401  (ParityResult: the check's verdict, importable from here)
     BF16_EPS,
     MAX_BAND,
-    NOISE_TENSOR,
-    ParityBand,
     ParityResult,
     calibration_noise,
-    describe,
-    global_figures,
     gradients_out_of_band,
     judge,
-    loss_deviation,
-    progress_drift,
-    tensor_figures,
 )
 from autotune.accuracy.parity_grads import (  # noqa: F401  (importable from here)
     GRAD_SAMPLE,
     RunTensors,
     grads_writer,
     read_grads,
-    sample_indices,
-    tensor_sums,
 )
+from autotune.accuracy.reference_cache import reference_writer
 from autotune.accuracy.settings import MIN_STEPS, AccuracySettings
 
 RUN_PHASES: list[dict[str, Any]] = []
@@ -422,7 +415,7 @@ def check_parity(spec, knobs: Mapping[str, Any], settings: ParitySettings, *, de
     ``on_reference`` before the configuration runs. ``reference_tensors``: that reference's first
     gradients and updates as the check keeps them (parity_grads.RunTensors: sampled), else the FP32
     reference's run is taken again for them (its calibrations are not) and they are handed to
-    ``on_tensors``. Returns the result and the reference (to keep: ``keep_reference``)."""
+    ``on_tensors``. Returns the result and the reference (the gate keeps it: autotune.accuracy.reference_cache)."""
     from autotune.accuracy.check import datasets
     from autotune.accuracy.settings import describe_numerics
 
@@ -483,63 +476,7 @@ def run_parity(request: Mapping[str, Any]) -> dict[str, Any]:
     result, reference = check_parity(spec, request.get("knobs") or {}, settings, device=device,
                                      reference=request.get("reference"), reference_tensors=kept,
                                      label=request.get("label"), on_tensors=on_tensors,
-                                     on_reference=_reference_writer(request.get("reference_path")))
+                                     on_reference=reference_writer(request.get("reference_path"),
+                                                                  lambda path: logged(f"reference written to {path}")))
     return {"status": "ok", "result": result.to_dict(), "reference": reference, "runs": list(RUN_PHASES),
             "in_worker_s": round(time.perf_counter() - entered, 2)}
-
-
-def _reference_writer(path: str | None):
-    """Where a worker that trains the reference before the configuration's run writes it (JSON, whole
-    or not at all) as soon as it is trained: a configuration's run that runs out of memory, fails or
-    is cut by the budget then costs its own verdict, not the reference (read_reference)."""
-    if not path:
-        return None
-
-    def write(reference: Mapping[str, Any]) -> None:
-        import os
-
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(reference, f)
-        os.replace(tmp, path)
-        logged(f"reference written to {path}")
-
-    return write
-
-
-def read_reference(path) -> dict[str, Any] | None:
-    """The reference a worker wrote (_reference_writer), or None where it wrote none."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-# ---------------------------------------------------------------------------------------------
-# the reference kept across searches (autotune.accuracy.reference_cache)
-
-
-def cached_reference(cache, workload: Mapping[str, Any], settings: ParitySettings, *, device_name: str,
-                     torch_version: str) -> dict[str, Any] | None:
-    """The parity reference an earlier search kept for this workload (spec dict), settings, device
-    and torch, marked ``reference_source: "cache"``; None where there is none."""
-    from autotune.accuracy.reference_cache import reference_key
-
-    key = reference_key(workload, settings, device_name=device_name, torch_version=torch_version)
-    found = cache.load(key)
-    if found is None or "calibration" not in found or found.get("settings", {}).get("steps") != settings.steps:
-        return None
-    return {**found, "reference_source": "cache"}
-
-
-def keep_reference(cache, workload: Mapping[str, Any], settings: ParitySettings, reference: Mapping[str, Any]) -> bool:
-    """Keep a reference trained by ``check_parity`` for later searches, under the device and torch it
-    was trained on; False (with the cache's warning) where the folder cannot be written."""
-    from autotune.accuracy.reference_cache import reference_key
-
-    key = reference_key(workload, settings, device_name=reference["device_name"], torch_version=reference["torch"])
-    kept = {k: v for k, v in reference.items() if k != "reference_source"}
-    about = {**dict(workload), "kind": "parity", "data": settings.data, "steps": settings.steps,
-             "batch_size": settings.batch_size, "seed": settings.seed, "device": reference["device_name"]}
-    return cache.store(key, kept, about)

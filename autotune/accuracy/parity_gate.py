@@ -40,9 +40,10 @@ from autotune.accuracy.gate import (
     key_hash,
     failed,
 )
-from autotune.accuracy.parity import ParityResult, ParitySettings, read_reference
+from autotune.accuracy.parity import ParityResult, ParitySettings
 from autotune.accuracy.parity_verdict import METHOD, evidence, reference_evidence
 from autotune.accuracy.plan import CHECKS_ATTR, duration, fitting_batch
+from autotune.accuracy.reference_cache import read_reference
 from autotune.accuracy.settings import numerics_key, numerics_knobs
 from autotune.trial.record import TrialRecord
 
