@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from autotune.accuracy.parity_figures import progress_drift
-from autotune.accuracy.parity_verdict import (  # noqa: F401  (ParityResult: the check's verdict, importable from here)
+from autotune.accuracy.parity_verdict import (
     BF16_EPS,
     MAX_BAND,
     ParityResult,
@@ -67,7 +67,7 @@ from autotune.accuracy.parity_verdict import (  # noqa: F401  (ParityResult: the
     gradients_out_of_band,
     judge,
 )
-from autotune.accuracy.parity_grads import (  # noqa: F401  (importable from here)
+from autotune.accuracy.parity_grads import (
     GRAD_SAMPLE,
     RunTensors,
     grads_writer,
