@@ -44,34 +44,48 @@ MEASURED = {"samples_per_s": 32.0, "overhead_s": 2.0, "trial": 0, "baseline": Tr
 
 # the plan ----------------------------------------------------------------------------------------
 
-def test_the_first_verdict_fits_in_the_share_and_later_ones_cost_one_run():
-    roomy = parity_plan(ParitySettings(), budget_s=600, share=DEFAULT_SHARE, measured=MEASURED)
-    # 90 s of share: the default 40 steps fit; the first verdict trains the reference, the two
-    # calibrations and the configuration (41 steps each), a later one the configuration
+def test_the_first_verdict_and_one_later_check_fit_in_the_share():
+    # on a GPU each run costs its steps, the first batch again and 12 steps' set-up (RUN_SETUP_STEPS), 0.5 s a step
+    roomy = parity_plan(ParitySettings(), budget_s=1200, share=DEFAULT_SHARE, measured=MEASURED, device="cuda")
+    # 180 s of share: the default 40 steps fit; the first verdict trains the reference, the two
+    # calibrations and the configuration (53 step-times each), a later one the configuration
     assert roomy["steps"] == 40 and roomy["fits"]
-    assert roomy["first_verdict_s"] == pytest.approx(2 + 4 * 41 * 0.5)
-    assert roomy["check_s"] == pytest.approx(2 + 41 * 0.5)  # no FP32 run: the reference's tensors are kept
-    assert describe(roomy) == ("40 steps of numerics parity against FP32 (scaled to 15% of the 10 min budget; the "
-                               "first verdict about 84 s, each later one 22 s)")
-    # 9 s of share, 7 s after the worker's start: 2 steps at batch 16, 6 at 8, so the batch is halved for 8
-    tight = parity_plan(ParitySettings(), budget_s=60, share=DEFAULT_SHARE, measured=MEASURED)
-    assert (tight["batch_size"], tight["steps"], tight["fits"]) == (4, 13, True) and tight["first_verdict_s"] <= 9
-    assert "against FP32 at batch 4 (scaled to 15% of the 60 s budget" in describe(tight)
-    # 6 s of share: no batch gets 8 steps, batch 8 (0.25 s a step) gets 3
-    shorter = parity_plan(ParitySettings(), budget_s=40, share=DEFAULT_SHARE, measured=MEASURED)
-    assert (shorter["batch_size"], shorter["steps"]) == (8, 3)
+    assert roomy["first_verdict_s"] == pytest.approx(2 + 4 * 53 * 0.5)
+    assert roomy["check_s"] == pytest.approx(2 + 53 * 0.5)  # no FP32 run: the reference's tensors are kept
+    assert describe(roomy) == ("40 steps of numerics parity against FP32 (scaled to 15% of the 20 min budget; the "
+                               "first verdict about 108 s, each later one 28 s)")
+    # 90 s: the first verdict and 1.2 later checks hold 19 steps (66 + 1.2 x 18 s); 40 would take 142 s
+    half = parity_plan(ParitySettings(), budget_s=600, share=DEFAULT_SHARE, measured=MEASURED, device="cuda")
+    assert half["steps"] == 19 and half["first_verdict_s"] + 1.2 * half["check_s"] <= 90
+    # 36 s of share: 5 steps at batch 16, 11 at 8, so the batch is halved for 8
+    tight = parity_plan(ParitySettings(), budget_s=240, share=DEFAULT_SHARE, measured=MEASURED, device="cuda")
+    assert (tight["batch_size"], tight["steps"], tight["fits"]) == (8, 11, True)
+    assert tight["first_verdict_s"] + 1.2 * tight["check_s"] <= 36
+    assert "against FP32 at batch 8 (scaled to 15% of the 4 min budget" in describe(tight)
+    # 18 s of share: no batch gets 8 steps, batch 4 (0.125 s a step) gets 7 (batch 8 not the 3 fewest)
+    shorter = parity_plan(ParitySettings(), budget_s=120, share=DEFAULT_SHARE, measured=MEASURED, device="cuda")
+    assert (shorter["batch_size"], shorter["steps"]) == (4, 7)
+    # 12 s: the first verdict alone holds 3 steps at batch 4 (10 s), a later check not: still a verdict
+    alone = parity_plan(ParitySettings(), budget_s=80, share=DEFAULT_SHARE, measured=MEASURED, device="cuda")
+    assert (alone["batch_size"], alone["steps"], alone["fits"]) == (4, 3, True)
+
+
+    # on a CPU a run's set-up is about a step's: 30 steps fit in 90 s where the GPU's set-up left 19
+    cpu = parity_plan(ParitySettings(), budget_s=600, share=DEFAULT_SHARE, measured=MEASURED)
+    assert (cpu["steps"], cpu["setup_steps"], cpu["first_verdict_s"]) == (30, 1, 2 + 4 * 32 * 0.5)
+    assert cpu["first_verdict_s"] + 1.2 * cpu["check_s"] <= 90
 
 
 def test_where_no_verdict_fits_the_plan_says_so_with_the_budget_that_would():
-    short = parity_plan(ParitySettings(), budget_s=20, share=DEFAULT_SHARE, measured=MEASURED)
+    short = parity_plan(ParitySettings(), budget_s=60, share=DEFAULT_SHARE, measured=MEASURED, device="cuda")
     assert not short["fits"] and short["steps"] == MIN_STEPS and short["batch_size"] == 4
-    # 3 steps at batch 4: 2 s + 4 runs x 4 steps x 0.125 s = 4 s, in 15%: a budget of 26.7 s
-    assert short["needed_budget_s"] == pytest.approx(4 / 0.15, abs=0.1)
+    # 3 steps at batch 4: 2 s + 4 runs x 16 step-times x 0.125 s = 10 s, in 15%: a budget of 66.7 s
+    assert short["needed_budget_s"] == pytest.approx(10 / 0.15, abs=0.1)
     notice = no_verdict_notice(short)
-    assert notice == ("no accuracy verdict fits: one numerics parity check against FP32 takes about 4 s here, more "
-                      "than 15% of the 20 s budget; the recommendation will say it was not checked (--budget 1m "
+    assert notice == ("no accuracy verdict fits: one numerics parity check against FP32 takes about 10 s here, more "
+                      "than 15% of the 60 s budget; the recommendation will say it was not checked (--budget 2m "
                       "would fit one, or raise --accuracy-share)")
-    assert describe(short) == "3 steps of numerics parity at batch 4 would not fit in 15% of the 20 s budget"
+    assert describe(short) == "3 steps of numerics parity at batch 4 would not fit in 15% of the 60 s budget"
 
 
 def test_the_checks_batch_is_cut_where_the_fp32_baselines_memory_says_it_would_not_fit():
@@ -89,7 +103,7 @@ def test_the_checks_batch_is_cut_where_the_fp32_baselines_memory_says_it_would_n
     # twice its bytes a sample, and the check runs at one sequence, not its default 16 (out of memory)
     bf16 = {**MEASURED, "baseline": False, "peak_memory_bytes": 23.92 * gib, "batch_size": 2, "limit_bytes": 24 * gib}
     assert parity_plan(ParitySettings(), budget_s=300, share=DEFAULT_SHARE, measured=bf16)["batch_size"] == 1
-    assert "batch_size" not in parity_plan(ParitySettings(), budget_s=300, share=DEFAULT_SHARE,
+    assert "batch_size" not in parity_plan(ParitySettings(), budget_s=600, share=DEFAULT_SHARE,
                                            measured={**bf16, "limit_bytes": 141 * gib, "batch_size": 128})
 
 
@@ -204,12 +218,12 @@ def test_a_check_starts_where_the_shares_rest_holds_its_estimate_and_only_the_bu
     gate.attach(study)
     study.set_user_attr(PLAN_ATTR, {"method": "parity", "steps": 4, "check_s": 12.3, "first_verdict_s": 21.7})
     study.set_user_attr(REFERENCE_ATTR.format(fingerprint=gate.settings.fingerprint()), {"losses": [1.0]})
-    gate.spent_s = 54 - 8  # 8 s of the share left
-    assert gate.evidence(study, BF16, check=True, label="#1", leads=True, timeout_s=200) is None and not given
-    gate.spent_s = 54 - 20  # 20 s left hold the 12.3 planned: started, and given 3 x 12.3, past the share's 20
-    gate.evidence(study, BF16, check=True, label="#1", leads=True, timeout_s=200)
+    gate.spent_s = 54 - 20  # 20 s of the share left: not the 12.3 planned and the 12.3 kept for the end's check
+    assert gate.evidence(study, BF16, check=True, label="#1", timeout_s=200) is None and not given
+    gate.spent_s = 54 - 26  # 26 s left hold both: started, and given 3 x 12.3, past the share's 26
+    gate.evidence(study, BF16, check=True, label="#1", timeout_s=200)
     assert given == [pytest.approx(OVERRUN * 12.3)]
-    gate.evidence(study, BF16, check=True, label="#1", leads=True, timeout_s=10)  # the budget's end: 10 s
+    gate.evidence(study, BF16, check=True, label="#1", timeout_s=10)  # the budget's end: 10 s
     assert len(given) == 1
     gate.final = True
     gate.spent_s = 54.0 + 30  # the share overrun: the recommendation's verdict still runs, in the budget's time
@@ -422,12 +436,13 @@ def test_once_the_reference_ran_past_its_plan_a_later_check_is_expected_to_run_p
     assert len(started) == 1
     gate.spent_s = 20.0
     # mid-search, a check keeps one later check's seconds for the recommendation's verdict: 34 - 29 s do not
-    # hold it; but the best trial so far keeps none (its check is that verdict, unless a later one beats it)
+    # hold it, the best trial's so far included (it may fail, or a later one beat it); in a share of 105 s, 85 do
     gate.final = False
     gate.evidence(study, BF16, check=True, label="#18")
     assert len(started) == 1
-    gate.evidence(study, BF16, check=True, label="#18", leads=True)
-    assert len(started) == 2 and gate.leads is False
+    gate.budget_s = 700
+    gate.evidence(study, BF16, check=True, label="#18")
+    assert len(started) == 2
     gate.final = True
     # a reference that ran within its plan leaves the plan's figure as it was
     study.set_user_attr(CHECKS_ATTR, [{"label": "#3", "fp32": True, "seconds": 10.0, "status": "ok"}])

@@ -255,15 +255,13 @@ class _Gate:
 
     def __init__(self):
         self.checks = []
-        self.leads = []
 
     def near_frontier(self, study, value):
         return True
 
-    def evidence(self, study, knobs, *, check, timeout_s=None, label="", leads=False):
+    def evidence(self, study, knobs, *, check, timeout_s=None, label=""):
         if label:  # a look-up of what was judged already is not a check
             self.checks.append((label, check))
-            self.leads.append(leads)
         return None
 
 
@@ -293,7 +291,6 @@ def test_the_objective_leaves_unchecked_a_trial_the_planner_expects_a_queued_one
         study.enqueue_trial(_params(mode, 64), user_attrs={"role": role})
         study.optimize(objective, n_trials=1)
         checks += gate.checks
-        assert gate.leads == [True]  # the first trial leads: its check would be the recommendation's verdict
     # nor an FP32 trial mid-search, best or not: its check would only train the FP32 reference, which the
     # first other configuration's check trains in its own worker (the recommendation is checked at the end);
     # nor the plain recipe, whose neighbours the planner queues after it (they are predicted from its figure)

@@ -34,7 +34,7 @@ class _Gate:
     def near_frontier(self, study, value):
         return False
 
-    def evidence(self, study, knobs, *, check, timeout_s=None, label="", leads=False):
+    def evidence(self, study, knobs, *, check, timeout_s=None, label=""):
         self.calls.append((label, check, timeout_s))
         return self.checked if check else self.known
 

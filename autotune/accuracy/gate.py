@@ -286,10 +286,10 @@ class AccuracyGate:
                      max_loss_drift=self.settings.max_loss_drift)
 
     def evidence(self, study, knobs: Mapping[str, Any], *, check: bool, timeout_s: float | None = None,
-                 within_share: bool = True, label: str = "", leads: bool = False) -> dict[str, Any] | None:
+                 within_share: bool = True, label: str = "") -> dict[str, Any] | None:
         """The judged accuracy of ``knobs``: reused when its numerics key was checked, else
         measured in a worker when ``check`` (and, ``within_share``, while the checks have not spent
-        their share of the budget), else None. ``leads``: the trial checked is the best so far."""
+        their share of the budget), else None."""
         self.settle(study, force=check)
         if not self.pending:
             self._reference(study)  # an earlier search's, from the file cache

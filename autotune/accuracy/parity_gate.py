@@ -11,8 +11,10 @@ few dozen steps and fails what breaks training (scripts/parity_calibration.py).
 The plan (``parity_plan``): once the FP32 baseline is measured, its throughput gives the check's step
 time; the first verdict trains the reference, its calibrations and the configuration (each ``steps``
 steps and the first batch again: ParitySettings.first_verdict_runs runs) in one worker; a later one
-the configuration's run. The steps are the most (up to ParitySettings.steps) with which the first verdict fits in the
-share, halving the check's batch for PREFERRED_STEPS where needed. Where even MIN_STEPS do not fit,
+the configuration's run. The steps are the most (up to ParitySettings.steps) with which the first
+verdict and one later check fit in the share together (the first verdict's configuration may fail, or
+a later trial beat it: the recommendation's check then follows), halving the check's batch for
+PREFERRED_STEPS where needed. Where even MIN_STEPS do not fit,
 the search says so in one line, with the budget that would fit one, and checks nothing. The best
 trial so far is checked as it is measured; other checks keep one check's seconds of the share for
 the recommendation, and the stop rule (autotune.search.budget) ends the trials early enough for its
@@ -65,22 +67,36 @@ BUILDS = 2
 it for each run (autotune.accuracy.check.seeded_workload); the second is the data and the copies."""
 
 
-def parity_plan(settings: ParitySettings, *, budget_s: float, share: float, measured: Mapping[str, Any]) -> dict[str, Any]:
+def run_setup_steps(device: str) -> int:
+    """A parity run's set-up beside its steps on ``device`` ("cuda", "cuda:1", "cpu"), in steps of its own
+    pace (the priors table's "run set-up steps": on a GPU its first calls cost about 12 steps, on a CPU one)."""
+    from autotune.search.priors import prior
+
+    return int(prior("accuracy check", "cuda" if device.startswith("cuda") else "cpu", "run set-up steps"))
+
+
+def parity_plan(settings: ParitySettings, *, budget_s: float, share: float, measured: Mapping[str, Any],
+                device: str = "cpu") -> dict[str, Any]:
     """The parity checks' steps and batch for a search of ``budget_s`` whose checks may spend ``share``
     of it, from autotune.accuracy.plan.step_time's figures: the largest batch (``settings.batch_size``,
-    halved down to MIN_BATCH) at which PREFERRED_STEPS fit, else the largest at which MIN_STEPS fit;
-    ``fits`` False where none does (``needed_budget_s`` says what budget would, at the smallest). On
+    halved down to MIN_BATCH) at which PREFERRED_STEPS of a first verdict and a later check fit, else the
+    largest at which MIN_STEPS of both do, else of the first verdict alone;
+    ``fits`` False where none does (``needed_budget_s`` says what budget would, at the smallest). Each
+    run is counted with ``device``'s set-up (run_setup_steps), which the plan records. On
     a 2-core CPU with bf16 matrix units (AMX) ResNet-50's FP32 baseline ran 1.4 samples/s: the
     reference's and the calibration's FP32 steps at batch 16 took 137 s of a 90 s share."""
     largest = fitting_batch(settings.batch_size, measured, bytes_factor=1.0, minimum=1, multiple=1)
-    options = [_sized(settings, largest, budget_s=budget_s, share=share, measured=measured)]
+    setup = run_setup_steps(device)
+    options = [_sized(settings, largest, budget_s=budget_s, share=share, measured=measured, setup=setup)]
     while options[-1]["batch"] // 2 >= MIN_BATCH:
-        options.append(_sized(settings, options[-1]["batch"] // 2, budget_s=budget_s, share=share, measured=measured))
+        options.append(_sized(settings, options[-1]["batch"] // 2, budget_s=budget_s, share=share, measured=measured,
+                              setup=setup))
     want = min(settings.steps, PREFERRED_STEPS)
-    pick = next((o for o in options if o["fits"] and o["steps"] >= want), None) or \
-        next((o for o in options if o["fits"]), options[-1])
+    pick = next((o for o in options if o["both"] and o["steps"] >= want), None) or \
+        next((o for o in options if o["both"]), None) or next((o for o in options if o["fits"]), options[-1])
     batch = pick.pop("batch")
-    plan = {"how": "scaled", "method": METHOD, **pick, "default_steps": settings.steps, "share": share,
+    pick.pop("both")
+    plan = {"how": "scaled", "method": METHOD, **pick, "setup_steps": setup, "default_steps": settings.steps, "share": share,
             "budget_s": budget_s, "from_trial": measured["trial"], "from_baseline": measured["baseline"]}
     if batch != settings.batch_size:
         plan.update(batch_size=batch, default_batch_size=settings.batch_size)
@@ -88,27 +104,31 @@ def parity_plan(settings: ParitySettings, *, budget_s: float, share: float, meas
 
 
 def _sized(settings: ParitySettings, batch: int, *, budget_s: float, share: float,
-           measured: Mapping[str, Any]) -> dict[str, Any]:
-    """The plan's figures at ``batch``: the most steps (up to settings.steps) whose first verdict
-    fits, what a first and a later verdict cost, and the budget MIN_STEPS would need."""
+           measured: Mapping[str, Any], setup: int) -> dict[str, Any]:
+    """The plan's figures at ``batch``: the most steps (up to settings.steps) with which the first
+    verdict and one later check (RESERVE_MARGIN times its estimate: a configuration's run is slower
+    than FP32's where it recomputes blocks) fit in the share; ``fits`` where the first verdict alone
+    does at MIN_STEPS (a verdict, if not a second); what a first and a later verdict cost, and the
+    budget MIN_STEPS would need."""
     step_s = batch / measured["samples_per_s"]
     overhead = measured["overhead_s"]
-    # the first verdict: the reference, the calibrations and the configuration, each steps + 1
+    # the first verdict: the reference, the calibrations and the configuration, each a run; a later one, a run
     runs = settings.first_verdict_runs
-    steps = min(settings.steps, math.floor((share * budget_s - overhead) / (runs * step_s)) - 1)
-    fits = steps >= MIN_STEPS
-    steps = max(MIN_STEPS, steps)
-    return {"batch": batch, "steps": steps, "fits": fits, "step_s": round(step_s, 6),
-            "estimate_s": round(overhead + runs * run_s(steps, step_s), 1),
-            "first_verdict_s": round(overhead + runs * run_s(steps, step_s), 1),
+    room = share * budget_s - (1 + RESERVE_MARGIN) * overhead
+    steps = min(settings.steps, math.floor(room / ((runs + RESERVE_MARGIN) * step_s)) - 1 - setup)
+    fits = share * budget_s >= overhead + runs * run_s(MIN_STEPS, step_s, setup)
+    both, steps = steps >= MIN_STEPS, max(MIN_STEPS, steps)
+    return {"batch": batch, "steps": steps, "fits": fits, "both": both, "step_s": round(step_s, 6),
+            "estimate_s": round(overhead + runs * run_s(steps, step_s, setup), 1),
+            "first_verdict_s": round(overhead + runs * run_s(steps, step_s, setup), 1),
             # its run: the reference's first gradients and updates are kept for it (parity.GRAD_SAMPLE)
-            "check_s": round(overhead + run_s(steps, step_s), 1),
-            "needed_budget_s": round((overhead + runs * run_s(MIN_STEPS, step_s)) / share, 1)}
+            "check_s": round(overhead + run_s(steps, step_s, setup), 1),
+            "needed_budget_s": round((overhead + runs * run_s(MIN_STEPS, step_s, setup)) / share, 1)}
 
 
-def run_s(steps: int, step_s: float) -> float:
-    """One parity run's training seconds: its ``steps`` and the first batch again."""
-    return (steps + 1) * step_s
+def run_s(steps: int, step_s: float, setup: int = 0) -> float:
+    """One parity run's seconds: its ``setup`` (run_setup_steps), its ``steps`` and the first batch again."""
+    return (steps + 1 + setup) * step_s
 
 
 def later_check_s(study) -> float:
@@ -127,7 +147,7 @@ def later_check_s(study) -> float:
         return max(check_s, measured_later_check_s(trained))  # as the scaling below, never under the plan
     if not (check_s and first and step_s and steps and trained):
         return check_s
-    planned = first - run_s(steps, step_s) if trained.get("fp32") else first
+    planned = first - run_s(steps, step_s, plan.get("setup_steps", 0)) if trained.get("fp32") else first
     return round(check_s * max(1.0, trained["seconds"] / planned), 1) if planned > 0 else check_s
 
 
@@ -185,8 +205,6 @@ class ParityGate(AccuracyGate):
         """The one line said when no verdict fits the budget (no_verdict_notice)."""
         self.study = None
         """The study attached (attach)."""
-        self.leads = False
-        """The check being started is of the best trial so far (evidence's ``leads``)."""
         self._grads_dir: str | None = None
         """A folder of this run's: the FP32 reference's first gradients, sampled, between its checks."""
 
@@ -211,7 +229,8 @@ class ParityGate(AccuracyGate):
 
     def make_plan(self, measured: dict[str, Any]) -> dict[str, Any]:
         measured = {**measured, "overhead_s": self._overhead(measured)}
-        plan = parity_plan(self.settings, budget_s=self.budget_s, share=self.share, measured=measured)
+        plan = parity_plan(self.settings, budget_s=self.budget_s, share=self.share, measured=measured,
+                           device=self.space.device)
         if not plan["fits"]:
             self.notice = no_verdict_notice(plan)
             warnings.warn(self.notice, stacklevel=2)
@@ -223,14 +242,13 @@ class ParityGate(AccuracyGate):
         return measured.get("worker_start_s", 0.0) + BUILDS * measured.get("build_s", 0.0)
 
     def _keep_s(self, study) -> float:
-        """Seconds of the share a check keeps for the recommendation's verdict at the end: none for
-        the end's own check, the one that trains the reference, or the best trial's so far (its check
-        is that verdict, unless a later trial beats it: the planner let it be checked, expecting none
-        to, autotune.search.objective); one later check's otherwise. On a 2-core CPU ResNet-50's best
-        (bf16, the second trial) was left unchecked while its first verdict (84 s) and one more (31 s)
-        did not fit the 90 s share together, and at the end the last trial had run into the seconds
-        kept for it."""
-        if self.final or self.leads or self._reference(study) is None:
+        """Seconds of the share a check keeps for the recommendation's verdict at the end: one later
+        check's, for every check but the end's own (the plan holds the first verdict and one later check:
+        parity_plan). The best trial's so far keeps them too: its configuration may fail, or a later
+        trial beat it, and the recommendation's check then follows (a 1B Llama's check of its best
+        candidate, before it ran, took the share and failed; the winner's check at the end took as much
+        again as the share had left: reports/measurement-log.md)."""
+        if self.final:
             return 0.0
         return later_check_s(study)
 
@@ -245,17 +263,13 @@ class ParityGate(AccuracyGate):
         return plan.get("fits", True) is not False
 
     def evidence(self, study, knobs: Mapping[str, Any], *, check: bool, timeout_s: float | None = None,
-                 within_share: bool = True, label: str = "", leads: bool = False) -> dict[str, Any] | None:
+                 within_share: bool = True, label: str = "") -> dict[str, Any] | None:
         self.settle(study, force=check)
         if check and self.budget_s is not None and not self._planned_fits(study):
             check = False  # said once, before the checks: no verdict fits this budget
         if check and unfit(study, self.settings, knobs) is not None:
             check = False  # its check ran out of memory once: it would again
-        self.leads = leads
-        try:
-            return super().evidence(study, knobs, check=check, timeout_s=timeout_s, within_share=True, label=label)
-        finally:
-            self.leads = False
+        return super().evidence(study, knobs, check=check, timeout_s=timeout_s, within_share=True, label=label)
 
     def _timeout(self, timeout_s: float | None, within_share: bool) -> float | None:
         """How long the next check may take (``timeout_s``: what the budget's end leaves it); None: it is

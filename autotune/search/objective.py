@@ -422,7 +422,7 @@ class Objective:
                 check = False
         try:
             accuracy = self.accuracy.evidence(trial.study, TrialRecord.of(trial).knobs, check=check, timeout_s=timeout,
-                                              label=f"#{trial.number}", leads=_leads(trial.study, value))
+                                              label=f"#{trial.number}")
         except KeyboardInterrupt:
             write(trial, reason="the search was interrupted during this trial's accuracy check; "
                                           "re-queued for the next run")
@@ -467,17 +467,6 @@ class Objective:
             if other.params == trial.params and TrialRecord.of(other).status is not None:
                 return other
         return None
-
-
-def _leads(study: optuna.Study, value: float) -> bool:
-    """Whether ``value`` is at least the best completed trial's: its check is the recommendation's
-    verdict unless a later trial beats it."""
-    from optuna.study import StudyDirection
-
-    done = [t.value for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
-    if not done:
-        return True
-    return value >= max(done) if study.direction == StudyDirection.MAXIMIZE else value <= min(done)
 
 
 def dumps(obj: Any) -> str:

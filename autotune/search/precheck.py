@@ -36,8 +36,7 @@ def verdict_before_running(objective, trial: optuna.Trial) -> tuple[str, dict[st
     timeout = worth_checking_first(objective, trial)
     if timeout is None:
         return None
-    checked = gate.evidence(study, knobs, check=True, timeout_s=timeout, label=f"#{trial.number}, before it runs",
-                            leads=True)
+    checked = gate.evidence(study, knobs, check=True, timeout_s=timeout, label=f"#{trial.number}, before it runs")
     if failed(checked):
         return f"not run: its accuracy check, before it ran, failed: {checked.get('reason')}", checked
     return None

@@ -175,6 +175,15 @@ PRIORS: tuple[Prior, ...] = (
           means="a compile loaded from Inductor's cache as a share of the cold compile it repeats (GPT-2: 3.7 s "
                 "against 25.4; its regional compile 2.6 against 10.5)",
           source="reports/search-yield/h200-3445a3e/gpt2-5m", measured_on="H200"),
+    Prior(knob="accuracy check", value="cuda", what="run set-up steps", prior=12,
+          means="a parity run's build, a calibration's move of the weights and its first step (gradients kept or "
+                "compared tensor by tensor), in steps of the run's own pace: the median of 14 runs of ResNet-50's "
+                "and a 1B Llama's checks was 12 (6 to 34), their paces tenfold apart (the GPU's first calls, not "
+                "the model, set it); planned without it, the Llama's checks took 78 s of a 45 s share",
+          source="reports/warm-start-h100-e2adee6", measured_on="H100"),
+    Prior(knob="accuracy check", value="cpu", what="run set-up steps", prior=1,
+          means="the same on a 2-core CPU: ResNet-50's runs took 0.2-0.5 of a step (one step, rounded up)",
+          source="reports/resnet50-cpu-10m"),
     Prior(knob="trial", value=None, what="seconds", prior=10.0,
           means="a trial's seconds before any trial was measured (a compile's prior comes on top): assumed",
           source=_log("assumed-priors")),

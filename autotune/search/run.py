@@ -336,5 +336,8 @@ def _optimize(config: SearchConfig, study: optuna.Study, objective: Callable[[op
             if stop.requested():  # asked after the last trial, and swallowed
                 interrupted = KeyboardInterrupt()
         finally:
-            discard_spares()  # no more trials: the worker started for the next one is not needed
+            if interrupted is not None:
+                discard_spares()
+            # else the worker started for the next trial is kept for the recommendation's accuracy check (a
+            # fresh one took a third of a 1B Llama's), until the search ends (run_search's finally)
     return interrupted
