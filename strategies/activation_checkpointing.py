@@ -373,6 +373,10 @@ def _hf_version() -> str:
 # the knob ----------------------------------------------------------------------------------------
 
 
+# its Optuna parameter, named here once (Strategy.param): the engine names it by this
+EVERY_PARAM = "activation_checkpointing.every"
+
+
 class ActivationCheckpointing(Strategy):
     """Recompute repeated blocks' activations in the backward pass (see :func:`checkpoint_blocks`)."""
 

@@ -52,6 +52,10 @@ ENVIRONMENT_FIX = ("set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the 
                    "first uses CUDA")
 
 
+# its Optuna parameter, named here once (Strategy.param): the engine names it by this
+EXPANDABLE_SEGMENTS_PARAM = "allocator.expandable_segments"
+
+
 class Allocator(Strategy):
     """The CUDA caching allocator's expandable segments (less memory reserved than allocated)."""
 

@@ -208,6 +208,10 @@ def _capability(probe: Mapping[str, Any]) -> tuple[int, ...] | None:
         return None
 
 
+# its Optuna parameter, named here once (Strategy.param): the engine names it by this
+BACKEND_PARAM = "attention.backend"
+
+
 class Attention(Strategy):
     """Pin the SDPA backend of every training step (see :func:`pinned`)."""
 

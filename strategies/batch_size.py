@@ -41,6 +41,10 @@ def nearest(values: list[int], target: int) -> int:
     return min(values, key=lambda v: (abs(v - target), v))
 
 
+# its Optuna parameter, named here once (Strategy.param): the engine names it by this
+BATCH_SIZE_PARAM = "batch_size.batch_size"
+
+
 class BatchSize(Strategy):
     name = "batch_size"
 
@@ -95,7 +99,7 @@ class BatchSize(Strategy):
     def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
         # the known-good ones name their batch; the baseline runs the user's (under
         # --global-batch-size: the global batch's largest micro-batch)
-        return {} if tuned else {"batch_size.batch_size": nearest(space.batch_sizes, space.base_batch_size)}
+        return {} if tuned else {BATCH_SIZE_PARAM: nearest(space.batch_sizes, space.base_batch_size)}
 
     def words(self, values: Mapping[str, Any]) -> str:
         steps = values.get("accumulation_steps", 1)

@@ -185,6 +185,10 @@ def misaligned_layers(model: nn.Module, multiple: int) -> list[str]:
     return names
 
 
+# its Optuna parameter, named here once (Strategy.param): the engine names it by this
+MULTIPLE_PARAM = "channel_alignment.multiple"
+
+
 class ChannelAlignment(Strategy):
     """Pad Conv/Linear widths to a channel multiple (see :func:`align_channels`)."""
 
@@ -201,7 +205,7 @@ class ChannelAlignment(Strategy):
         return {"alignments": [1] + ([m for m in (8, 16) if misaligned.get(str(m))] if device == "cuda" else [])}
 
     def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
-        return {"channel_alignment.multiple": 1}
+        return {MULTIPLE_PARAM: 1}
 
     def words(self, values: Mapping[str, Any]) -> str:
         return f"pad x{values['multiple']}" if values.get("multiple", 1) > 1 else ""

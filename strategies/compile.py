@@ -55,6 +55,10 @@ COMPILE_ALLOWANCE_S = {"off": 0.0, "default": 300.0, "reduce-overhead": 300.0, "
 timeout, while a ResNet-50 max-autotune compile (several minutes of kernel benchmarks) is not."""
 
 
+# its Optuna parameter, named here once (Strategy.param): the engine names it by this
+MODE_PARAM = "compile.mode"
+
+
 class Compile(Strategy):
     name = "compile"
 
@@ -78,7 +82,7 @@ class Compile(Strategy):
         return {"compile_modes": candidates(device, blocks=int(probe.get("checkpoint_blocks") or 0))}
 
     def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
-        return {"compile.mode": "off"}  # eager; the known-good ones that compile say so
+        return {MODE_PARAM: "off"}  # eager; the known-good ones that compile say so
 
     def words(self, values: Mapping[str, Any]) -> str:
         return f"compile {values['mode']}" if values.get("mode", "off") != "off" else ""

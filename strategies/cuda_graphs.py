@@ -53,6 +53,10 @@ def legal(space: SearchSpace, chosen: Mapping[str, Any]) -> bool:
     return True
 
 
+# its Optuna parameter, named here once (Strategy.param): the engine names it by this
+ENABLED_PARAM = "cuda_graphs.enabled"
+
+
 class CudaGraphs(Strategy):
     name = "cuda_graphs"
 
@@ -69,7 +73,7 @@ class CudaGraphs(Strategy):
                 and not options.global_batch_size else [False]}
 
     def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
-        return {"cuda_graphs.enabled": False}
+        return {ENABLED_PARAM: False}
 
     def words(self, values: Mapping[str, Any]) -> str:
         return "CUDA graphs" if values.get("enabled") else ""

@@ -15,6 +15,10 @@ from autotune.deploy.space import SearchSpace
 from strategies.base import ReportKnob, Strategy
 
 
+# its Optuna parameter, named here once (Strategy.param): the engine names it by this
+BENCHMARK_PARAM = "cudnn.benchmark"
+
+
 class Cudnn(Strategy):
     name = "cudnn"
 
@@ -27,7 +31,7 @@ class Cudnn(Strategy):
         return {"cudnn_benchmark": [False, True] if device == "cuda" else [False]}
 
     def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
-        return {"cudnn.benchmark": tuned}
+        return {BENCHMARK_PARAM: tuned}
 
     def words(self, values: Mapping[str, Any]) -> str:
         return "cudnn.benchmark" if values.get("benchmark") else ""

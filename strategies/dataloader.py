@@ -52,6 +52,12 @@ def candidates(cpus: int | None = None) -> list[int]:
     return sorted(values)
 
 
+# its Optuna parameters, named here once (Strategy.param): the engine names them by these
+NUM_WORKERS_PARAM = "dataloader.num_workers"
+PIN_MEMORY_PARAM = "dataloader.pin_memory"
+PREFETCH_FACTOR_PARAM = "dataloader.prefetch_factor"
+
+
 class DataLoaderStrategy(Strategy):
     name = "dataloader"
 
@@ -118,11 +124,11 @@ def seed_params(space: SearchSpace, *, tuned: bool) -> dict[str, Any]:
     """Optuna parameters of the seed configurations: the untuned DataLoader (no workers, no
     pinning) for the baseline, every CPU decoding into pinned memory for the known-good ones."""
     if not tuned:
-        return {"dataloader.num_workers": 0, "dataloader.pin_memory": False}
-    params: dict[str, Any] = {"dataloader.num_workers": max(space.dataloader_workers or [0]),
-                              "dataloader.pin_memory": max(space.dataloader_pin_memory)}
-    if params["dataloader.num_workers"]:
-        params["dataloader.prefetch_factor"] = min(space.dataloader_prefetch_factors)
+        return {NUM_WORKERS_PARAM: 0, PIN_MEMORY_PARAM: False}
+    params: dict[str, Any] = {NUM_WORKERS_PARAM: max(space.dataloader_workers or [0]),
+                              PIN_MEMORY_PARAM: max(space.dataloader_pin_memory)}
+    if params[NUM_WORKERS_PARAM]:
+        params[PREFETCH_FACTOR_PARAM] = min(space.dataloader_prefetch_factors)
     return params
 
 

@@ -47,6 +47,12 @@ def _ddp_on(knobs: Mapping[str, Any]) -> bool:
     return (knobs.get("ddp") or {}).get("world_size", 1) > 1
 
 
+# its Optuna parameters, named here once (Strategy.param): the engine names them by these
+BUCKET_CAP_MB_PARAM = "ddp.bucket_cap_mb"
+GRADIENT_AS_BUCKET_VIEW_PARAM = "ddp.gradient_as_bucket_view"
+STATIC_GRAPH_PARAM = "ddp.static_graph"
+
+
 class DDP(Strategy):
     name = "ddp"
 
@@ -75,8 +81,8 @@ class DDP(Strategy):
 
     def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
         # DistributedDataParallel as a user builds it, with PyTorch's defaults
-        return {"ddp.bucket_cap_mb": self.Config.bucket_cap_mb, "ddp.gradient_as_bucket_view": False,
-                "ddp.static_graph": False}
+        return {BUCKET_CAP_MB_PARAM: self.Config.bucket_cap_mb, GRADIENT_AS_BUCKET_VIEW_PARAM: False,
+                STATIC_GRAPH_PARAM: False}
 
     def words(self, values: Mapping[str, Any]) -> str:
         if values.get("world_size", 1) <= 1:

@@ -178,6 +178,10 @@ def flip_input_grad(model: nn.Module) -> nn.Module:
     return swap_layers(model, eligible, FlippedGradConv2d)
 
 
+# its Optuna parameter, named here once (Strategy.param): the engine names it by this
+INPUT_GRAD_PARAM = "depthwise_conv.input_grad"
+
+
 class DepthwiseConv(LayerSwap):
     """A depthwise convolution's input gradient: the framework's, or a flipped forward convolution."""
 

@@ -35,6 +35,10 @@ _NORM_TYPES: tuple[type[nn.Module], ...] = (
 _MARK = "_autotune_fp32"
 
 
+# its Optuna parameter, named here once (Strategy.param): the engine names it by this
+LAYERS_PARAM = "fp32_layers.layers"
+
+
 class FP32Layers(Strategy):
     name = "fp32_layers"
 
@@ -54,7 +58,7 @@ class FP32Layers(Strategy):
                 if options.accuracy_check and autocast else ["none"]}
 
     def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
-        return {"fp32_layers.layers": "none"} if tuned else {}  # not a parameter of the FP32 baseline
+        return {LAYERS_PARAM: "none"} if tuned else {}  # not a parameter of the FP32 baseline
 
     def words(self, values: Mapping[str, Any]) -> str:
         return f"fp32 {values['layers']}" if values.get("layers", "none") != "none" else ""

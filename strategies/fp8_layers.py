@@ -26,6 +26,10 @@ from strategies.base import ReportKnob, Strategy
 LAYERS = ("all", "feed-forward")
 
 
+# its Optuna parameter, named here once (Strategy.param): the engine names it by this
+LAYERS_PARAM = "fp8_layers.layers"
+
+
 class FP8Layers(Strategy):
     name = "fp8_layers"
     label = "fp8 layers"

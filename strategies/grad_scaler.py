@@ -13,10 +13,18 @@ from typing import Any, Mapping
 from autotune.deploy.recipe import Recipe
 from autotune.deploy.space import SearchSpace
 from strategies.base import ReportKnob, Strategy
+from strategies.precision import MODE_PARAM as PRECISION_MODE_PARAM
 
 
 def _scaler_on(knobs: Mapping[str, Any]) -> bool:
     return bool((knobs.get("grad_scaler") or {}).get("enabled"))
+
+
+# its Optuna parameters, named here once (Strategy.param): the engine names them by these
+INIT_SCALE_PARAM = "grad_scaler.init_scale"
+GROWTH_FACTOR_PARAM = "grad_scaler.growth_factor"
+BACKOFF_FACTOR_PARAM = "grad_scaler.backoff_factor"
+GROWTH_INTERVAL_PARAM = "grad_scaler.growth_interval"
 
 
 class GradScalerStrategy(Strategy):
@@ -36,7 +44,7 @@ class GradScalerStrategy(Strategy):
         """Overflow-free steps before the scale grows."""
 
     def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
-        if not tuned or chosen.get("precision.mode") != "fp16":
+        if not tuned or chosen.get(PRECISION_MODE_PARAM) != "fp16":
             return {}
         # torch.amp.GradScaler's defaults: what the guides' fp16 recipe uses
         defaults = self.Config()

@@ -239,6 +239,10 @@ def probe(model: nn.Module, *, device: str) -> dict[str, Any] | None:
     return {"model_type": kind, "reason": unpatchable(found[0]) if device == "cuda" else NOT_ON_CPU}
 
 
+# its Optuna parameter, named here once (Strategy.param): the engine names it by this
+KERNELS_PARAM = "llm_kernels.kernels"
+
+
 class LLMKernels(Strategy):
     """A transformers LLM's layers as liger-kernel's Triton kernels (see the module's docstring)."""
 

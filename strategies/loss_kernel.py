@@ -364,6 +364,10 @@ def allowed(chosen: Mapping[str, Any]) -> bool:
     return (precision is None or precision.mode != "fp16") and (padding is None or padding.multiple == 1)
 
 
+# its Optuna parameter, named here once (Strategy.param): the engine names it by this
+KERNEL_PARAM = "loss_kernel.kernel"
+
+
 class LossKernel(Strategy):
     """The framework's cross-entropy or a fused linear cross-entropy (see the module's docstring)."""
 

@@ -18,6 +18,10 @@ from strategies.base import ReportKnob, Strategy
 FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last}
 
 
+# its Optuna parameter, named here once (Strategy.param): the engine names it by this
+FORMAT_PARAM = "memory_format.format"
+
+
 class MemoryFormat(Strategy):
     name = "memory_format"
 
@@ -32,7 +36,7 @@ class MemoryFormat(Strategy):
 
     def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
         fast = "channels_last" if "channels_last" in space.memory_formats else "contiguous"
-        return {"memory_format.format": fast if tuned else "contiguous"}
+        return {FORMAT_PARAM: fast if tuned else "contiguous"}
 
     def words(self, values: Mapping[str, Any]) -> str:
         return values.get("format", "contiguous")

@@ -45,6 +45,11 @@ _FLAGS = {"plain": {"foreach": False, "fused": False},
           "fused": {"foreach": False, "fused": True}}
 
 
+# its Optuna parameters, named here once (Strategy.param): the engine names them by these
+IMPLEMENTATION_PARAM = "optimizer.implementation"
+SET_TO_NONE_PARAM = "optimizer.set_to_none"
+
+
 class Optimizer(Strategy):
     name = "optimizer"
 
@@ -70,7 +75,7 @@ class Optimizer(Strategy):
         # the fused one say so)
         implementations = space.optimizer_implementations
         untuned = UNTUNED[space.device] if UNTUNED[space.device] in implementations else implementations[0]
-        return {"optimizer.implementation": untuned, "optimizer.set_to_none": True}
+        return {IMPLEMENTATION_PARAM: untuned, SET_TO_NONE_PARAM: True}
 
     def words(self, values: Mapping[str, Any]) -> str:
         parts = []

@@ -77,6 +77,10 @@ _STATE_KEYS = {"exp_avg": True, "exp_avg_sq": False, "max_exp_avg_sq": False}
 """Adam's moment tensors and whether their 8-bit codes are signed (the mean is; its square is not)."""
 
 
+# its Optuna parameter, named here once (Strategy.param): the engine names it by this
+STATE_PARAM = "optimizer_state.state"
+
+
 class OptimizerState(Strategy):
     """Keep Adam/AdamW's moments in FP32 or in 8 bits (torchao's AdamW8bit/Adam8bit)."""
 

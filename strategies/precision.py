@@ -29,6 +29,10 @@ MODES = ("fp32", "tf32", "fp16", "bf16", "fp8")
 FP8_EXTRA = "pip install 'autotune[fp8]' (torchao)"
 
 
+# its Optuna parameter, named here once (Strategy.param): the engine names it by this
+MODE_PARAM = "precision.mode"
+
+
 class Precision(Strategy):
     name = "precision"
 
@@ -61,7 +65,7 @@ class Precision(Strategy):
         return {"precisions": precisions}
 
     def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
-        return {} if tuned else {"precision.mode": "fp32"}  # the known-good ones name their mode
+        return {} if tuned else {MODE_PARAM: "fp32"}  # the known-good ones name their mode
 
     def words(self, values: Mapping[str, Any]) -> str:
         return values.get("mode", "fp32")

@@ -129,6 +129,10 @@ def space_to_depth(model: nn.Module) -> nn.Module:
     return swap_layers(model, eligible, SpaceToDepthConv2d)
 
 
+# its Optuna parameter, named here once (Strategy.param): the engine names it by this
+STEM_PARAM = "stem_conv.stem"
+
+
 class StemConv(LayerSwap):
     """A stem convolution's formulation: the framework's, or space-to-depth."""
 

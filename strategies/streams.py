@@ -19,6 +19,10 @@ from autotune.deploy.space import SearchSpace
 from strategies.base import ReportKnob, Strategy
 
 
+# its Optuna parameter, named here once (Strategy.param): the engine names it by this
+NUM_STREAMS_PARAM = "streams.num_streams"
+
+
 class Streams(Strategy):
     name = "streams"
 
@@ -32,7 +36,7 @@ class Streams(Strategy):
         return {"stream_counts": [1, 2] if device == "cuda" and not options.input_on_device else [1]}
 
     def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
-        return {"streams.num_streams": max(space.stream_counts) if tuned else 1}
+        return {NUM_STREAMS_PARAM: max(space.stream_counts) if tuned else 1}
 
     def words(self, values: Mapping[str, Any]) -> str:
         return f"{values['num_streams']} streams" if values.get("num_streams", 1) > 1 else ""

@@ -26,6 +26,10 @@ def candidates(num_cpus: int | None = None) -> list[int]:
     return sorted(values)
 
 
+# its Optuna parameter, named here once (Strategy.param): the engine names it by this
+NUM_THREADS_PARAM = "threads.num_threads"
+
+
 class Threads(Strategy):
     name = "threads"
 
@@ -44,7 +48,7 @@ class Threads(Strategy):
         return {"thread_counts": candidates(max(1, cpus_available() // options.ddp) if options.ddp else None)}
 
     def seed(self, space: SearchSpace, *, tuned: bool, chosen: Mapping[str, Any]) -> dict[str, Any]:
-        return {"threads.num_threads": max(space.thread_counts) if space.thread_counts else 0}
+        return {NUM_THREADS_PARAM: max(space.thread_counts) if space.thread_counts else 0}
 
     def words(self, values: Mapping[str, Any]) -> str:
         n = values.get("num_threads")

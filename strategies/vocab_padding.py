@@ -165,6 +165,10 @@ def pad_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                     state[key] = _pad_rows(value, param.shape[0])
 
 
+# its Optuna parameter, named here once (Strategy.param): the engine names it by this
+MULTIPLE_PARAM = "vocab_padding.multiple"
+
+
 class VocabPadding(Strategy):
     """Pad the vocabulary of a language model to a multiple of 64 (see :func:`pad_vocab`)."""
 

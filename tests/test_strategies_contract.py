@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import sys
 from typing import Any
 
 import optuna
@@ -156,6 +157,23 @@ def test_parameters_are_prefixed_fields(strategy: strategies.Strategy, space_id:
         # and in a full sample, every parameter belongs to a registered strategy
         for name in params:
             assert name.split(".", 1)[0] in strategies.BY_NAME, name
+
+
+@pytest.mark.parametrize("strategy", strategies.REGISTRY, ids=STRATEGY_IDS)
+def test_its_module_names_each_parameter_once(strategy: strategies.Strategy) -> None:
+    """Each knob's module defines the names of the parameters it samples (``<FIELD>_PARAM``, what the
+    engine refers to them by), and each is ``Strategy.param`` of a field of its Config (issue 57)."""
+    module = sys.modules[type(strategy).__module__]
+    named = {value: attr for attr, value in vars(module).items()  # its own: not another knob's, imported
+             if attr.endswith("_PARAM") and isinstance(value, str) and value.startswith(strategy.name + ".")}
+    field_names = {f.name for f in dataclasses.fields(strategy.Config)}
+    for value, attr in named.items():
+        field = attr.removesuffix("_PARAM").lower()
+        assert field in field_names and value == strategy.param(field), f"{module.__name__}.{attr} = {value!r}"
+    for space_id in SPACE_IDS:
+        for params, _, _ in sampled(space_id):
+            own = {name for name in params if name.split(".", 1)[0] == strategy.name}
+            assert own <= set(named), f"{module.__name__} does not name {sorted(own - set(named))}"
 
 
 @pytest.mark.parametrize("space_id", SPACE_IDS)

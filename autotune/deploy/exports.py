@@ -114,60 +114,66 @@ def _fp8_layers_arg(values: dict[str, dict[str, Any]]) -> str:
 # where there is one; an export leaves out the settings it does express.
 def _common_unsupported(values: dict[str, dict[str, Any]], target: str) -> list[dict[str, Any]]:
     checks: list[tuple[str, Any, bool, str]] = [
-        ("precision.mode", values["precision"]["mode"], values["precision"]["mode"] == "fp8",
+        (strategies.precision.MODE_PARAM, values["precision"]["mode"], values["precision"]["mode"] == "fp8",
          f"{target} has no float8 training option: its bf16 mixed precision is set; convert the Linear layers with "
          f"strategies.precision.to_float8_training(model{_fp8_layers_arg(values)}) (torchao) before training"),
-        ("memory_format.format", values["memory_format"]["format"], values["memory_format"]["format"] != "contiguous",
+        (strategies.memory_format.FORMAT_PARAM, values["memory_format"]["format"],
+         values["memory_format"]["format"] != "contiguous",
          f"{target} has no memory-format option: call model.to(memory_format=torch.channels_last) before training "
          "(a channels_last model's convolutions then run channels_last)"),
-        ("channel_alignment.multiple", values["channel_alignment"]["multiple"],
+        (strategies.channel_alignment.MULTIPLE_PARAM, values["channel_alignment"]["multiple"],
          values["channel_alignment"]["multiple"] > 1,
          f"{target} cannot change the model's layers: pad them with cfg.prepare(model) (or "
          "strategies.channel_alignment.align_channels) before training"),
-        ("depthwise_conv.input_grad", values["depthwise_conv"]["input_grad"],
+        (strategies.depthwise_conv.INPUT_GRAD_PARAM, values["depthwise_conv"]["input_grad"],
          values["depthwise_conv"]["input_grad"] != "framework",
          f"{target} cannot change the model's layers: swap its depthwise convolutions with cfg.prepare(model) (or "
          "strategies.depthwise_conv.flip_input_grad) before training"),
-        ("stem_conv.stem", values["stem_conv"]["stem"], values["stem_conv"]["stem"] != "framework",
+        (strategies.stem_conv.STEM_PARAM, values["stem_conv"]["stem"], values["stem_conv"]["stem"] != "framework",
          f"{target} cannot change the model's layers: swap its stem convolution with cfg.prepare(model) (or "
          "strategies.stem_conv.space_to_depth) before training"),
-        ("fp32_layers.layers", values["fp32_layers"]["layers"], values["fp32_layers"]["layers"] != "none",
+        (strategies.fp32_layers.LAYERS_PARAM, values["fp32_layers"]["layers"],
+         values["fp32_layers"]["layers"] != "none",
          f"{target}'s autocast covers the whole model: keep those layers in FP32 with "
          "strategies.fp32_layers.keep_fp32(model, kinds) before training"),
-        ("cudnn.benchmark", values["cudnn"]["benchmark"], bool(values["cudnn"]["benchmark"]),
+        (strategies.cudnn.BENCHMARK_PARAM, values["cudnn"]["benchmark"], bool(values["cudnn"]["benchmark"]),
          f"{target} has no cudnn.benchmark option: set torch.backends.cudnn.benchmark = True in your script"),
-        ("streams.num_streams", values["streams"]["num_streams"], values["streams"]["num_streams"] > 1,
+        (strategies.streams.NUM_STREAMS_PARAM, values["streams"]["num_streams"], values["streams"]["num_streams"] > 1,
          f"{target} copies each batch on the compute stream: there is no side-stream copy of the next batch "
          "(pin_memory=True still makes the copy asynchronous)"),
-        ("threads.num_threads", values["threads"]["num_threads"], values["threads"]["num_threads"] > 0,
+        (strategies.threads.NUM_THREADS_PARAM, values["threads"]["num_threads"], values["threads"]["num_threads"] > 0,
          f"{target} has no thread-count option: call torch.set_num_threads(N) in your script"),
-        ("cuda_graphs.enabled", values["cuda_graphs"]["enabled"], bool(values["cuda_graphs"]["enabled"]),
+        (strategies.cuda_graphs.ENABLED_PARAM, values["cuda_graphs"]["enabled"], bool(values["cuda_graphs"]["enabled"]),
          f"{target} runs the step eagerly: capturing the whole step in one CUDA graph needs cfg.train_step "
          f"(compile mode reduce-overhead is the nearest {target} has)"),
-        ("compile.mode", values["compile"]["mode"], values["compile"]["mode"] == "regional",
+        (strategies.compile.MODE_PARAM, values["compile"]["mode"], values["compile"]["mode"] == "regional",
          f"{target} compiles the whole model or nothing: compile its repeated blocks with "
          "strategies.compile.compile_regions(model) before training (Lightning's callback does it)"),
-        ("optimizer.set_to_none", values["optimizer"]["set_to_none"], not values["optimizer"]["set_to_none"],
+        (strategies.optimizer.SET_TO_NONE_PARAM, values["optimizer"]["set_to_none"],
+         not values["optimizer"]["set_to_none"],
          f"{target} clears gradients with zero_grad() (set_to_none=True); zeroing in place needs your own step"),
-        ("loss_kernel.kernel", values["loss_kernel"]["kernel"], values["loss_kernel"]["kernel"] != "framework",
+        (strategies.loss_kernel.KERNEL_PARAM, values["loss_kernel"]["kernel"],
+         values["loss_kernel"]["kernel"] != "framework",
          f"{target} computes the loss your code computes: make it liger-kernel's fused linear cross-entropy with "
          "loss_fn = strategies.loss_kernel.fused_loss(model, loss_fn) once the model is prepared (Lightning: in "
          "setup); the model then returns its LM head's input in training mode, which that loss_fn takes"),
-        ("llm_kernels.kernels", values["llm_kernels"]["kernels"], values["llm_kernels"]["kernels"] != "framework",
+        (strategies.llm_kernels.KERNELS_PARAM, values["llm_kernels"]["kernels"],
+         values["llm_kernels"]["kernels"] != "framework",
          f"{target} runs the model's layers as transformers writes them: bind liger-kernel's RMSNorm, RoPE and SwiGLU "
          "kernels with strategies.llm_kernels.apply_liger(model) before training (liger's "
          "apply_liger_kernel_to_<model type>(model=model), its losses off)"),
-        ("activation_checkpointing.every", values["activation_checkpointing"]["every"],
+        (checkpointing.EVERY_PARAM, values["activation_checkpointing"]["every"],
          values["activation_checkpointing"]["every"] > 0,
          f"{target} has no activation-checkpointing option: call "
          f"{checkpointing.CODE.format(every=values['activation_checkpointing']['every'])} before training "
          "(transformers models: through their own activation_checkpointing_enable)"),
-        ("optimizer_state.state", values["optimizer_state"]["state"], values["optimizer_state"]["state"] != "full",
+        (strategies.optimizer_state.STATE_PARAM, values["optimizer_state"]["state"],
+         values["optimizer_state"]["state"] != "full",
          f"{target} takes the optimizer your code builds: keep its Adam states in 8 bits with "
          f"optimizer = strategies.optimizer_state.rebuild(optimizer, {values['optimizer_state']['state']!r}) "
          "(torchao's or bitsandbytes' AdamW8bit, same param groups "
          "and hyperparameters) where you build it (Lightning: in configure_optimizers)"),
-        ("allocator.expandable_segments", values["allocator"]["expandable_segments"],
+        (allocator.EXPANDABLE_SEGMENTS_PARAM, values["allocator"]["expandable_segments"],
          bool(values["allocator"]["expandable_segments"]),
          f"{target} has no CUDA allocator option: {allocator.ENVIRONMENT_FIX} (autotune.load(CONFIG) sets it too, "
          "for what the process allocates after it)"),
@@ -234,8 +240,9 @@ def hf_training_args(cfg: Any) -> HFExport:
     args["torch_compile"] = compile_mode not in ("off", "regional")  # regional: listed as not expressed
     if args["torch_compile"]:
         args.update(torch_compile_backend="inductor", torch_compile_mode=compile_mode)
-    out = unsupported(cfg, "TrainingArguments", expressed={"optimizer_state.state", "loss_kernel.kernel",
-                                                           "llm_kernels.kernels", "activation_checkpointing.every"})
+    out = unsupported(cfg, "TrainingArguments", expressed={
+        strategies.optimizer_state.STATE_PARAM, strategies.loss_kernel.KERNEL_PARAM, strategies.llm_kernels.KERNELS_PARAM,
+        checkpointing.EVERY_PARAM})
     implementation = values["optimizer"]["implementation"]
     optim = hf_optimizer(implementation, cfg.device)
     state = values["optimizer_state"]["state"]
@@ -254,13 +261,13 @@ def hf_training_args(cfg: Any) -> HFExport:
     elif optim is not None:
         args["optim"] = optim
     else:
-        out.append(item("optimizer.implementation", implementation,
+        out.append(item(strategies.optimizer.IMPLEMENTATION_PARAM, implementation,
                         f"TrainingArguments(optim=...) offers AdamW fused or as PyTorch defaults it, not "
                         f"{implementation}: pass your own optimizer with Trainer(optimizers=(optimizer, None))"))
     checkpointing_args, why = checkpointing.hf_training_args(values["activation_checkpointing"]["every"])
     args.update(checkpointing_args)  # what the Trainer passes to the model's activation_checkpointing_enable
     if why:
-        out.append(item("activation_checkpointing.every", values["activation_checkpointing"]["every"], why))
+        out.append(item(checkpointing.EVERY_PARAM, values["activation_checkpointing"]["every"], why))
     out += hf_liger(cfg, values, args)
     scaler = tuned_scaler(values)
     if scaler:
@@ -270,8 +277,8 @@ def hf_training_args(cfg: Any) -> HFExport:
     if ddp is not None:
         args.update(ddp_bucket_cap_mb=ddp["bucket_cap_mb"], ddp_static_graph=ddp["static_graph"])
         if ddp["gradient_as_bucket_view"]:
-            out.append(item("ddp.gradient_as_bucket_view", True, "TrainingArguments has no gradient_as_bucket_view "
-                                                                 "option (launch with torchrun for the DDP itself)"))
+            out.append(item(strategies.ddp.GRADIENT_AS_BUCKET_VIEW_PARAM, True, "TrainingArguments has no "
+                            "gradient_as_bucket_view option (launch with torchrun for the DDP itself)"))
     return HFExport(args, out)
 
 
@@ -291,17 +298,17 @@ here rather than read from liger-kernel, so an export says the same wherever it 
 
 def _liger_gap(setting: str, model: str, model_type: str | None) -> str:
     """Why the Trainer's liger patch cannot carry ``setting`` for a workload of ``model``, and what to do."""
+    on_loss = setting == strategies.loss_kernel.KERNEL_PARAM
     if model_type is None:
-        applied = "its fused loss (in the model's forward, from its labels)" if setting == "loss_kernel.kernel" \
-            else "its kernels"
+        applied = "its fused loss (in the model's forward, from its labels)" if on_loss else "its kernels"
         tuned_on = f"{model}, not an hf: model" if model else "a workload config.json does not record"
         head = (f"TrainingArguments(use_liger_kernel=True) applies liger-kernel's {applied} only to a transformers "
                 f"model of a type liger patches, and this configuration was tuned on {tuned_on}")
     else:
-        left = "their loss" if setting == "loss_kernel.kernel" else "their layers"
+        left = "their loss" if on_loss else "their layers"
         head = (f"liger-kernel has no transformers patch for {model_type} models, so TrainingArguments("
                 f"use_liger_kernel=True) leaves {left} as they are")
-    if setting == "loss_kernel.kernel":
+    if on_loss:
         return (f"{head}: train with cfg.train_step, or a loop of your own with "
                 "loss_fn = strategies.loss_kernel.fused_loss(model, loss_fn)")
     return f"{head}: bind liger's kernels with strategies.llm_kernels.apply_liger(model) before training"
@@ -316,7 +323,8 @@ def hf_liger(cfg: Any, values: dict[str, dict[str, Any]], args: dict[str, Any]) 
     from strategies.loss_kernel import hf_liger_config
 
     kernels, loss = values["llm_kernels"]["kernels"], values["loss_kernel"]["kernel"]
-    tuned = {s: v for s, v in (("loss_kernel.kernel", loss), ("llm_kernels.kernels", kernels)) if v != "framework"}
+    tuned = {s: v for s, v in ((strategies.loss_kernel.KERNEL_PARAM, loss), (strategies.llm_kernels.KERNELS_PARAM, kernels))
+             if v != "framework"}
     if not tuned:
         return []
     model = str((cfg.info.get("workload") or {}).get("model") or "")
@@ -329,7 +337,7 @@ def hf_liger(cfg: Any, values: dict[str, dict[str, Any]], args: dict[str, Any]) 
                 else {s: False for s in HF_SWITCHES + OTHER_SWITCHES})
     args.update(use_liger_kernel=True, liger_kernel_config=hf_liger_config(loss, switches))
     if kernels != "framework" and values["compile"]["mode"] != "off" and dynamo_fails_on_liger():
-        return [item("llm_kernels.kernels", kernels,
+        return [item(strategies.llm_kernels.KERNELS_PARAM, kernels,
                      "the Trainer applies liger's patch itself, without the graph break at each kernel that "
                      "cfg.prepare adds: with torch_compile, this torch's TorchDynamo fails on liger's kernels "
                      "(pytorch/pytorch#180642, fixed in 2.12): train with cfg.prepare, or torch 2.12 or later")]
@@ -453,14 +461,14 @@ def lightning_settings(cfg: Any) -> dict[str, Any]:
         trainer["devices"] = values["ddp"]["world_size"]
     recipe = cfg.recipe
     applies = {"backend_flags": dict(recipe.backend_flags), "float8_linear_layers": mode == "fp8",
-               "fp8_layers.layers": _fp8_layers(values),
+               strategies.fp8_layers.LAYERS_PARAM: _fp8_layers(values),
                "memory_format": values["memory_format"]["format"],
-               "channel_alignment.multiple": values["channel_alignment"]["multiple"],
-               "fp32_layers.layers": values["fp32_layers"]["layers"],
-               "compile.mode": values["compile"]["mode"],
-               "optimizer.implementation": values["optimizer"]["implementation"],
-               "activation_checkpointing.every": values["activation_checkpointing"]["every"],
-               "llm_kernels.kernels": values["llm_kernels"]["kernels"],
+               strategies.channel_alignment.MULTIPLE_PARAM: values["channel_alignment"]["multiple"],
+               strategies.fp32_layers.LAYERS_PARAM: values["fp32_layers"]["layers"],
+               strategies.compile.MODE_PARAM: values["compile"]["mode"],
+               strategies.optimizer.IMPLEMENTATION_PARAM: values["optimizer"]["implementation"],
+               checkpointing.EVERY_PARAM: values["activation_checkpointing"]["every"],
+               strategies.llm_kernels.KERNELS_PARAM: values["llm_kernels"]["kernels"],
                "model_transforms": [_transform_name(t) for t in recipe.model_transforms],
                "grad_scaler": dict(recipe.grad_scaler) if recipe.grad_scaler is not None else None,
                # the search's compile, loaded before the callback compiles (autotune.deploy.compile_cache)

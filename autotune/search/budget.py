@@ -9,6 +9,7 @@ from typing import Any, Callable
 import optuna
 from optuna.trial import TrialState
 
+import strategies
 from autotune.search.distributed import SharedStudy
 from autotune.search.knob_effects import fix_no_effect_knobs
 from autotune.search.options import SearchConfig
@@ -56,7 +57,7 @@ def estimate_next_wall(study: optuna.Study, walls: list[tuple[float, bool]], *, 
         if plan is not None:
             return plan.cost_s
         fixed = planned_params(waiting[0])
-        return compiled if fixed.get("compile.mode", "off") != "off" else eager
+        return compiled if fixed.get(strategies.compile.MODE_PARAM, "off") != "off" else eager
     share = sum(c for _, c in walls) / len(walls)
     return share * compiled + (1 - share) * eager
 

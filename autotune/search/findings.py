@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+import strategies
+
 
 # thresholds: a share of the window's GPU wall time (or of NVML samples) worth acting on
 LAYOUT_SHARE = 0.05
@@ -92,7 +94,7 @@ def data_bound(x: Evidence) -> list[Finding]:
         return []
     workers = x.knob("dataloader", "num_workers", 0)
     fed, compute = f.get("loader_fed_samples_per_s"), f.get("compute_only_samples_per_s")
-    more = sorted(w for w in offered.get("dataloader.num_workers", []) if w > workers)
+    more = sorted(w for w in offered.get(strategies.dataloader.NUM_WORKERS_PARAM, []) if w > workers)
     if more and fed and compute:
         # each process decodes about fed / max(workers, 1) samples/s: enough of them for the
         # compute-only rate, or as many as the space offers
@@ -107,7 +109,7 @@ def data_bound(x: Evidence) -> list[Finding]:
         if wait < 0.5 and workers:
             # the rest of the loss is CPU time the loader's processes take from the step itself
             waited += ", and the loader's workers compete with it for the CPUs"
-    fewer = sorted(w for w in offered.get("dataloader.num_workers", []) if 0 < w < workers)
+    fewer = sorted(w for w in offered.get(strategies.dataloader.NUM_WORKERS_PARAM, []) if 0 < w < workers)
     if workers and wait is not None and wait < CONTENTION_WAIT_SHARE and fewer:
         # batches were ready, yet the step ran slower than fed from memory: the workers' decoding
         # takes the CPU time the training process needs (as many workers as cores can deliver little
@@ -117,11 +119,11 @@ def data_bound(x: Evidence) -> list[Finding]:
                                       f"for its next batch {_pct(wait)} of the time, so its {workers} "
                                       "workers take CPU time from the training process: "
                                       f"{half} workers would leave it more",
-                        {"dataloader.num_workers": half})]
+                        {strategies.dataloader.NUM_WORKERS_PARAM: half})]
     if more:
         return [Finding("data-bound", f"data-bound: the DataLoader slows the step{rates}{waited}; "
                                       f"{more[0]} loader workers would decode more in parallel",
-                        {"dataloader.num_workers": more[0]})]
+                        {strategies.dataloader.NUM_WORKERS_PARAM: more[0]})]
     return [Finding("data-bound", f"data-bound: the DataLoader slows the step{rates}{waited}, "
                                   f"even with {workers} workers: a faster decode (DALI, smaller or "
                                   "pre-resized images) would help")]
@@ -134,16 +136,17 @@ def ddp_scaling(x: Evidence) -> list[Finding]:
         return []
     # the all-reduces are not hidden behind the backward pass: DDP's own settings cut their cost
     suggest = {}
-    buckets = sorted(offered.get("ddp.bucket_cap_mb", []))
+    bucket, view, static = (strategies.ddp.BUCKET_CAP_MB_PARAM, strategies.ddp.GRADIENT_AS_BUCKET_VIEW_PARAM,
+                            strategies.ddp.STATIC_GRAPH_PARAM)
+    buckets = sorted(offered.get(bucket, []))
     if buckets and x.knob("ddp", "bucket_cap_mb", 25) < buckets[-1]:
-        suggest["ddp.bucket_cap_mb"] = buckets[-1]  # fewer, larger all-reduces
-    if not x.knob("ddp", "gradient_as_bucket_view", False) and True in offered.get("ddp.gradient_as_bucket_view", []):
-        suggest["ddp.gradient_as_bucket_view"] = True  # no gradient copy into the buckets
+        suggest[bucket] = buckets[-1]  # fewer, larger all-reduces
+    if not x.knob("ddp", "gradient_as_bucket_view", False) and True in offered.get(view, []):
+        suggest[view] = True  # no gradient copy into the buckets
     if (not x.knob("ddp", "static_graph", False) and x.knob("compile", "mode", "off") == "off"
-            and True in offered.get("ddp.static_graph", [])):
-        suggest["ddp.static_graph"] = True  # no per-step search for unused parameters
-    words = {"ddp.bucket_cap_mb": f"{suggest.get('ddp.bucket_cap_mb')} MB buckets",
-             "ddp.gradient_as_bucket_view": "gradient_as_bucket_view", "ddp.static_graph": "static_graph"}
+            and True in offered.get(static, [])):
+        suggest[static] = True  # no per-step search for unused parameters
+    words = {bucket: f"{suggest.get(bucket)} MB buckets", view: "gradient_as_bucket_view", static: "static_graph"}
     per, single = f.get("per_gpu_samples_per_s"), f.get("single_gpu_samples_per_s")
     rates = f" ({per:,.0f} vs {single:,.0f} samples/s)" if per and single else ""
     return [Finding("ddp-scaling", f"each GPU trains at {_pct(efficiency)} of its speed alone under DDP"
@@ -165,10 +168,10 @@ def layout(x: Evidence) -> list[Finding]:
     if not share >= LAYOUT_SHARE:  # `not >=`, not `<` (here and below): a NaN share fires no rule
         return []
     memory_format = x.knob("memory_format", "format", "contiguous")
-    if memory_format == "contiguous" and x.can("memory_format.format", "channels_last"):
+    if memory_format == "contiguous" and x.can(strategies.memory_format.FORMAT_PARAM, "channels_last"):
         return [Finding("layout", f"{_pct(share)} of GPU time is in layout conversions (NCHW<->NHWC, "
                                   "transposes): channels_last removes most of them",
-                        {"memory_format.format": "channels_last"})]
+                        {strategies.memory_format.FORMAT_PARAM: "channels_last"})]
     return [Finding("layout", f"{_pct(share)} of GPU time is still in layout conversions with "
                               f"{memory_format}: some layers take the other layout")]
 
@@ -183,12 +186,13 @@ def idle(x: Evidence) -> list[Finding]:
     batch = x.knob("batch_size", "batch_size")
     suggest: dict[str, Any] = {}
     remedies = []
-    if batch and x.can("batch_size.batch_size", batch * 2) and "batch_size.batch_size" in offered:
-        suggest["batch_size.batch_size"] = batch * 2
+    size, graphs = strategies.batch_size.BATCH_SIZE_PARAM, strategies.cuda_graphs.ENABLED_PARAM
+    if batch and x.can(size, batch * 2) and size in offered:
+        suggest[size] = batch * 2
         remedies.append(f"batch {batch * 2}")
     if (not x.knob("cuda_graphs", "enabled", False) and x.knob("compile", "mode", "off") == "off"
-            and x.can("cuda_graphs.enabled", True) and "cuda_graphs.enabled" in offered):
-        suggest["cuda_graphs.enabled"] = True
+            and x.can(graphs, True) and graphs in offered):
+        suggest[graphs] = True
         remedies.append("CUDA graphs")
     launches = p.get("launches_per_step")
     per = f" ({launches:.0f} launches per step)" if launches else ""
@@ -205,10 +209,11 @@ def copies(x: Evidence) -> list[Finding]:
     exposed = p.get("memcpy_share") or 0.0
     overlap = p.get("copy_overlap")
     if exposed >= EXPOSED_COPY_SHARE:
-        if streams == 1 and x.can("streams.num_streams", 2) and "streams.num_streams" in x.offered:
+        side = strategies.streams.NUM_STREAMS_PARAM
+        if streams == 1 and x.can(side, 2) and side in x.offered:
             return [Finding("copies", f"host-to-device copies take {_pct(exposed)} of the step in series with "
                                       "compute: a side stream (2 streams) would overlap them",
-                            {"streams.num_streams": 2})]
+                            {side: 2})]
         shown = f", {_pct(overlap)} of them overlapped" if overlap is not None else ""
         return [Finding("copies", f"host-to-device copies still cost {_pct(exposed)} of the step{shown}: "
                                   "time the side stream does not hide; smaller inputs (uint8 images, "
@@ -228,13 +233,14 @@ def without_tensor_cores(x: Evidence) -> list[Finding]:
         return []
     precision = x.knob("precision", "mode", "fp32")
     if precision == "fp32":
-        mode = next((m for m in ("bf16", "fp16", "tf32") if x.can("precision.mode", m)), None)
+        mode = next((m for m in ("bf16", "fp16", "tf32") if x.can(strategies.precision.MODE_PARAM, m)), None)
         return [Finding("no-tensor-cores", f"{_pct(simt)} of GPU time is in FP32 GEMM/conv kernels "
                                            "without Tensor Cores" + (f": {mode} would use them" if mode else ""),
-                        {"precision.mode": mode} if mode else {})]
+                        {strategies.precision.MODE_PARAM: mode} if mode else {})]
     if misaligned:
         shown = ", ".join(misaligned[:3]) + (f" and {len(misaligned) - 3} more" if len(misaligned) > 3 else "")
-        suggest = {"channel_alignment.multiple": 8} if x.can("channel_alignment.multiple", 8) else {}
+        multiple = strategies.channel_alignment.MULTIPLE_PARAM
+        suggest = {multiple: 8} if x.can(multiple, 8) else {}
         return [Finding("misaligned", f"{_pct(simt)} of GPU time is in GEMM/conv kernels without Tensor "
                                       f"Cores under {precision}: {shown} have widths that are not multiples "
                                       "of 8; padding them lets Tensor Cores run", suggest)]
@@ -262,12 +268,12 @@ def misaligned_gemms(x: Evidence) -> list[Finding]:
     fixes = []
     if (any(r.get("kind") in ("linear", "conv") for r in records)
             and x.knob("channel_alignment", "multiple", 1) < needed
-            and needed in x.offered.get("channel_alignment.multiple", [])):
-        suggest["channel_alignment.multiple"] = needed
+            and needed in x.offered.get(strategies.channel_alignment.MULTIPLE_PARAM, [])):
+        suggest[strategies.channel_alignment.MULTIPLE_PARAM] = needed
         fixes.append(f"Conv/Linear widths padded to {needed} (channel_alignment)")
     if (any(r.get("vocab") for r in records) and x.knob("vocab_padding", "multiple", 1) < VOCAB_MULTIPLE
-            and VOCAB_MULTIPLE in x.offered.get("vocab_padding.multiple", [])):
-        suggest["vocab_padding.multiple"] = VOCAB_MULTIPLE
+            and VOCAB_MULTIPLE in x.offered.get(strategies.vocab_padding.MULTIPLE_PARAM, [])):
+        suggest[strategies.vocab_padding.MULTIPLE_PARAM] = VOCAB_MULTIPLE
         fixes.append(f"the vocabulary padded to {VOCAB_MULTIPLE} (vocab_padding)")
     shown = ", ".join(_shown(r) for r in records[:3]) + (f" and {len(records) - 3} more" if len(records) > 3 else "")
     text = (f"{_pct(share)} of GPU time is in GEMMs/convolutions whose widths are not multiples of {needed}, "
@@ -283,7 +289,8 @@ def elementwise(x: Evidence) -> list[Finding]:
     share = p.get("elementwise_share") or 0.0
     if not (share >= ELEMENTWISE_SHARE and x.knob("compile", "mode", "off") == "off"):
         return []
-    suggest = {"compile.mode": "default"} if x.can("compile.mode", "default") and "compile.mode" in x.offered else {}
+    mode = strategies.compile.MODE_PARAM
+    suggest = {mode: "default"} if x.can(mode, "default") and mode in x.offered else {}
     return [Finding("elementwise", f"{_pct(share)} of GPU time is in elementwise and normalization "
                                    "kernels (memory bound)" + ("; torch.compile fuses them" if suggest else ""),
                     suggest)]

@@ -66,7 +66,7 @@ def probe_fit(config: SearchConfig, device: str, space: SearchSpace, info: dict[
     params = plain_recipe.params(space, min(space.batch_sizes))
     if device != "cuda" or not cap or params is None or len(space.batch_sizes) == 1 or config.ddp:
         return None
-    eager = {**params, "compile.mode": "off"} if "compile.mode" in params else params
+    eager = {**params, strategies.compile.MODE_PARAM: "off"} if strategies.compile.MODE_PARAM in params else params
     knobs = strategies.knobs_of(eager, space)
     request = {"mode": "memory", "space": space.to_dict(), "knobs": knobs, "workload": config.workload.to_dict(),
                "measure": config.measure_settings(device).to_dict(), "seed": config.seed,

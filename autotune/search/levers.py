@@ -56,12 +56,13 @@ class Lever:
 
 def _adam_states(probe: dict[str, Any]) -> float:
     # AdamW's two FP32 states against 8-bit ones
-    return prior("optimizer_state.state", None, "bytes saved per parameter") * float(probe.get("num_parameters") or 0)
+    return (prior(strategies.optimizer_state.STATE_PARAM, None, "bytes saved per parameter")
+            * float(probe.get("num_parameters") or 0))
 
 
 def _logits(probe: dict[str, Any]) -> float:
     # a compiled loss still holds the 16-bit logits; a fused linear cross-entropy never makes them whole
-    return (prior("loss_kernel.kernel", "fused_linear", "bytes saved per logit")
+    return (prior(strategies.loss_kernel.KERNEL_PARAM, "fused_linear", "bytes saved per logit")
             * float(probe.get("tokens_per_sample") or 0) * float(probe.get("vocab_size") or 0))
 
 
@@ -71,20 +72,20 @@ def _none(probe: dict[str, Any]) -> float:
 
 LEVERS: tuple[Lever, ...] = (
     # bitsandbytes' 8-bit AdamW: a cost a step whatever the batch
-    Lever("optimizer_state.state", "8bit-bnb", _adam_states, _none),
+    Lever(strategies.optimizer_state.STATE_PARAM, "8bit-bnb", _adam_states, _none),
     # torchao's 8-bit AdamW: slower still
-    Lever("optimizer_state.state", "8bit", _adam_states, _none),
+    Lever(strategies.optimizer_state.STATE_PARAM, "8bit", _adam_states, _none),
     # liger's fused linear cross-entropy: the logits never held whole
-    Lever("loss_kernel.kernel", "fused_linear", _none, _logits),
+    Lever(strategies.loss_kernel.KERNEL_PARAM, "fused_linear", _none, _logits),
     # recomputing every other block's forward in backward: about a sixth more compute. A checkpointed
     # block keeps its input alone (about 1/17 of a transformer layer's activations), but a sample also
     # holds what lies outside the blocks (a 1B Llama's 128k-wide logits), so the share kept is of the
     # whole sample
-    Lever("activation_checkpointing.every", 2, _none, _none),
-    Lever("activation_checkpointing.every", 1, _none, _none),
+    Lever(strategies.activation_checkpointing.EVERY_PARAM, 2, _none, _none),
+    Lever(strategies.activation_checkpointing.EVERY_PARAM, 1, _none, _none),
     # expandable segments: the same kernels on memory mapped as it is needed; what they save is the gap
     # the allocator reserved above its allocated peak, as measured
-    Lever("allocator.expandable_segments", True, _none, _none, saves_gap=True),
+    Lever(strategies.allocator.EXPANDABLE_SEGMENTS_PARAM, True, _none, _none, saves_gap=True),
 )
 """The memory knobs, from the cheapest in speed."""
 

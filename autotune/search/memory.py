@@ -51,9 +51,10 @@ ADAM_CLASSES = ("torch.optim.adam.Adam", "torch.optim.adamw.AdamW")
 """The optimizer classes, as the probe names them, whose foreach step holds a tensor more a parameter
 than their fused one (foreach_bytes)."""
 
-SIBLING_KNOBS = frozenset({"streams.num_streams", "cuda_graphs.enabled", "vocab_padding.multiple",
-                           "channel_alignment.multiple", "cudnn.benchmark", "compile.mode", "precision.mode",
-                           "depthwise_conv.input_grad", "stem_conv.stem"})
+SIBLING_KNOBS = frozenset({strategies.streams.NUM_STREAMS_PARAM, strategies.cuda_graphs.ENABLED_PARAM,
+                           strategies.vocab_padding.MULTIPLE_PARAM, strategies.channel_alignment.MULTIPLE_PARAM,
+                           strategies.cudnn.BENCHMARK_PARAM, strategies.compile.MODE_PARAM, strategies.precision.MODE_PARAM,
+                           strategies.depthwise_conv.INPUT_GRAD_PARAM, strategies.stem_conv.STEM_PARAM})
 """Knobs that change a compiled 16-bit step's memory by a few percent at most (a prefetched batch, a
 graph's pool, a padded row or channel, a workspace, another whole-model compile mode, fp16 for bf16, a
 depthwise convolution's input gradient computed another way, from the same saved tensors, a stem
@@ -198,7 +199,7 @@ class MemoryModel:
             return None
         _, fixed, per_sample = self.prior
         mode = (knobs.get("precision") or {}).get("mode", "fp32")
-        activation = values("precision.mode", "activation factor")
+        activation = values(strategies.precision.MODE_PARAM, "activation factor")
         per_sample *= activation.get(mode, 1.0)
         batch = batch if batch is not None else batch_of(knobs)
         measured = sorted(self.peaks.get(family(knobs), {}).items())
@@ -217,11 +218,12 @@ class MemoryModel:
         memory where the probe fitted."""
         probed = _parts(self.prior[0]) if self.prior else {}
         optimizer = knobs.get("optimizer") or {}
-        if (optimizer.get("implementation") != "foreach" or probed.get("optimizer.implementation") != "fused"
+        if (optimizer.get("implementation") != "foreach"
+                or probed.get(strategies.optimizer.IMPLEMENTATION_PARAM) != "fused"
                 or (knobs.get("optimizer_state") or {}).get("state", "full") != "full"
                 or self.sizes.get("optimizer_class") not in ADAM_CLASSES):
             return 0.0
-        per_parameter = prior("optimizer.implementation", "foreach", "bytes per parameter")
+        per_parameter = prior(strategies.optimizer.IMPLEMENTATION_PARAM, "foreach", "bytes per parameter")
         return per_parameter * float(self.sizes.get("num_parameters") or 0)
 
     def add(self, fam: str, batch: int, peak: float) -> None:
@@ -277,10 +279,10 @@ class MemoryModel:
         mode = (knobs.get("precision") or {}).get("mode", "fp32")
         compiled = (knobs.get("compile") or {}).get("mode", "off") != "off"
         _, fixed, eager = self.prior
-        eager *= values("precision.mode", "activation factor").get(mode, 1.0)
+        eager *= values(strategies.precision.MODE_PARAM, "activation factor").get(mode, 1.0)
         if compiled and batch * eager > fixed and peak > fixed:
             return (peak - fixed) / batch
-        return eager * (prior("compile.mode", None, "compiled sample share") if compiled else 1.0)
+        return eager * (prior(strategies.compile.MODE_PARAM, None, "compiled sample share") if compiled else 1.0)
 
     def anchored(self, knobs: Mapping[str, Mapping[str, Any]], batch: int, levered: float) -> float:
         """A memory-knob configuration's prediction at ``batch`` from its own measured peak where it has
@@ -312,7 +314,7 @@ class MemoryModel:
             return base
         # what it allocates there: its predicted peak less the gap (and less what lies outside the
         # allocator, which the slack then over-counts a little)
-        slack = prior("allocator.expandable_segments", True, "gap slack")
+        slack = prior(strategies.allocator.EXPANDABLE_SEGMENTS_PARAM, True, "gap slack")
         return base - max(0.0, gap - slack * max(0.0, base - gap))
 
     def measured_gap(self, knobs: Mapping[str, Mapping[str, Any]], batch: int) -> float | None:
@@ -463,7 +465,7 @@ def _kind(fam: str) -> tuple[str, str]:
     """A family's precision mode and compile mode, the knobs that change memory the most (compiled,
     GPT-2 at 64 sequences held 42 GiB; eager, 94)."""
     values = _parts(fam)
-    return values.get("precision.mode", "fp32"), values.get("compile.mode", "off")
+    return values.get(strategies.precision.MODE_PARAM, "fp32"), values.get(strategies.compile.MODE_PARAM, "off")
 
 
 def _parts(fam: str) -> dict[str, str]:
@@ -471,8 +473,8 @@ def _parts(fam: str) -> dict[str, str]:
 
 
 def _compiled_16bit(values: Mapping[str, str]) -> bool:
-    return (values.get("precision.mode") in ("bf16", "fp16")
-            and values.get("compile.mode", "off") not in ("off", "regional"))
+    return (values.get(strategies.precision.MODE_PARAM) in ("bf16", "fp16")
+            and values.get(strategies.compile.MODE_PARAM, "off") not in ("off", "regional"))
 
 
 def _but_implementation(fam: str) -> str:

@@ -59,26 +59,28 @@ class Move:
 
 
 MOVES: tuple[Move, ...] = (
-    Move("vocab_padding.multiple", 64, "a vocabulary padded to a multiple of 64 (nanoGPT's 50,304 for GPT-2's 50,257)"),
-    Move("compile.mode", "max-autotune-no-cudagraphs", "Inductor's autotuned GEMM and Triton configurations"),
-    Move("precision.mode", "fp16", "fp16 autocast in place of bf16"),
+    Move(strategies.vocab_padding.MULTIPLE_PARAM, 64,
+         "a vocabulary padded to a multiple of 64 (nanoGPT's 50,304 for GPT-2's 50,257)"),
+    Move(strategies.compile.MODE_PARAM, "max-autotune-no-cudagraphs",
+         "Inductor's autotuned GEMM and Triton configurations"),
+    Move(strategies.precision.MODE_PARAM, "fp16", "fp16 autocast in place of bf16"),
     # the planner's prior for it is fp8_speed, from the model's sizes; its row's 1.0 where they are not known
-    Move("precision.mode", "fp8", "the Linear layers in float8 (torchao)"),
+    Move(strategies.precision.MODE_PARAM, "fp8", "the Linear layers in float8 (torchao)"),
     # the planner's prior for it is streams_factor, from the copies the bar's profile measured; 1.0 without one
-    Move("streams.num_streams", 2, "the next batch copied on a side stream while the step computes"),
-    Move("cuda_graphs.enabled", True, "the whole step in one CUDA graph: no launch gaps"),
+    Move(strategies.streams.NUM_STREAMS_PARAM, 2, "the next batch copied on a side stream while the step computes"),
+    Move(strategies.cuda_graphs.ENABLED_PARAM, True, "the whole step in one CUDA graph: no launch gaps"),
     # a model with fewer of its layers depthwise gains less than its prior, which its trial measures
-    Move("depthwise_conv.input_grad", "flipped",
+    Move(strategies.depthwise_conv.INPUT_GRAD_PARAM, "flipped",
          "a depthwise convolution's input gradient computed by the forward kernel, with its filters turned"),
     # the planner scales its prior by the model's stem share (stem_speed)
-    Move("stem_conv.stem", "space_to_depth",
+    Move(strategies.stem_conv.STEM_PARAM, "space_to_depth",
          "the stem convolution as a stride-1 convolution on its input rearranged into stride x stride blocks"),
-    Move("compile.mode", "reduce-overhead", "compiled with CUDA graphs (cudagraph trees)"),
+    Move(strategies.compile.MODE_PARAM, "reduce-overhead", "compiled with CUDA graphs (cudagraph trees)"),
     # not gradients zeroed in place (optimizer.set_to_none False): it measured no faster than the bar, and,
     # loaded from the bar's compile, it was cheap enough to run before moves the profile bounded higher.
     # Regional compile is expected slower than the whole-model compile: it starts sooner, which a search
     # saves and a training run does not
-    Move("compile.mode", "regional", "each repeated block compiled once: a shorter first step"),
+    Move(strategies.compile.MODE_PARAM, "regional", "each repeated block compiled once: a shorter first step"),
 )
 """The one-knob moves, in the order the guides rank them (the queue's order breaks the planner's ties);
 what each is expected to give is its "speed" row in autotune.search.priors."""
@@ -108,10 +110,10 @@ def fp8_speed(sizes: dict[str, Any], layers: str = "all") -> float | None:
     share, width = (float(sizes.get(key) or 0) for key in keys)
     if not share or not width:
         return None
-    full_gain, full_width = prior("precision.mode", "fp8", "gemm speed"), prior("precision.mode", "fp8", "full width")
-    narrow_gain, narrow_width = (prior("precision.mode", "fp8", "narrow gemm speed"),
-                                 prior("precision.mode", "fp8", "narrow width"))
-    knee = prior("precision.mode", "fp8", "knee width")
+    precision = strategies.precision.MODE_PARAM
+    full_gain, full_width = prior(precision, "fp8", "gemm speed"), prior(precision, "fp8", "full width")
+    narrow_gain, narrow_width = prior(precision, "fp8", "narrow gemm speed"), prior(precision, "fp8", "narrow width")
+    knee = prior(precision, "fp8", "knee width")
     # the upper line, at the width (from the knee up) or at the knee (below it, where the gain falls)
     gemm = 1.0 + (full_gain - 1.0) * min(1.0, max(width, knee) / full_width)
     if width < knee:
@@ -129,8 +131,8 @@ def stem_speed(sizes: dict[str, Any]) -> float | None:
     share = sizes.get("stem_share")
     if share is None:
         return None
-    gain = PRIORS[("stem_conv.stem", "space_to_depth")]
-    measured = prior("stem_conv.stem", "space_to_depth", "measured stem share")
+    gain = PRIORS[(strategies.stem_conv.STEM_PARAM, "space_to_depth")]
+    measured = prior(strategies.stem_conv.STEM_PARAM, "space_to_depth", "measured stem share")
     return 1.0 + (gain - 1.0) * min(1.0, float(share) / measured)
 
 
@@ -142,7 +144,7 @@ def streams_factor(profile: dict[str, Any] | None, was: int, now: int,
     one adds back the copy time that overlapped. None where the profile did not see the copies. A plain
     recipe that spends 7.8% of its step copying its images in series with compute gets about 1.07x."""
     if overlap is None:
-        overlap = prior("streams.num_streams", 2, "copy overlap")
+        overlap = prior(strategies.streams.NUM_STREAMS_PARAM, 2, "copy overlap")
     if was == now:
         return 1.0
     if not profile or not profile.get("steps"):
@@ -172,7 +174,7 @@ def profiled_factor(key: str, measured: dict[str, Any], params: dict[str, Any], 
     ``params``, where the profile bounds it, and the most the profile allows over it (None where it does
     not bound it): a side stream from the copies the trial saw in series with compute, up to every copy
     hidden; a CUDA graph at most the time the GPU sat idle (compiling's own gain aside)."""
-    if key == "streams.num_streams":
+    if key == strategies.streams.NUM_STREAMS_PARAM:
         was, now = int(measured.get(key, 1)), int(params.get(key, 1))
         seen = streams_factor(profile, was, now)
         return (f, None) if seen is None else (seen, streams_factor(profile, was, now, overlap=1.0) / seen)
@@ -185,9 +187,9 @@ def profiled_factor(key: str, measured: dict[str, Any], params: dict[str, Any], 
 
 def _graphed(params: dict[str, Any], key: str) -> bool:
     """Whether ``params`` run their step in a CUDA graph by ``key`` (the whole step, or cudagraph trees)."""
-    if key == "cuda_graphs.enabled":
+    if key == strategies.cuda_graphs.ENABLED_PARAM:
         return bool(params.get(key))
-    return key == "compile.mode" and params.get(key) == "reduce-overhead"
+    return key == strategies.compile.MODE_PARAM and params.get(key) == "reduce-overhead"
 
 
 def offered(space: SearchSpace, params: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any] | None:
@@ -252,20 +254,22 @@ class Neighbours:
         memory cap, not a CUDA graph, whose pool holds memory the winner, sized near the cap, does not have."""
         if move.gain < 1.0:
             return False
-        graphs = move.param == "cuda_graphs.enabled" or (move.param, move.value) == ("compile.mode", "reduce-overhead")
+        graphs = (move.param == strategies.cuda_graphs.ENABLED_PARAM
+                  or (move.param, move.value) == (strategies.compile.MODE_PARAM, "reduce-overhead"))
         return not (graphs and self.limit_bytes)
 
     def candidates(self, study: optuna.Study, bar: optuna.trial.FrozenTrial) -> list[tuple[dict[str, Any], str]]:
         """The moves and the memory levers offered here, as complete parameters with their words."""
         start = self.start(study, bar)
         out = self._moves(start)
-        batch = int(bar.params.get("batch_size.batch_size", 0))
+        size = strategies.batch_size.BATCH_SIZE_PARAM
+        batch = int(bar.params.get(size, 0))
         if start is not bar.params:
-            grown = start["batch_size.batch_size"]
+            grown = start[size]
             out = [(p, f"{why}, at batch {grown}: the bar's measured step predicts it fits") for p, why in out]
         larger = [b for b in self.space.batch_sizes if b > batch]
         if larger:  # the planner sizes it down first where the memory model says it does not fit
-            out.append((offered(self.space, bar.params, {"batch_size.batch_size": min(larger)}) or bar.params,
+            out.append((offered(self.space, bar.params, {size: min(larger)}) or bar.params,
                         "a larger batch than the plain recipe's"))
         out += self.levers(study, bar)
         return [(p, why) for p, why in out if p != bar.params]
@@ -278,12 +282,12 @@ class Neighbours:
         sized the bar smaller than that batch."""
         from autotune.search.memory import SIBLING_FILL
 
-        batch = int(bar.params.get("batch_size.batch_size", 0))
+        batch = int(bar.params.get(strategies.batch_size.BATCH_SIZE_PARAM, 0))
         grown = plain_recipe.grown_batch(study, bar, self.space, self.limit_bytes)
         peak = TrialRecord.of(bar).peak_memory_bytes
         if grown is None or not peak or peak * grown / batch > self.limit_bytes * SIBLING_FILL:
             return bar.params
-        return offered(self.space, bar.params, {"batch_size.batch_size": grown}) or bar.params
+        return offered(self.space, bar.params, {strategies.batch_size.BATCH_SIZE_PARAM: grown}) or bar.params
 
     def _moves(self, start: dict[str, Any], keep=lambda move: True) -> list[tuple[dict[str, Any], str]]:
         """``start`` with each of MOVES that ``keep`` and the space offer and that changes it, with its words."""
@@ -306,7 +310,7 @@ class Neighbours:
 
         if not self.limit_bytes:
             return []
-        batch = int(bar.params.get("batch_size.batch_size", 0))
+        batch = int(bar.params.get(strategies.batch_size.BATCH_SIZE_PARAM, 0))
         ceiling = plain_recipe.MAX_BATCH_FACTOR * self.space.base_batch_size
         larger = [b for b in self.space.batch_sizes if batch < b <= ceiling]
         if not larger:
@@ -330,9 +334,9 @@ class Neighbours:
                 batches.add(target)
                 words = " + ".join(f"{lever.param.split('.')[0]} {lever.value}" for lever in levers)
                 if start is not bar.params:
-                    layers = start.get("fp8_layers.layers", "all")
+                    layers = start.get(strategies.fp8_layers.LAYERS_PARAM, "all")
                     words = ("fp8 + " if layers == "all" else f"fp8 ({layers} layers) + ") + words
-                out.append((offered(self.space, params, {"batch_size.batch_size": target}) or params,
+                out.append((offered(self.space, params, {strategies.batch_size.BATCH_SIZE_PARAM: target}) or params,
                             f"{words}: batch {target} predicted to fit where the plain recipe's {batch} is the largest"))
         return out
 
@@ -341,13 +345,14 @@ class Neighbours:
         fp8 beside a bf16 bar (fp8 keeps bf16 autocast and FP32 master weights, so it needs what the bar
         needs: the memory model predicts it from the bar's peaks; the planner ranks it by fp8_speed)."""
         starts = [bar.params]
-        if bar.params.get("precision.mode") == "bf16" and "fp8" in self.space.precisions:
-            twin = offered(self.space, bar.params, {"precision.mode": "fp8"})
+        if bar.params.get(strategies.precision.MODE_PARAM) == "bf16" and "fp8" in self.space.precisions:
+            twin = offered(self.space, bar.params, {strategies.precision.MODE_PARAM: "fp8"})
             if twin is not None:
                 starts.append(twin)
             # and fp8 on the feed-forward layers alone, where offered (strategies.fp8_layers): the attention
             # projections and the head in bf16, for numerics closer to FP32's
-            twin = offered(self.space, bar.params, {"precision.mode": "fp8", "fp8_layers.layers": "feed-forward"})
+            twin = offered(self.space, bar.params,
+                           {strategies.precision.MODE_PARAM: "fp8", strategies.fp8_layers.LAYERS_PARAM: "feed-forward"})
             if twin is not None:
                 starts.append(twin)
         return starts
@@ -357,8 +362,8 @@ def compile_mode_factor(was: str, now: str) -> float | None:
     """One compile mode against another, from the moves' priors (each against the plain recipe's
     default mode); None where either has none: two compiled configurations differ by their modes'
     priors too, not only an eager one from a compiled one."""
-    a = 1.0 if was == "default" else PRIORS.get(("compile.mode", was))
-    b = 1.0 if now == "default" else PRIORS.get(("compile.mode", now))
+    a = 1.0 if was == "default" else PRIORS.get((strategies.compile.MODE_PARAM, was))
+    b = 1.0 if now == "default" else PRIORS.get((strategies.compile.MODE_PARAM, now))
     return None if a is None or b is None else b / a
 
 
@@ -370,7 +375,7 @@ def prior_factor(key: str, before: dict[str, Any], after: dict[str, Any], stem: 
     default = untuned(key)
     priors = {**PRIORS, **COMPILED_PRIORS} if _compiles(before) and _compiles(after) else PRIORS
     if stem is not None:
-        priors = {**priors, ("stem_conv.stem", "space_to_depth"): stem}
+        priors = {**priors, (strategies.stem_conv.STEM_PARAM, "space_to_depth"): stem}
     if (key, now) in priors and was in (None, default):
         return priors[(key, now)]
     if (key, was) in priors and now in (None, default):
@@ -379,6 +384,6 @@ def prior_factor(key: str, before: dict[str, Any], after: dict[str, Any], stem: 
 
 
 def _compiles(params: dict[str, Any]) -> bool:
-    return params.get("compile.mode", "off") != "off"
+    return params.get(strategies.compile.MODE_PARAM, "off") != "off"
 
 

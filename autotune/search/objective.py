@@ -260,7 +260,7 @@ class Objective:
         if self.memory_limit_bytes:
             request["memory_limit_bytes"] = self.memory_limit_bytes
         batch = knobs["batch_size"].batch_size
-        if ("batch_size.batch_size" in trial.params and knobs["compile"].mode == "off"
+        if (strategies.batch_size.BATCH_SIZE_PARAM in trial.params and knobs["compile"].mode == "off"
                 and not knobs["cuda_graphs"].enabled and self.space.ddp_world_size == 1 and self.data is None):
             # out of memory: the worker looks for the largest smaller batch that fits (eager steps
             # only: no recompile, no graph capture), and the search measures that next
@@ -326,14 +326,14 @@ class Objective:
         batch."""
         from autotune.search.memory import MemoryModel
 
-        if "batch_size.batch_size" not in trial.params:
+        if strategies.batch_size.BATCH_SIZE_PARAM not in trial.params:
             return
         knobs = TrialRecord.of(trial).knobs
         model = MemoryModel.from_study(trial.study, self.fit_limit_bytes)
         batch = model.backoff_batch(knobs, self.space.batch_sizes, fits_at=fits_at)
         if batch is None:
             return
-        params = {**trial.params, "batch_size.batch_size": batch}
+        params = {**trial.params, strategies.batch_size.BATCH_SIZE_PARAM: batch}
         for other in trial.study.get_trials(deepcopy=False):
             if planned_params(other) == params:
                 return

@@ -35,21 +35,21 @@ def fixed_knobs(space: SearchSpace, batch: int) -> dict[str, Any] | None:
     mode = precision(space)
     if mode is None:
         return None
-    fixed: dict[str, Any] = {"precision.mode": mode, "batch_size.batch_size": batch}
+    fixed: dict[str, Any] = {strategies.precision.MODE_PARAM: mode, strategies.batch_size.BATCH_SIZE_PARAM: batch}
     if "fused" in space.optimizer_implementations:
-        fixed["optimizer.implementation"] = "fused"
+        fixed[strategies.optimizer.IMPLEMENTATION_PARAM] = "fused"
     if "default" in space.compile_modes:
-        fixed["compile.mode"] = "default"
+        fixed[strategies.compile.MODE_PARAM] = "default"
     if 1 in space.stream_counts:
-        fixed["streams.num_streams"] = 1
+        fixed[strategies.streams.NUM_STREAMS_PARAM] = 1
     if False in space.cuda_graphs:
-        fixed["cuda_graphs.enabled"] = False
+        fixed[strategies.cuda_graphs.ENABLED_PARAM] = False
     if 1 in space.choices.get("vocab_padding", ()):
-        fixed["vocab_padding.multiple"] = 1  # the model's own vocabulary, as the user built it
+        fixed[strategies.vocab_padding.MULTIPLE_PARAM] = 1  # the model's own vocabulary, as the user built it
     if "framework" in space.choices.get("depthwise_conv", ()):
-        fixed["depthwise_conv.input_grad"] = "framework"  # the convolution's own backward
+        fixed[strategies.depthwise_conv.INPUT_GRAD_PARAM] = "framework"  # the convolution's own backward
     if "framework" in space.choices.get("stem_conv", ()):
-        fixed["stem_conv.stem"] = "framework"  # the stem convolution as the model writes it
+        fixed[strategies.stem_conv.STEM_PARAM] = "framework"  # the stem convolution as the model writes it
     return fixed
 
 
@@ -117,7 +117,7 @@ class GrowToFit:
         grown = grown_batch(study, trial, self.space, self.limit_bytes)
         if grown is None:
             return
-        params = {**trial.params, "batch_size.batch_size": grown}
+        params = {**trial.params, strategies.batch_size.BATCH_SIZE_PARAM: grown}
         if any(planned_params(t) == params for t in study.get_trials(deepcopy=False)):
             return
         study.enqueue_trial(params, user_attrs=queue_attrs(role=ROLE, grown_from=trial.number))
@@ -138,7 +138,7 @@ def grown_batch(study, trial, space: SearchSpace, limit_bytes: float | None) -> 
         return None
     model = MemoryModel.from_study(study, limit_bytes)
     allocated = record.figures.get("peak_allocated_bytes")
-    batch = int(trial.params.get("batch_size.batch_size", 0))
+    batch = int(trial.params.get(strategies.batch_size.BATCH_SIZE_PARAM, 0))
     larger = [b for b in space.batch_sizes if batch < b <= MAX_BATCH_FACTOR * space.base_batch_size]
     if model.prior is None or not allocated or not larger:
         return None

@@ -40,6 +40,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+import strategies
 from autotune.deploy.space import SearchSpace
 from autotune.search.levers import step_costs
 from autotune.search.neighbours import compile_mode_factor, fp8_speed, prior_factor, profiled_factor, stem_speed
@@ -143,11 +144,13 @@ class Planner:
         record = TrialRecord.of(t)
         params = complete_params(planned_params(t), self.space)
         # the graph a measured compile traced is loaded from Inductor's cache, not compiled again
-        cost = self._cost(params.get("compile.mode", "off"), params.get("precision.mode"),
+        cost = self._cost(params.get(strategies.compile.MODE_PARAM, "off"),
+                          params.get(strategies.precision.MODE_PARAM),
                           cached_compile_saving(params, [(p, r.timing) for _, p, r in done]))
         peak, verdict = self._memory(memory, params)
         predicted, source, profiled = self._predict(params, done, gains)
-        new = [k for k, v in params.items() if k in seen and v not in seen[k] and k != "batch_size.batch_size"]
+        new = [k for k, v in params.items()
+               if k in seen and v not in seen[k] and k != strategies.batch_size.BATCH_SIZE_PARAM]
         novel = [f"{k}={params[k]}" for k in new if k not in profiled]
         gain = 0.0
         if best is not None and predicted is not None:
@@ -296,8 +299,6 @@ class Planner:
 
     def _memory(self, memory, params: dict[str, Any]) -> tuple[float | None, str | None]:
         """Predicted peak bytes of ``params``, and the memory model's reason it cannot fit (None: it may)."""
-        import strategies
-
         try:
             knobs = strategies.knobs_of(params, self.space)
         except (ValueError, KeyError):
@@ -351,7 +352,7 @@ class Planner:
         """A measured value (samples/s) without its per-step costs: what the factors of a batch, a compile
         or a precision scale (a cost a step scaled whole with the batch would predict a larger batch too
         slow, and the same configuration differently from each measured trial)."""
-        cost, batch = self._step_cost_s(measured), measured.get("batch_size.batch_size")
+        cost, batch = self._step_cost_s(measured), measured.get(strategies.batch_size.BATCH_SIZE_PARAM)
         if not cost or not batch or value <= 0 or not self.maximize:
             return value
         step_s = float(batch) / value - cost
@@ -360,7 +361,7 @@ class Planner:
     def _with_step_costs(self, value: float, params: dict[str, Any], notes: list[str]) -> tuple[float, list[str]]:
         """``value`` (samples/s at ``params``' batch, without per-step costs) with ``params``' own: each
         optimizer step takes that much longer whatever the batch (levers.step_costs)."""
-        cost, batch = self._step_cost_s(params), params.get("batch_size.batch_size")
+        cost, batch = self._step_cost_s(params), params.get(strategies.batch_size.BATCH_SIZE_PARAM)
         if not cost or not batch or value <= 0 or not self.maximize:
             return value, notes
         return float(batch) / (float(batch) / value + cost), notes + [f"step {cost * 1e3:+.0f} ms"]
@@ -369,20 +370,20 @@ class Planner:
     def _factor(key: str, before: dict[str, Any], after: dict[str, Any], gains: dict[str, float]) -> float | None:
         """How much faster ``after`` is expected to run than ``before`` for the one knob ``key``
         (``gains``: compiling's, by precision mode); None where that is not known (taken as 1)."""
-        if key == "compile.mode":
+        if key == strategies.compile.MODE_PARAM:
             was, now = before.get(key, "off"), after.get(key, "off")
             if (was == "off") == (now == "off"):
                 return compile_mode_factor(was, now)  # one compile mode against another
-            mode = after.get("precision.mode") if now != "off" else before.get("precision.mode")
-            gain = gains.get(mode, prior("compile.mode", "default", "speed over eager"))
+            mode = (after if now != "off" else before).get(strategies.precision.MODE_PARAM)
+            gain = gains.get(mode, prior(strategies.compile.MODE_PARAM, "default", "speed over eager"))
             return gain if was == "off" else 1.0 / gain
-        if key == "precision.mode":
+        if key == strategies.precision.MODE_PARAM:
             return _precision_factor(before.get(key, "fp32"), after.get(key, "fp32"), gains.get("fp8 speed"))
-        if key == "fp8_layers.layers":  # fp8 on the feed-forward layers alone, against all of them (or back)
+        if key == strategies.fp8_layers.LAYERS_PARAM:  # fp8 on the feed-forward layers alone, against all of them (or back)
             speeds = {"all": gains.get("fp8 speed"), "feed-forward": gains.get("fp8 feed-forward speed")}
             was, now = speeds.get(before.get(key, "all")), speeds.get(after.get(key, "all"))
             return now / was if was and now else None
-        if key == "batch_size.batch_size" and before.get(key) and after.get(key):
+        if key == strategies.batch_size.BATCH_SIZE_PARAM and before.get(key) and after.get(key):
             half = gains["batch half"]
             was, now = int(before[key]), int(after[key])
             return (now / (now + half)) / (was / (was + half))
@@ -400,7 +401,7 @@ class Planner:
         measured = {mode: [g for g, _, _ in compile_gains(study, self.space, mode, "default")]
                     for mode in self.space.precisions}
         anywhere = [g for gains in measured.values() for g in gains]
-        gain = prior("compile.mode", "default", "speed over eager")
+        gain = prior(strategies.compile.MODE_PARAM, "default", "speed over eager")
         return {mode: max(gains or anywhere or [gain]) for mode, gains in measured.items()}
 
     def _words(self, predicted, source, best, cost, gain, novel) -> str:
@@ -429,7 +430,7 @@ def suspects(trials: list[optuna.trial.FrozenTrial]) -> list[tuple[str, frozense
     for t in trials:
         if TrialRecord.of(t).status in FAILED_STATUSES:
             values = frozenset((k, v) for k, v in t.params.items()
-                               if (k, v) not in completed and k != "batch_size.batch_size")
+                               if (k, v) not in completed and k != strategies.batch_size.BATCH_SIZE_PARAM)
             if values:
                 failed.append((f"#{t.number}", values))
     shared = [(f"{a} and {b}", x & y) for i, (a, x) in enumerate(failed) for b, y in failed[i + 1:] if x & y]
@@ -446,15 +447,16 @@ def accuracy_suspects(study: optuna.Study, trials: list[optuna.trial.FrozenTrial
     from autotune.search import plain_recipe
 
     complete = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
-    cleared = {"fp32"} | {t.params.get("precision.mode") for t in complete
+    cleared = {"fp32"} | {t.params.get(strategies.precision.MODE_PARAM) for t in complete
                           if TrialRecord.of(t).role == plain_recipe.ROLE
                           or (accuracy_of(study, t) or {}).get("verdict") == "passed"}
     out = []
     for t in complete:
-        mode = t.params.get("precision.mode")
+        mode = t.params.get(strategies.precision.MODE_PARAM)
         if mode is not None and mode not in cleared and failed(accuracy_of(study, t)):
             # with the layers fp8 took: fp8 on the feed-forward layers alone is other numerics
-            values = {("precision.mode", mode)} | {(k, v) for k, v in t.params.items() if k == "fp8_layers.layers"}
+            values = {(strategies.precision.MODE_PARAM, mode)} | {
+                (k, v) for k, v in t.params.items() if k == strategies.fp8_layers.LAYERS_PARAM}
             out.append((f"#{t.number}'s accuracy check", frozenset(values)))
     return out
 
@@ -466,8 +468,8 @@ def _batch_half(study: optuna.Study) -> float:
 
     tokens = Units.from_dict(study.user_attrs.get(ATTR) or {}).tokens_per_sample
     if tokens:
-        return prior("batch_size.batch_size", "tokens", "half-speed batch") / tokens
-    return prior("batch_size.batch_size", "samples", "half-speed batch")
+        return prior(strategies.batch_size.BATCH_SIZE_PARAM, "tokens", "half-speed batch") / tokens
+    return prior(strategies.batch_size.BATCH_SIZE_PARAM, "samples", "half-speed batch")
 
 
 def _precision_factor(before: str, after: str, fp8: float | None = None) -> float | None:
@@ -479,7 +481,7 @@ def _precision_factor(before: str, after: str, fp8: float | None = None) -> floa
         if fp8 is not None and (before == "fp8") != (after == "fp8"):
             return fp8 if after == "fp8" else 1.0 / fp8
         return None  # fp16 against bf16, say: measured, not assumed
-    speeds = values("precision.mode", "speed over")  # (before, after) -> after's speed over before's
+    speeds = values(strategies.precision.MODE_PARAM, "speed over")  # (before, after) -> after's speed over before's
     if (a, b) in speeds:
         return speeds[(a, b)]
     if (b, a) in speeds:

@@ -26,6 +26,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+import strategies
 from autotune.deploy.space import SearchSpace
 from autotune.search.priors import prior
 from autotune.search.steering import complete_params
@@ -50,7 +51,7 @@ meant to win compiled. Their compiled configurations are measured without an eag
 
 def eager_twin(params: dict[str, Any], space: SearchSpace) -> dict[str, Any]:
     """The same configuration with compile off, completed through the strategies."""
-    return complete_params({**params, "compile.mode": "off"}, space)
+    return complete_params({**params, strategies.compile.MODE_PARAM: "off"}, space)
 
 
 def _twin(trial: optuna.Trial, space: SearchSpace) -> optuna.trial.FrozenTrial | None:
@@ -62,9 +63,10 @@ def _twin(trial: optuna.Trial, space: SearchSpace) -> optuna.trial.FrozenTrial |
 
 def _compiled_sibling(trial: optuna.Trial, compile_mode: str) -> optuna.trial.FrozenTrial | None:
     """A completed trial of ``trial``'s precision compiled in ``compile_mode`` (not a copy)."""
+    precision = strategies.precision.MODE_PARAM
     for t in trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         record = TrialRecord.of(t)
-        if (t.params.get("precision.mode") == trial.params.get("precision.mode") and not record.unstable
+        if (t.params.get(precision) == trial.params.get(precision) and not record.unstable
                 and record.knob("compile", "mode", "off") == compile_mode and record.duplicate_of is None):
             return t
     return None
@@ -111,7 +113,7 @@ def _fastest_eager(study: optuna.Study, maximize: bool) -> tuple[optuna.trial.Fr
 def screen_eagerly(trial: optuna.Trial, space: SearchSpace, *, compile_mode: str, maximize: bool, unit: str) -> None:
     """Prune, unstarted, a compiled configuration not screened eagerly yet (its twin is queued) or
     whose eager twin ran below SCREEN_SHARE of the fastest eager trial; return when it may compile."""
-    if compile_mode == "off" or trial.params.get("precision.mode") in COMPILED_ONLY_PRECISIONS:
+    if compile_mode == "off" or trial.params.get(strategies.precision.MODE_PARAM) in COMPILED_ONLY_PRECISIONS:
         return
     twin = _twin(trial, space)
     if twin is None:
@@ -150,11 +152,12 @@ def compile_gains(study: optuna.Study, space: SearchSpace, precision: str, compi
             for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value]
     eager = {}
     for t, params in done:
-        if params.get("compile.mode", "off") == "off":
+        if params.get(strategies.compile.MODE_PARAM, "off") == "off":
             eager.setdefault(tuple(sorted(params.items())), t)
     gains = []
     for t, params in done:
-        if params.get("compile.mode") != compile_mode or params.get("precision.mode") != precision:
+        if (params.get(strategies.compile.MODE_PARAM) != compile_mode
+                or params.get(strategies.precision.MODE_PARAM) != precision):
             continue
         twin = eager.get(tuple(sorted(eager_twin(params, space).items())))
         if twin is not None and not TrialRecord.of(t).unstable:
@@ -168,17 +171,17 @@ def _prune_if_it_cannot_win(trial: optuna.Trial, twin: optuna.trial.FrozenTrial,
     precision in this search (its "gain spread" prior more), stays behind the best trial: a compile
     costs the time of several eager trials."""
     params = complete_params(trial.params, space)
-    gains = compile_gains(trial.study, space, params.get("precision.mode"), compile_mode)
+    gains = compile_gains(trial.study, space, params.get(strategies.precision.MODE_PARAM), compile_mode)
     best = best_trial(trial.study)
     if not gains or best is None:
         return
     gain, compiled, measured_twin = (max if maximize else min)(gains)
-    spread = prior("compile.mode", None, "gain spread")
+    spread = prior(strategies.compile.MODE_PARAM, None, "gain spread")
     reach = rate * gain * ((1 + spread) if maximize else 1 / (1 + spread))
     if reach >= best.value if maximize else reach <= best.value:
         return
-    _prune(trial, f"not compiled: its eager twin #{twin.number} measured {rate:,.4g} {unit}; with compiling's "
-                  f"gain for {params.get('precision.mode', 'its precision')} here (x{gain:.2f}: #{compiled} over "
+    _prune(trial, f"not compiled: its eager twin #{twin.number} measured {rate:,.4g} {unit}; with compiling's gain for "
+                  f"{params.get(strategies.precision.MODE_PARAM, 'its precision')} here (x{gain:.2f}: #{compiled} over "
                   f"#{measured_twin}) and {spread:.0%} more, about {reach:,.4g}, "
                   f"{'below' if maximize else 'over'} the best #{best.number} ({best.value:,.4g})")
 
@@ -201,13 +204,13 @@ class CompileFinalist:
         if "default" not in self.space.compile_modes:
             return
         waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-        if any(planned_params(t).get("compile.mode", "off") == "off" for t in waiting):
+        if any(planned_params(t).get(strategies.compile.MODE_PARAM, "off") == "off" for t in waiting):
             return  # eager candidates are still queued: the fastest is known once they ran
         fastest = _fastest_eager(study, self.maximize)
         best = None if fastest is None else fastest[0]
         if best is None or TrialRecord.of(best).role == "baseline":
             return  # the untuned FP32 baseline is not what anyone compiles
-        compiled = complete_params({**best.params, "compile.mode": "default"}, self.space)
+        compiled = complete_params({**best.params, strategies.compile.MODE_PARAM: "default"}, self.space)
         known = [complete_params(planned_params(t), self.space) for t in study.get_trials(deepcopy=False)]
         if compiled not in known:
             study.enqueue_trial(compiled, user_attrs=queue_attrs(

@@ -21,8 +21,8 @@ from strategies.batch_size import LM_BASE_TOKENS, nearest
 
 def _offered(space: SearchSpace, step: dict[str, Any]) -> bool:
     """Whether the space offers a seed's optimizer, compile and CUDA-graph values."""
-    offers = {"optimizer.implementation": space.optimizer_implementations, "compile.mode": space.compile_modes,
-              "cuda_graphs.enabled": space.cuda_graphs}
+    offers = {strategies.optimizer.IMPLEMENTATION_PARAM: space.optimizer_implementations,
+              strategies.compile.MODE_PARAM: space.compile_modes, strategies.cuda_graphs.ENABLED_PARAM: space.cuda_graphs}
     return all(value in offers[key] for key, value in step.items() if key in offers)
 
 
@@ -103,7 +103,8 @@ def seed_configurations(space: SearchSpace, tokens_per_sample: int | None = None
     if plain is not None and plain != baseline:
         seeds.append((plain_recipe.ROLE, plain))
     if space.device == "cuda" and tokens_per_sample:
-        fused = {"optimizer.implementation": "fused"}
+        fused = {strategies.optimizer.IMPLEMENTATION_PARAM: "fused"}
+        compiled = {**fused, strategies.compile.MODE_PARAM: "default"}
         small, large = (max(1, tokens // tokens_per_sample) for tokens in LM_SEED_TOKENS)
         wanted = [
             # eager first, screened in seconds each: bf16 as nanoGPT at its batch and four times it,
@@ -111,11 +112,11 @@ def seed_configurations(space: SearchSpace, tokens_per_sample: int | None = None
             # once its eager twin ranks among the fastest (the fastest eager one is compiled anyway);
             # fp8 (where offered: Linear layers on FP8 Tensor Cores) compiled, beside the large bf16
             ("bf16", small, fused), ("bf16", large, fused), ("fp16", large, fused),
-            ("bf16", large, {**fused, "compile.mode": "default"}), ("fp8", large, {**fused, "compile.mode": "default"}),
-            ("bf16", small, {**fused, "compile.mode": "default"}),
+            ("bf16", large, compiled), ("fp8", large, compiled), ("bf16", small, compiled),
         ]
     elif space.device == "cuda":
-        fused = {"optimizer.implementation": "fused"}
+        fused = {strategies.optimizer.IMPLEMENTATION_PARAM: "fused"}
+        compiled = {**fused, strategies.compile.MODE_PARAM: "default"}
         wanted = [
             # eager first, screened in seconds each (autotune.search.screening): the guides' recipe
             # (fp16 AMP + channels_last) at the batches the reference figures call top, bf16 at a
@@ -123,15 +124,15 @@ def seed_configurations(space: SearchSpace, tokens_per_sample: int | None = None
             # fp16 thanks to the fused optimizer's device-side GradScaler step); the fastest eager
             # configuration is then compiled (CompileFinalist)
             ("fp16", 256, {}), ("fp16", 1024, {}), ("bf16", 512, {}), ("fp16", 512, {}),
-            ("fp16", 256, {**fused, "cuda_graphs.enabled": True}),
+            ("fp16", 256, {**fused, strategies.cuda_graphs.ENABLED_PARAM: True}),
             # the hand-tuned top: bf16 + channels_last +
             # torch.compile, compiled once its eager twin ranks among the fastest; and the compiled
             # step captured whole
-            ("bf16", 512, {**fused, "compile.mode": "default"}), ("bf16", 256, {**fused, "compile.mode": "default"}),
-            ("bf16", 256, {**fused, "compile.mode": "default", "cuda_graphs.enabled": True}),
+            ("bf16", 512, compiled), ("bf16", 256, compiled),
+            ("bf16", 256, {**compiled, strategies.cuda_graphs.ENABLED_PARAM: True}),
             # FP8 Tensor Cores (Ada, Hopper) where the probe found Linear layers to run on them
             # (a ViT's, not a ResNet's): compiled straight away, as torchao's float8 is meant to run
-            ("fp8", 512, {**fused, "compile.mode": "default"}),
+            ("fp8", 512, compiled),
         ]
     else:
         base = nearest(space.batch_sizes, space.base_batch_size)
@@ -141,7 +142,8 @@ def seed_configurations(space: SearchSpace, tokens_per_sample: int | None = None
     for mode, batch, step in wanted:
         if mode not in space.precisions or not _offered(space, step):
             continue
-        fixed = {**step, "precision.mode": mode, "batch_size.batch_size": nearest(space.batch_sizes, batch)}
+        fixed = {**step, strategies.precision.MODE_PARAM: mode,
+                 strategies.batch_size.BATCH_SIZE_PARAM: nearest(space.batch_sizes, batch)}
         p = complete_params(strategies.seed_params(space, tuned=True, fixed=fixed), space)
         if p not in seen:
             seen.append(p)
@@ -187,9 +189,9 @@ class SeedFeeder:
     @staticmethod
     def _new_precision(study: optuna.Study, trials: list[optuna.trial.FrozenTrial], backlog: list[dict]) -> bool:
         """Queue the first backlog seed whose precision mode no trial has (run, running or queued)."""
-        modes = {planned_params(t).get("precision.mode") for t in trials}
+        modes = {planned_params(t).get(strategies.precision.MODE_PARAM) for t in trials}
         for i, params in enumerate(backlog):
-            if params.get("precision.mode") not in modes and not _answered(study, trials, params):
+            if params.get(strategies.precision.MODE_PARAM) not in modes and not _answered(study, trials, params):
                 study.enqueue_trial(backlog.pop(i), user_attrs=queue_attrs(role="known-good"))
                 return True
         return False
@@ -221,9 +223,9 @@ def _answered(study: optuna.Study, trials: list[optuna.trial.FrozenTrial], param
     for t in trials:
         if planned_params(t) == params:
             return True
-    mode = params.get("precision.mode")
+    mode = params.get(strategies.precision.MODE_PARAM)
     for t in trials:
-        if t.state != TrialState.COMPLETE or t.params.get("precision.mode") != mode:
+        if t.state != TrialState.COMPLETE or t.params.get(strategies.precision.MODE_PARAM) != mode:
             continue
         record = TrialRecord.of(t)
         if record.unstable or (failed(accuracy_of(study, t)) and _same_numerics(t.params, params)):

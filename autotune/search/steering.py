@@ -27,24 +27,25 @@ MAX_STEERED_PER_TRIAL = 2
 """Remedies queued from one trial, the first findings first (they are ordered by the rules)."""
 
 
-CHOICE_PARAMS = ("vocab_padding.multiple", "depthwise_conv.input_grad", "stem_conv.stem")
+CHOICE_PARAMS = (strategies.vocab_padding.MULTIPLE_PARAM, strategies.depthwise_conv.INPUT_GRAD_PARAM,
+                 strategies.stem_conv.STEM_PARAM)
 """The parameters findings and moves may set whose knobs keep their choices in ``SearchSpace.choices``."""
 
 
 def offered(space: SearchSpace) -> dict[str, list[Any]]:
     """Parameter -> the values the space offers, for the knobs findings may suggest."""
     return {
-        "precision.mode": list(space.precisions),
-        "batch_size.batch_size": list(space.batch_sizes),
-        "memory_format.format": list(space.memory_formats),
-        "streams.num_streams": list(space.stream_counts),
-        "channel_alignment.multiple": list(space.alignments),
-        "cuda_graphs.enabled": list(space.cuda_graphs),
-        "compile.mode": list(space.compile_modes),
-        "dataloader.num_workers": list(space.dataloader_workers),
-        **({"ddp.bucket_cap_mb": list(space.ddp_bucket_caps_mb),
-            "ddp.gradient_as_bucket_view": list(space.ddp_gradient_as_bucket_view),
-            "ddp.static_graph": list(space.ddp_static_graph)} if space.ddp_world_size > 1 else {}),
+        strategies.precision.MODE_PARAM: list(space.precisions),
+        strategies.batch_size.BATCH_SIZE_PARAM: list(space.batch_sizes),
+        strategies.memory_format.FORMAT_PARAM: list(space.memory_formats),
+        strategies.streams.NUM_STREAMS_PARAM: list(space.stream_counts),
+        strategies.channel_alignment.MULTIPLE_PARAM: list(space.alignments),
+        strategies.cuda_graphs.ENABLED_PARAM: list(space.cuda_graphs),
+        strategies.compile.MODE_PARAM: list(space.compile_modes),
+        strategies.dataloader.NUM_WORKERS_PARAM: list(space.dataloader_workers),
+        **({strategies.ddp.BUCKET_CAP_MB_PARAM: list(space.ddp_bucket_caps_mb),
+            strategies.ddp.GRADIENT_AS_BUCKET_VIEW_PARAM: list(space.ddp_gradient_as_bucket_view),
+            strategies.ddp.STATIC_GRAPH_PARAM: list(space.ddp_static_graph)} if space.ddp_world_size > 1 else {}),
         # knobs of their own modules (strategies/vocab_padding.py, depthwise_conv.py, stem_conv.py) keep their choices
         # in space.choices, under the knob's name
         **{param: list(space.choices[param.partition(".")[0]]) for param in CHOICE_PARAMS

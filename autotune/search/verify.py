@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import strategies
 from autotune.deploy.config import TunedConfig, variant
 from autotune.report.format import MEMORY_KNOB_PAIRS
 from autotune.search import plain_recipe
@@ -54,7 +55,7 @@ def memory_knob_changes(cfg: TunedConfig) -> list[tuple[str, dict[str, Any]]]:
     """(knob as set, the parameters that turn it off) for each memory knob ``cfg`` has on. A parameter
     that only exists with the knob off (the optimizer's implementation, once 8-bit states are off)
     takes the plain recipe's value: the pair is the knob against what the plain recipe runs."""
-    plain = plain_recipe.params(cfg.space, int(cfg.params.get("batch_size.batch_size", 1))) or {}
+    plain = plain_recipe.params(cfg.space, int(cfg.params.get(strategies.batch_size.BATCH_SIZE_PARAM, 1))) or {}
     out = []
     for lever in LEVERS:
         if cfg.params.get(lever.param) != lever.value:

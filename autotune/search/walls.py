@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+import strategies
 from autotune.search.priors import prior, values
 
 
@@ -14,18 +15,18 @@ def compile_prior_s(probe: dict[str, Any]) -> float:
     """What the first compile of the probed model is expected to cost: the prior's compile seconds
     scaled by the model's leaf modules against those of the model it was measured on, and no less than
     the prior's least (autotune.search.priors); the prior itself when the probe did not count them."""
-    measured_on = prior("compile.mode", "default", "leaf modules")
+    measured_on = prior(strategies.compile.MODE_PARAM, "default", "leaf modules")
     modules = probe.get("num_leaf_modules") or measured_on
-    return max(prior("compile.mode", "default", "least compile seconds"),
-               prior("compile.mode", "default", "compile seconds") * modules / measured_on)
+    return max(prior(strategies.compile.MODE_PARAM, "default", "least compile seconds"),
+               prior(strategies.compile.MODE_PARAM, "default", "compile seconds") * modules / measured_on)
 
 
 def compile_cost_factor(mode: str, precision: str | None = None) -> float:
     """A compile's seconds in ``mode`` and ``precision`` against a default-mode bf16 compile's (their
     "compile cost" priors: max-autotune benchmarks kernel candidates for every matmul and convolution,
     regional compiles one block, fp8 traces and fuses a cast and a scale around every eligible Linear)."""
-    return (values("compile.mode", "compile cost").get(mode, 1.0)
-            * values("precision.mode", "compile cost").get(precision or "", 1.0))
+    return (values(strategies.compile.MODE_PARAM, "compile cost").get(mode, 1.0)
+            * values(strategies.precision.MODE_PARAM, "compile cost").get(precision or "", 1.0))
 
 
 def trial_cost_s(walls: list[tuple[float, bool]], mode: str, precision: str | None = None,
@@ -88,7 +89,7 @@ def cached_compile_saving(params: dict[str, Any], measured: list[tuple[dict[str,
     def graph(p: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in p.items() if not k.startswith(GRAPH_NEUTRAL)}
 
-    if params.get("compile.mode", "off") == "off":
+    if params.get(strategies.compile.MODE_PARAM, "off") == "off":
         return 0.0
     hits = [float(t["compile_s"]) for _, t in measured if t.get("compile_cache") == "hit" and t.get("compile_s")]
     same = [float(t["compile_s"]) for p, t in measured
@@ -96,5 +97,6 @@ def cached_compile_saving(params: dict[str, Any], measured: list[tuple[dict[str,
     if not same:
         return 0.0
     cold = max(same)
-    loaded = statistics.median(hits) if hits else prior("compile.mode", None, "cached compile share") * cold
+    loaded = (statistics.median(hits) if hits
+              else prior(strategies.compile.MODE_PARAM, None, "cached compile share") * cold)
     return max(0.0, cold - loaded)
