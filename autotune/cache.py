@@ -2,7 +2,7 @@
 
 Beneath it: ``compile/`` (TorchInductor's cache, its FX-graph, AOTAutograd and Triton parts: a
 compile measured once is loaded, not redone, by every later trial and search of the same graph)
-``accuracy/`` (the accuracy check's FP32 references, autotune.accuracy.reference_cache) and
+``accuracy/`` (the accuracy check's FP32 references, autotune.accuracy.study.reference_cache) and
 ``searches/`` (each search's measured trials, which start the next search of the same workload:
 autotune.search.warm). Everything in it may be deleted at any time: what is missing is measured or
 compiled again. trim_cache keeps it under a size (--cache-limit).

@@ -234,7 +234,7 @@ def print_summary(out_dir: Path, elapsed_s: float | None = None, phases: dict[st
         # a parity verdict's reason is its whole line ("bf16: passed: loss 1.5% off FP32 ... (band ...)")
         said = acc.get("reason") if acc.get("method") == "parity" else f"{acc.get('verdict')}: {acc.get('reason')}"
         console.print(escape(f"accuracy: {said}"))
-        from autotune.accuracy.plan import describe as describe_plan
+        from autotune.accuracy.study.plan import describe as describe_plan
 
         if plan := describe_plan(acc.get("plan")):
             console.print(escape(f"accuracy check: {plan}"))

@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # autotune, str
 
 import parity_models  # noqa: E402
 
-from autotune.accuracy.parity import ParitySettings, check_parity, parity_recipe  # noqa: E402
-from autotune.accuracy.parity_verdict import (  # noqa: E402
+from autotune.accuracy.worker.parity import ParitySettings, check_parity, parity_recipe  # noqa: E402
+from autotune.accuracy.worker.parity_verdict import (  # noqa: E402
     ParityResult,
     apply_bands,
     describe,

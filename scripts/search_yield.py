@@ -307,7 +307,7 @@ def best_without_memory_knobs(study) -> dict[str, Any] | None:
 def accuracy_training_s(study) -> float:
     """Seconds the accuracy checks trained, from the study's cached check results: each FP32
     reference and its reshuffled twin, and each numerics class checked against it."""
-    from autotune.accuracy.gate import REFERENCE_ATTR, RESULT_ATTR
+    from autotune.accuracy.study.gate import REFERENCE_ATTR, RESULT_ATTR
 
     prefixes = (REFERENCE_ATTR.split("{")[0], RESULT_ATTR.split("{")[0])
     total = 0.0

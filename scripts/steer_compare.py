@@ -87,7 +87,7 @@ def run_values(study) -> list[float | None]:
     """A run's objective value per counted trial, in order; None where it is not usable."""
     from optuna.trial import TrialState
 
-    from autotune.accuracy.gate import accuracy_of, failed
+    from autotune.accuracy.study.gate import accuracy_of, failed
     from autotune.search.trials import counted_trials
 
     out: list[float | None] = []

@@ -1,5 +1,5 @@
 """Measure the accuracy check's synthetic data (issue 37, item 2): train FP32 twice per seed with the
-check's own code path (``autotune.accuracy.check.datasets`` and ``train_run``: the reference, and its
+check's own code path (``autotune.accuracy.worker.check.datasets`` and ``train_run``: the reference, and its
 twin with the data in another order, as ``run_check`` trains them) and print, per model, the median
 over seeds of FP32's final held-out accuracy and of the reshuffle noise (|reference - twin|, in
 points); for a language model, of the held-out loss against the uniform entropy and of its noise as a
@@ -63,8 +63,8 @@ def tiny_vit(num_classes: int = 10):
 
 def measure(name: str, seed: int, args) -> dict:
     """FP32 and its reshuffled twin (and each of ``--configs``) on ``name`` with ``seed``."""
-    from autotune.accuracy.check import datasets, train_run
     from autotune.accuracy.settings import AccuracySettings
+    from autotune.accuracy.worker.check import datasets, train_run
     from autotune.deploy.space import SearchSpace
     from autotune.workload.models import WorkloadSpec
 
@@ -95,7 +95,7 @@ def prefixes_evaluated(sizes: list[int]):
 
     from torch.utils.data import Subset
 
-    from autotune.accuracy import check
+    from autotune.accuracy.worker import check
 
     original = check._evaluate
 

@@ -10,9 +10,9 @@ import pandas as pd
 import pytest
 from optuna.distributions import CategoricalDistribution
 
-from autotune.accuracy.check import max_retries, run_check
-from autotune.accuracy.gate import AccuracyGate, accuracy_of, judge
 from autotune.accuracy.settings import AccuracySettings, numerics_key
+from autotune.accuracy.study.gate import AccuracyGate, accuracy_of, judge
+from autotune.accuracy.worker.check import max_retries, run_check
 from autotune.errors import ConfigError
 from autotune.deploy.space import SearchSpace
 from autotune.search.options import SearchConfig
@@ -100,7 +100,7 @@ def test_step_numerics_compare_the_numerics_not_the_dropout_masks(monkeypatch):
     gradients (they read 0.62 cosine for hf:gpt2 on an H200 while dropout was on)."""
     import torch
 
-    from autotune.accuracy.check import datasets, step_numerics
+    from autotune.accuracy.worker.check import datasets, step_numerics
 
     masks = torch.Generator().manual_seed(1)  # never seeded again: each call its own mask
 
@@ -124,7 +124,7 @@ def test_the_references_own_step_numerics_take_the_fp32_step_once(monkeypatch):
     a configuration takes its own, FP32's and FP64's; the cosine is torch's cosine similarity."""
     import torch
 
-    from autotune.accuracy import check
+    from autotune.accuracy.worker import check
 
     steps = []
     one_step = check._one_step
@@ -320,7 +320,7 @@ def test_a_check_worker_builds_its_model_once_and_copies_the_same_weights_and_ra
     model, with the random state a seeded build leaves, so every run starts where a build would."""
     import torch
 
-    from autotune.accuracy import check
+    from autotune.accuracy.worker import check
     from autotune.workload import models
 
     builds = []
@@ -358,7 +358,7 @@ def test_a_check_worker_builds_its_model_once_and_copies_the_same_weights_and_ra
 def test_a_language_models_check_judges_its_held_out_loss_against_fp32s_decrease():
     """A language model's check has no held-out accuracy: the held-out loss decides, as a share of
     FP32's decrease from its initial loss, with the reshuffled FP32 run's difference as noise."""
-    from autotune.accuracy.gate import judge
+    from autotune.accuracy.study.gate import judge
 
     reference = {"initial_loss": 6.9, "final_loss": 5.0, "held_out_loss": 6.1, "steps": 100,
                  "reshuffled": {"final_loss": 5.0, "held_out_loss": 6.108}}

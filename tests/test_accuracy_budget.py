@@ -11,10 +11,10 @@ import optuna
 import pytest
 from optuna.distributions import CategoricalDistribution
 
-from autotune.accuracy.gate import REFERENCE_ATTR, SETTINGS_ATTR, AccuracyGate
-from autotune.accuracy.plan import PLAN_ATTR, describe, fitting_batch, plan, step_time
-from autotune.accuracy.reference_cache import CACHE_ENV, ReferenceCache, cache_dir, reference_key
 from autotune.accuracy.settings import AccuracySettings
+from autotune.accuracy.study.gate import REFERENCE_ATTR, SETTINGS_ATTR, AccuracyGate
+from autotune.accuracy.study.plan import PLAN_ATTR, describe, fitting_batch, plan, step_time
+from autotune.accuracy.study.reference_cache import CACHE_ENV, ReferenceCache, cache_dir, reference_key
 from autotune.deploy.space import SearchSpace
 from autotune.errors import ConfigError
 from autotune.search.options import SearchConfig

@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from autotune.accuracy.compare import compare_modes, mode_configurations
 from autotune.accuracy.settings import AccuracySettings
+from autotune.accuracy.study.compare import compare_modes, mode_configurations
 from autotune.deploy.space import SearchSpace
 from conftest import run_cli
 from strategies.precision import supported_modes

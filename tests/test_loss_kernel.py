@@ -299,8 +299,8 @@ def test_sampled_beside_bf16_not_fp16_nor_a_padded_vocabulary_and_never_captured
 
 
 def test_the_accuracy_check_keys_and_trains_the_fused_loss_as_its_own_numerics(fused_reference):
-    from autotune.accuracy import check
     from autotune.accuracy.settings import AccuracySettings
+    from autotune.accuracy.worker import check
 
     bf16 = {"precision": {"mode": "bf16"}}
     fused = {**bf16, "loss_kernel": {"kernel": "fused_linear"}}

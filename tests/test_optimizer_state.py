@@ -367,8 +367,8 @@ def test_a_compiled_model_trains_with_8bit_states_through_the_tuned_step() -> No
 
 @pytest.mark.slow
 def test_the_accuracy_check_trains_8bit_states(monkeypatch) -> None:
-    from autotune.accuracy.check import train_run
     from autotune.accuracy.settings import AccuracySettings
+    from autotune.accuracy.worker.check import train_run
     from autotune.workload.data import load_data
     from autotune.workload.models import WorkloadSpec
 

@@ -1,4 +1,4 @@
-"""The numerics parity check (autotune.accuracy.parity): configurations that must fail do, every
+"""The numerics parity check (autotune.accuracy.worker.parity): configurations that must fail do, every
 time (fp16 gradients that underflow without a GradScaler, fp16 activations that overflow, bf16
 weights with no FP32 master copy, a norm gain whose gradient is zeroed, on a LayerNorm MLP and on a
 BatchNorm ConvNet), harmless changes pass (another reduction order, other calibration directions, the
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from autotune.accuracy.parity import (
+from autotune.accuracy.study.reference_cache import ReferenceCache, reference_key
+from autotune.accuracy.worker.parity import (
     BF16_EPS,
     MAX_BAND,
     ParityResult,
@@ -27,9 +28,9 @@ from autotune.accuracy.parity import (
     perturb_weights,
     run_parity,
 )
-from autotune.accuracy.parity_figures import TENSOR_FIGURES, loss_deviation, progress_drift
-from autotune.accuracy.parity_verdict import NOISE_TENSOR, REPORTED_ONLY, floor_of
-from autotune.accuracy.reference_cache import ReferenceCache, read_reference, reference_key
+from autotune.accuracy.worker.parity_figures import TENSOR_FIGURES, loss_deviation, progress_drift
+from autotune.accuracy.worker.parity_verdict import NOISE_TENSOR, REPORTED_ONLY, floor_of
+from autotune.accuracy.worker.reference_file import read_reference
 from autotune.errors import ConfigError
 from autotune.workload.models import WorkloadSpec
 
@@ -155,7 +156,7 @@ def test_a_run_stopped_on_its_first_gradients_is_violated_on_the_step_it_ran():
     (parity._one_run, by gradients_out_of_band, the rule judge applies): violated, its loss deviation
     that step's (finite), its progress and updates not judged; the reason says what failed and that
     it stopped."""
-    from autotune.accuracy.parity_verdict import gradients_out_of_band
+    from autotune.accuracy.worker.parity_verdict import gradients_out_of_band
 
     settings = ParitySettings(k=4, loss_floor=0.01, grad_floor=0.1)
     ref = _reference(tensors={"w": _noise(grad_error=0.01), "b": _noise(grad_error=1.2)})
@@ -254,7 +255,7 @@ def test_a_run_that_learns_less_of_the_first_batch_than_fp32_fails_on_its_progre
 def test_the_loss_is_compared_over_windows_of_steps():
     """At batch 8 one step's loss scatters with its batch; the trajectory is compared as the means of
     windows of steps // LOSS_WINDOW steps, the first step alone (both runs from the same weights)."""
-    from autotune.accuracy.parity_figures import LOSS_WINDOW, window_means
+    from autotune.accuracy.worker.parity_figures import LOSS_WINDOW, window_means
 
     assert LOSS_WINDOW == 8 and window_means([1.0, 3.0, 2.0, 4.0], 4) == [1.0, 3.0, 2.0, 4.0]
     assert window_means([1.0] * 8 + [3.0] * 8, 16) == [1.0] * 8 + [2.0] + [3.0] * 7  # windows of 2 steps
@@ -403,7 +404,7 @@ def test_a_kept_reference_gives_the_same_verdict_at_the_cost_of_one_fp32_run(tmp
     trained, reference = check("underflow_mlp", FP16)
     assert reference["reference_source"] == "trained" and reference["device_name"] == "cpu"
 
-    def key(settings):  # the gate's key (autotune.accuracy.gate): workload, settings, device, torch
+    def key(settings):  # the gate's key (autotune.accuracy.study.gate): workload, settings, device, torch
         return reference_key(workload, settings, device_name="cpu", torch_version=torch.__version__)
 
     assert cache.load(key(SETTINGS)) is None
@@ -448,7 +449,7 @@ def test_a_parity_worker_builds_its_data_where_its_runs_build_the_model(monkeypa
     """The data's workload is built where the runs initialise the model (an hf: model on the GPU), so
     that the runs copy that build: built on the CPU for the data alone, a 1B Llama's 1.24B weights
     take seconds of the worker for nothing. On the CPU, one build serves them all."""
-    import autotune.accuracy.check as check_module
+    import autotune.accuracy.worker.check as check_module
     import autotune.workload.models as models
 
     class Stop(Exception):
@@ -476,7 +477,7 @@ def test_a_parity_worker_builds_its_data_where_its_runs_build_the_model(monkeypa
 def test_the_fp32_reference_steps_with_fused_adamw_on_a_gpu_and_as_the_user_wrote_it_on_a_cpu():
     """A foreach AdamW step holds a new FP32 tensor a parameter (4.6 GiB for the 1B Llama, whose FP32
     step at batch 1 peaked at 23.9 GiB under a 24 GiB cap): on a GPU the reference steps fused."""
-    from autotune.accuracy.parity import parity_recipe, reference_knobs
+    from autotune.accuracy.worker.parity import parity_recipe, reference_knobs
 
     assert parity_recipe(reference_knobs("cuda"), "cuda").optimizer_implementation == "fused"
     assert parity_recipe(reference_knobs("cuda"), "cuda").autocast_dtype is None  # still FP32
@@ -487,7 +488,7 @@ def test_a_gradients_figures_are_summed_in_chunks_as_whole_and_unscaled():
     """A 1B Llama's embedding gradient is 262M elements: summed whole in FP64 it took four 2 GB
     copies on a card its FP32 step had filled. In chunks the figures are the same, and a GradScaler's
     scale divides each chunk."""
-    from autotune.accuracy.parity_grads import tensor_sums
+    from autotune.accuracy.worker.parity_grads import tensor_sums
 
     g, r = torch.randn(1000, 37), torch.randn(1000, 37)
     g.view(-1)[:10], r.view(-1)[5:20] = 0.0, 0.0  # 5 elements vanished where r is not zero, of 37,000 - 15
@@ -500,8 +501,8 @@ def test_a_large_gradient_is_compared_on_a_sample_that_estimates_its_figures():
     """A tensor of more than GRAD_SAMPLE elements keeps and compares GRAD_SAMPLE of them, the same ones
     in every run (drawn from the seed and its name): its relative error and cosine are estimated within
     about 1% of the whole tensor's, and a NaN anywhere in it is still seen. Smaller ones are whole."""
-    from autotune.accuracy.parity_grads import GRAD_SAMPLE, sample_indices, tensor_sums
-    from autotune.accuracy.parity_figures import sums_figures
+    from autotune.accuracy.worker.parity_figures import sums_figures
+    from autotune.accuracy.worker.parity_grads import GRAD_SAMPLE, sample_indices, tensor_sums
 
     assert sample_indices("head.bias", GRAD_SAMPLE, 0) is None
     idx = sample_indices("layers.0.weight", 1_000_003, 0)
@@ -531,7 +532,7 @@ def test_a_later_check_runs_the_configuration_alone_where_the_references_tensors
     """The worker that trains the reference keeps its first gradients and updates (sampled) in the
     gate's file; a later worker given the reference reads them and runs the configuration alone, to
     the same verdict; without them it takes the FP32 reference's run again."""
-    from autotune.accuracy.parity_grads import read_grads
+    from autotune.accuracy.worker.parity_grads import read_grads
 
     path = tmp_path / "grads.pt"
     request = {"workload": spec("mlp").to_dict(), "device": "cpu", "knobs": BF16,

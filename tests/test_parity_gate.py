@@ -1,4 +1,4 @@
-"""The search's accuracy verdict by numerics parity (autotune.accuracy.parity_gate): planned to fit
+"""The search's accuracy verdict by numerics parity (autotune.accuracy.study.parity_gate): planned to fit
 the recommendation's verdict in 15% of --budget, said in one line when none fits, kept judged in the
 study, and failing a configuration that breaks training, in a real search."""
 
@@ -13,9 +13,8 @@ import pandas as pd
 import pytest
 from optuna.distributions import CategoricalDistribution
 
-from autotune.accuracy.gate import METHOD_ATTR, PLAN_ATTR, accuracy_of, study_settings
-from autotune.accuracy.parity import ParitySettings
-from autotune.accuracy.parity_gate import (
+from autotune.accuracy.study.gate import METHOD_ATTR, PLAN_ATTR, accuracy_of, study_settings
+from autotune.accuracy.study.parity_gate import (
     DEFAULT_SHARE,
     MIN_STEPS,
     ParityGate,
@@ -23,8 +22,9 @@ from autotune.accuracy.parity_gate import (
     parity_plan,
     unfit,
 )
-from autotune.accuracy.plan import describe
-from autotune.accuracy.reference_cache import ReferenceCache
+from autotune.accuracy.study.plan import describe
+from autotune.accuracy.study.reference_cache import ReferenceCache
+from autotune.accuracy.worker.parity import ParitySettings
 from autotune.deploy.space import SearchSpace
 from autotune.errors import ConfigError
 from autotune.search.options import SearchConfig
@@ -129,7 +129,7 @@ def test_a_reference_trained_before_the_configurations_run_is_kept_whatever_befa
     The worker writes the reference as soon as it is trained: a run that is then cut by the budget or
     runs out of memory costs its own verdict, and the next check is given the reference."""
     import autotune.trial.runner as runner
-    from autotune.accuracy.gate import REFERENCE_ATTR, UNAVAILABLE_ATTR
+    from autotune.accuracy.study.gate import REFERENCE_ATTR, UNAVAILABLE_ATTR
 
     trained = {"losses": [2.5, 2.4], "calibration": {"loss_deviation": 0.001}, "settings": {"steps": 4},
                "device_name": "cpu", "torch": "scripted"}
@@ -160,7 +160,7 @@ def test_a_reference_trained_before_the_configurations_run_is_kept_whatever_befa
         assert unfit(study, gate.settings, BF16) is None
     gate.evidence(study, {"precision": {"mode": "fp16"}}, check=True, label="#2", timeout_s=30)
     assert requests[1]["reference"]["losses"] == trained["losses"] and "reference_path" not in requests[1]
-    from autotune.accuracy.plan import CHECKS_ATTR
+    from autotune.accuracy.study.plan import CHECKS_ATTR
 
     assert [c.get("trains_reference", False) for c in study.user_attrs[CHECKS_ATTR]] == [True, False]
     # a worker that wrote none: as before, nothing is kept (an FP32 reference that failed: no check can run)
@@ -179,7 +179,7 @@ def test_each_check_is_kept_with_its_seconds_and_how_it_ended_and_an_unchecked_r
     and the recommendation only said the budget ran out. Each check is now kept in the study with how it
     ended, and the unchecked recommendation's reason says where the share went."""
     import autotune.trial.runner as runner
-    from autotune.accuracy.plan import CHECKS_ATTR, checks_spent
+    from autotune.accuracy.study.plan import CHECKS_ATTR, checks_spent
     from autotune.report.export import _add_objective_and_accuracy
 
     answers = iter([{"status": "timeout"}, {"status": "error", "reason": "scripted: out of memory", "in_worker_s": 1.5}])
@@ -208,8 +208,8 @@ def test_a_check_starts_where_the_shares_rest_holds_its_estimate_and_only_the_bu
     comes out of the trials); at the end the recommendation's check takes what the budget leaves, the
     share spent or not; and no check starts where the budget's end would cut it."""
     import autotune.trial.runner as runner
-    from autotune.accuracy.gate import REFERENCE_ATTR
-    from autotune.accuracy.parity_gate import OVERRUN
+    from autotune.accuracy.study.gate import REFERENCE_ATTR
+    from autotune.accuracy.study.parity_gate import OVERRUN
 
     given = []
     monkeypatch.setattr(runner, "run_worker", lambda request, **kw: given.append(kw["timeout_s"]) or {"status": "timeout"})
@@ -237,7 +237,7 @@ def test_where_the_share_holds_one_check_after_the_reference_it_is_the_recommend
     would have had none. While trials run no check takes the last check's seconds; at the end the
     recommendation's does."""
     import autotune.trial.runner as runner
-    from autotune.accuracy.gate import REFERENCE_ATTR
+    from autotune.accuracy.study.gate import REFERENCE_ATTR
 
     started = []
     monkeypatch.setattr(runner, "run_worker", lambda request, **kw: started.append(request) or {"status": "timeout"})
@@ -325,7 +325,7 @@ def test_the_trials_leave_the_recommendations_verdict_its_seconds(tmp_path):
     # while trials run, a check keeps a later check's seconds for the recommendation's verdict at the end,
     # the best's so far too (it may not stay the best); the end's own check keeps none
     # (the plan's check_s, or more where the reference's worker ran slower than planned: a busy machine)
-    from autotune.accuracy.parity_gate import later_check_s
+    from autotune.accuracy.study.parity_gate import later_check_s
 
     assert gate._keep_s(study) == later_check_s(study) >= plan["check_s"]
     gate.final = True
@@ -343,8 +343,8 @@ def test_with_no_verdict_in_the_share_nothing_is_checked_and_the_study_says_why(
 
 
 def test_a_resumed_study_of_the_held_out_check_plans_parity_afresh(tmp_path):
-    from autotune.accuracy.gate import SETTINGS_ATTR
     from autotune.accuracy.settings import AccuracySettings
+    from autotune.accuracy.study.gate import SETTINGS_ATTR
 
     study = _study((100.0, {"precision": {"mode": "fp32"}}, "baseline"))
     study.set_user_attr(SETTINGS_ATTR, AccuracySettings.for_device("cpu").to_dict())
@@ -413,9 +413,9 @@ def test_once_the_reference_ran_past_its_plan_a_later_check_is_expected_to_run_p
     winner's check, planned at 9 s, was started with 9.6 s of the share left and cut. A later check is
     now expected to run as far past the plan: about 29 s, which the 9.6 s do not hold."""
     import autotune.trial.runner as runner
-    from autotune.accuracy.gate import REFERENCE_ATTR
-    from autotune.accuracy.parity_gate import later_check_s
-    from autotune.accuracy.plan import CHECKS_ATTR
+    from autotune.accuracy.study.gate import REFERENCE_ATTR
+    from autotune.accuracy.study.parity_gate import later_check_s
+    from autotune.accuracy.study.plan import CHECKS_ATTR
 
     started = []
     monkeypatch.setattr(runner, "run_worker", lambda request, **kw: started.append(request) or {"status": "timeout"})

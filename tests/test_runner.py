@@ -285,9 +285,9 @@ def test_the_probe_and_the_accuracy_checks_leave_a_spare_for_the_next_trial(tmp_
     share a worker environment."""
     import optuna
 
-    from autotune.accuracy.gate import AccuracyGate
-    from autotune.accuracy.reference_cache import ReferenceCache
     from autotune.accuracy.settings import AccuracySettings
+    from autotune.accuracy.study.gate import AccuracyGate
+    from autotune.accuracy.study.reference_cache import ReferenceCache
     from autotune.deploy.space import SearchSpace
     from autotune.search import run as search_run
     from autotune.search.options import SearchConfig
@@ -333,8 +333,8 @@ def test_the_probe_and_the_accuracy_checks_leave_a_spare_for_the_next_trial(tmp_
 
 
 def test_autotune_accuracy_starts_each_next_modes_worker_while_one_runs(monkeypatch):
-    from autotune.accuracy.compare import compare_modes, mode_configurations
     from autotune.accuracy.settings import AccuracySettings
+    from autotune.accuracy.study.compare import compare_modes, mode_configurations
     from autotune.deploy.space import SearchSpace
 
     spares: list[bool] = []

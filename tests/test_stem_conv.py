@@ -265,8 +265,8 @@ def test_on_the_gpu_in_bf16_channels_last_compiled_it_matches_cudnns_stem() -> N
 def test_the_accuracy_check_judges_a_swapped_stem_or_depthwise_gradient_on_its_own() -> None:
     """Both compute the same sums in another order: a configuration with one is checked against FP32 apart
     from the same precision without it, and the check's recipe swaps the layers as the trial did."""
-    from autotune.accuracy.parity import parity_recipe
     from autotune.accuracy.settings import describe_numerics, numerics_key
+    from autotune.accuracy.worker.parity import parity_recipe
 
     bf16 = {"precision": {"mode": "bf16"}}
     stem = {**bf16, "stem_conv": {"stem": "space_to_depth"}}

@@ -18,8 +18,12 @@ _spec.loader.exec_module(structure)
 # which packages a package's modules may not import: the layers run downward only
 FORBIDDEN = {
     "autotune.trial": ("autotune.search", "autotune.report", "autotune.cli"),
-    "autotune.accuracy.check": ("autotune.accuracy.gate", "autotune.trial.runner", "autotune.search",
-                                "autotune.report"),
+    # what a check worker runs (the parity run, the held-out check's training) never reaches into what
+    # the study decides (the gates, the plan, the kept references), nor starts workers of its own
+    "autotune.accuracy.worker": ("autotune.accuracy.study", "autotune.trial.runner", "autotune.search",
+                                 "autotune.report", "autotune.cli"),
+    # what both sides use sits below both
+    "autotune.accuracy.settings": ("autotune.accuracy.worker", "autotune.accuracy.study"),
     "autotune.deploy": ("autotune.search", "autotune.report", "autotune.trial", "autotune.accuracy", "autotune.cli"),
     "autotune.workload": ("autotune.search", "autotune.report", "autotune.trial", "autotune.accuracy",
                           "autotune.deploy", "autotune.cli"),

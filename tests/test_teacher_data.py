@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from autotune.accuracy.check import _workload_batches, run_check, train_run
 from autotune.accuracy.settings import AccuracySettings
+from autotune.accuracy.worker.check import _workload_batches, run_check, train_run
 from autotune.deploy.space import SearchSpace
 from autotune.errors import ConfigError
 from autotune.workload import data

@@ -19,12 +19,17 @@ with the check's own batch size and step count, and the result is reused by ever
 that shares it. The training runs in a worker (mode "accuracy"), isolated like a trial; the study
 side (:class:`AccuracyGate`) decides when to check and caches results in study user attributes.
 
-A sharper, cheaper check, not yet wired into the search: numerics parity (``parity``), the loss
+The package is split by the side that runs it: ``worker`` holds what a check worker process runs
+(the parity run and its figures, gradients and verdict; the held-out check's training), ``study``
+what the search process decides (the gates, the plan, the references kept across searches);
+``settings``, used by both, stays here. The worker side never imports the study side.
+
+A sharper, cheaper check, not yet wired into the search: numerics parity (``worker.parity``), the loss
 trajectory, first gradients and progress on the first batch over a few steps against FP32's, judged
 by a band that FP32 from weights moved to neighbouring bf16 values calibrates in the same run
 (scripts/parity_calibration.py shows it can fail).
 
 With a budget the checks cost in proportion: their steps are planned from the FP32 baseline's
-measured step time to fit in a share of it (``plan``), and the FP32 reference is trained once per
-workload, settings, torch and device and kept across searches (``reference_cache``).
+measured step time to fit in a share of it (``study.plan``), and the FP32 reference is trained once per
+workload, settings, torch and device and kept across searches (``study.reference_cache``).
 """

@@ -98,7 +98,7 @@ _ACCURACY_COLUMNS = ("accuracy_verdict", "accuracy_reason", "accuracy", "accurac
 
 def collect(study: optuna.Study, out_dir: Path, config: dict[str, Any] | None) -> ReportData:
     """The report's data for ``study``, written into ``out_dir``; ``config`` is its config.json, or None."""
-    from autotune.accuracy.gate import accuracy_of
+    from autotune.accuracy.study.gate import accuracy_of
 
     trials = study.get_trials(deepcopy=False)
     records = {t.number: TrialRecord.of(t) for t in trials}

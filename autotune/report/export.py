@@ -12,8 +12,8 @@ import pandas as pd
 
 import autotune
 import strategies
-from autotune.accuracy.gate import SETTINGS_ATTR, UNAVAILABLE_ATTR, accuracy_of
-from autotune.accuracy.plan import PLAN_ATTR
+from autotune.accuracy.study.gate import SETTINGS_ATTR, UNAVAILABLE_ATTR, accuracy_of
+from autotune.accuracy.study.plan import PLAN_ATTR
 from autotune.deploy import compile_cache
 from autotune.deploy.config import TunedConfig
 from autotune.deploy.space import SearchSpace
@@ -285,13 +285,13 @@ def _add_objective_and_accuracy(info: dict[str, Any], study: optuna.Study, best:
     elif study.user_attrs.get(UNAVAILABLE_ATTR):
         info["accuracy"] = {"verdict": "not checked", "reason": study.user_attrs[UNAVAILABLE_ATTR]}
     elif (study.user_attrs.get(PLAN_ATTR) or {}).get("fits") is False:
-        # said before the checks: no parity verdict fits the budget (autotune.accuracy.parity_gate)
-        from autotune.accuracy.parity_gate import no_verdict_notice
+        # said before the checks: no parity verdict fits the budget (autotune.accuracy.study.parity_gate)
+        from autotune.accuracy.study.parity_gate import no_verdict_notice
 
         info["accuracy"] = {"verdict": "not checked", "reason": no_verdict_notice(study.user_attrs[PLAN_ATTR])}
     elif study.user_attrs.get(SETTINGS_ATTR):
         # the check was on, but the budget ended before this configuration's numerics were checked
-        from autotune.accuracy.plan import checks_spent
+        from autotune.accuracy.study.plan import checks_spent
 
         spent = checks_spent(study)
         info["accuracy"] = {"verdict": "not checked", "reason": (

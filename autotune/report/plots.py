@@ -185,7 +185,7 @@ accuracy: its checks give the loss drift)."""
 
 
 FAILED = ("violated", "unstable", "error")
-"""Accuracy verdicts that fail a configuration (autotune.accuracy.gate)."""
+"""Accuracy verdicts that fail a configuration (autotune.accuracy.study.gate)."""
 _ALLOWED_WORDS = {"accuracy_drop": "drop", "loss_drift": "drift", "loss_deviation": "deviation"}
 
 

@@ -70,8 +70,8 @@ def _energy_of(d: ReportData, row: pd.Series | None) -> dict[str, Any]:
 
 def _accuracy_text(d: ReportData, best: pd.Series | None) -> str:
     """The best's accuracy evidence; or, as config.json says, why it was not checked (the budget ran
-    out, the reference failed); and how many steps the check trained (autotune.accuracy.plan)."""
-    from autotune.accuracy.plan import describe as describe_plan
+    out, the reference failed); and how many steps the check trained (autotune.accuracy.study.plan)."""
+    from autotune.accuracy.study.plan import describe as describe_plan
 
     acc = (d.records[int(best["number"])].accuracy or {}) if best is not None else {}
     exported = (d.config or {}).get("accuracy") or {}

@@ -50,7 +50,7 @@ _MISSING = object()
 def usable_trials(study: optuna.Study) -> list[FrozenTrial]:
     """Completed, measured trials that could be recommended: not a repeat of another trial, loss
     finite, accuracy not failed."""
-    from autotune.accuracy.gate import accuracy_of, failed
+    from autotune.accuracy.study.gate import accuracy_of, failed
 
     return [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
             if t.value is not None and t.value > 0 and (r := TrialRecord.of(t)).duplicate_of is None

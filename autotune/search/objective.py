@@ -68,7 +68,7 @@ class Objective:
         """Wall-clock time (time.time()) at which the search budget ends; a trial still running
         then is stopped, so --budget is a limit and not a hint."""
         self.accuracy = accuracy
-        """An autotune.accuracy.gate.AccuracyGate, or None when the accuracy check is off."""
+        """An autotune.accuracy.study.gate.AccuracyGate, or None when the accuracy check is off."""
         self.profile = profile
         """Profile each trial (on a GPU) in a short window after the timed one."""
         self.misaligned = list(misaligned or [])

@@ -54,20 +54,20 @@ class SearchConfig:
     even a tiny model takes tens of seconds per trial), False never. Only where the probe compiled."""
     accuracy_check: bool = True
     """Train configurations near the speed frontier briefly against FP32; never recommend one that
-    loses more than max_accuracy_drop (see autotune.accuracy.gate)."""
+    loses more than max_accuracy_drop (see autotune.accuracy.study.gate)."""
     max_accuracy_drop: float = 0.5
     """Held-out accuracy drop versus FP32 allowed, in percentage points."""
     max_loss_drift: float = 0.1
     """Without held-out accuracy: the share of FP32's training-loss decrease a configuration may lose."""
     accuracy_steps: int | None = None
     """Steps of the accuracy check's training run; None: scaled to the measured step time and
-    accuracy_share of the budget (autotune.accuracy.plan), at most 300 on a GPU, 100 on a CPU."""
+    accuracy_share of the budget (autotune.accuracy.study.plan), at most 300 on a GPU, 100 on a CPU."""
     accuracy_share: float | None = None
     """What the accuracy checks may spend of --budget (more than 0, at most 1); their steps are
     planned to fit in it. None: 0.15 for parity (the recommendation's verdict included), 0.25 for
     held-out (while trials run)."""
     accuracy_method: str = "parity"
-    """"parity" (autotune.accuracy.parity_gate) or "held-out" (autotune.accuracy.gate.AccuracyGate)."""
+    """"parity" (autotune.accuracy.study.parity_gate) or "held-out" (autotune.accuracy.study.gate.AccuracyGate)."""
     data: str | None = None
     """The accuracy check's data: None (synthetic), an ImageFolder folder, or package.module:factory."""
     profile: bool = True
@@ -234,8 +234,8 @@ class SearchConfig:
     @property
     def share_of_budget(self) -> float:
         """--accuracy-share, or the method's default."""
-        from autotune.accuracy.parity_gate import DEFAULT_SHARE
-        from autotune.accuracy.plan import DEFAULT_SHARE as HELD_OUT_SHARE
+        from autotune.accuracy.study.parity_gate import DEFAULT_SHARE
+        from autotune.accuracy.study.plan import DEFAULT_SHARE as HELD_OUT_SHARE
 
         if self.accuracy_share is not None:
             return self.accuracy_share
@@ -243,7 +243,7 @@ class SearchConfig:
 
     def parity_settings(self):
         """The numerics parity check's settings (validated: a bad value raises ConfigError)."""
-        from autotune.accuracy.parity import ParitySettings
+        from autotune.accuracy.worker.parity import ParitySettings
 
         given = {"steps": self.accuracy_steps} if self.accuracy_steps is not None else {}
         return ParitySettings(**given, seed=self.seed, data=self.data)

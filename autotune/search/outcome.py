@@ -31,7 +31,7 @@ def _common_reason(trials: list[TrialRecord]) -> tuple[str, int]:
 def explain(study: optuna.Study, *, min_batch_size: int | None = None) -> list[str]:
     """Lines that say why ``study`` has nothing to recommend, most telling first (called when it
     has none)."""
-    from autotune.accuracy.gate import accuracy_of, failed
+    from autotune.accuracy.study.gate import accuracy_of, failed
 
     frozen = {t.number: t for t in study.get_trials(deepcopy=False)}
     trials = [r for r in map(TrialRecord.of, frozen.values()) if r.status is not None]

@@ -276,7 +276,7 @@ class Planner:
         measurement the predictions learn from (``done``), but no bar for a candidate's gain: against a
         winner that failed, the twin that might pass in its place would be expected to gain nothing, and
         never run."""
-        from autotune.accuracy.gate import accuracy_of, failed
+        from autotune.accuracy.study.gate import accuracy_of, failed
 
         eligible = [t for t, _, _ in done if not failed(accuracy_of(study, t))]
         if not eligible:
@@ -443,7 +443,7 @@ def accuracy_suspects(study: optuna.Study, trials: list[optuna.trial.FrozenTrial
     where the memory knobs recompute exactly (checkpointing), accumulate in FP32 (a fused linear
     cross-entropy) or round only the optimizer's states. ("#18's accuracy check",
     {("precision.mode", "fp8")})."""
-    from autotune.accuracy.gate import accuracy_of, failed
+    from autotune.accuracy.study.gate import accuracy_of, failed
     from autotune.search import plain_recipe
 
     complete = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]

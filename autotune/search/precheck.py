@@ -1,6 +1,6 @@
 """A costly candidate's accuracy verdict before it runs (autotune.search.objective).
 
-A numerics parity check (autotune.accuracy.parity_gate) runs the configuration eager at the check's batch:
+A numerics parity check (autotune.accuracy.study.parity_gate) runs the configuration eager at the check's batch:
 it needs nothing the trial measures. A compiled candidate that the planner expects to lead costs its compile
 before a figure exists, and its check follows if it leads; checked first, one that fails costs the check
 alone, and leaves the budget to the candidates that may pass. A candidate whose numerics were already judged
@@ -22,8 +22,8 @@ from autotune.trial.record import TrialRecord
 def verdict_before_running(objective, trial: optuna.Trial) -> tuple[str, dict[str, Any]] | None:
     """(why ``trial`` is not run, its failed accuracy evidence), or None to run it: its numerics failed
     their check already, or, checked now (``worth_checking_first``), they fail."""
-    from autotune.accuracy.gate import failed
     from autotune.accuracy.settings import describe_numerics, numerics_key
+    from autotune.accuracy.study.gate import failed
 
     gate, study = objective.accuracy, trial.study
     knobs = TrialRecord.of(trial).knobs

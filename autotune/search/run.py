@@ -281,8 +281,8 @@ def _accuracy_gate(config: SearchConfig, device: str, space: SearchSpace, out_di
     """The accuracy check's gate, attached to the study; None when the check is off."""
     if not config.accuracy_check:
         return None
-    from autotune.accuracy.gate import AccuracyGate
-    from autotune.accuracy.parity_gate import ParityGate
+    from autotune.accuracy.study.gate import AccuracyGate
+    from autotune.accuracy.study.parity_gate import ParityGate
 
     # without --accuracy-steps the check's steps are planned from the first measured step time to
     # fit in --accuracy-share of the budget; the FP32 reference comes from the file cache when kept

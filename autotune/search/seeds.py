@@ -218,7 +218,7 @@ class SeedFeeder:
 
 def _answered(study: optuna.Study, trials: list[optuna.trial.FrozenTrial], params: dict[str, Any]) -> bool:
     """Whether measuring ``params`` would tell nothing new (see SeedFeeder)."""
-    from autotune.accuracy.gate import accuracy_of, failed
+    from autotune.accuracy.study.gate import accuracy_of, failed
 
     for t in trials:
         if planned_params(t) == params:

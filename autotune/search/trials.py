@@ -64,7 +64,7 @@ def best_trial(study: optuna.Study, where: Callable[[TrialRecord], bool] | None 
 def ranked_trials(study: optuna.Study, where: Callable[[TrialRecord], bool] | None = None
                   ) -> list[optuna.trial.FrozenTrial]:
     """The trials best_trial chooses among, best first (ties in the order they ran)."""
-    from autotune.accuracy.gate import accuracy_of, failed
+    from autotune.accuracy.study.gate import accuracy_of, failed
 
     done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
             if not TrialRecord.of(t).unstable and not failed(accuracy_of(study, t))

@@ -48,7 +48,7 @@ ATTR = "warm_start"
 _CONSTRAINTS = "constraints:"  # Optuna's system attributes of Trial.set_constraint
 _STUDY_ATTRS = ("accuracy_run:", "accuracy_reference:", "accuracy_unfit:")
 """The accuracy gate's study-level results, each keyed by its settings' fingerprint and the numerics it
-judged (autotune.accuracy.gate): valid in any study of the same workload, so kept with the trials."""
+judged (autotune.accuracy.study.gate): valid in any study of the same workload, so kept with the trials."""
 
 
 FRESH_ENV = "AUTOTUNE_FRESH"

@@ -54,7 +54,7 @@ class TrialRecord:
     """The configurations this trial's findings queued."""
     steered_by: Any = None
     accuracy: dict[str, Any] | None = None
-    """The trial's own judged accuracy check (autotune.accuracy.gate.accuracy_of also finds the
+    """The trial's own judged accuracy check (autotune.accuracy.study.gate.accuracy_of also finds the
     study's cached check of its numerics)."""
     unstable: bool = False
     duplicate_of: int | None = None

@@ -169,7 +169,7 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     # what one sample is: a language model's tokens/s is samples/s times tokens_per_sample
     result.update(sample_unit=workload.sample_unit, tokens_per_sample=workload.tokens_per_sample)
     # a workload that makes its own batches (a language model's random tokens) has no held-out set
-    # to evaluate in the accuracy check unless --data gives one (autotune.accuracy.plan)
+    # to evaluate in the accuracy check unless --data gives one (autotune.accuracy.study.plan)
     result["own_batches"] = workload.make_batch is not None
     result["misaligned"] = {str(m): misaligned_layers(workload.model, m) for m in (8, 16)}
     result["fp32_layer_kinds"] = kinds_present(workload.model)
@@ -464,11 +464,11 @@ def serve(request: dict[str, Any], result_path: str, ready_at: float | None = No
         elif request.get("mode") == "memory":
             result = probe_memory(request)
         elif request.get("mode") == "accuracy":
-            from autotune.accuracy.check import run_check
+            from autotune.accuracy.worker.check import run_check
 
             result = run_check(request)
         elif request.get("mode") == "parity":
-            from autotune.accuracy.parity import run_parity
+            from autotune.accuracy.worker.parity import run_parity
 
             result = run_parity(request)
         else:

@@ -4,7 +4,7 @@
   labelled by a fixed random teacher network; no download), learnable but not in a few steps, so
   "does this configuration train as well as FP32?" has an answer on any model; a language model
   (a workload whose batches are tokens) gets sequences of a random Markov teacher instead
-  (:func:`token_data`, used by autotune.accuracy.check);
+  (:func:`token_data`, used by autotune.accuracy.worker.check);
 * ``--data DIR``: the user's images in ImageFolder layout (``DIR/<class>/<image>``), resized to the
   model's input size, with a deterministic per-class held-out split;
 * ``--data package.module:factory``: a callable returning ``(train, held_out)`` datasets (or a

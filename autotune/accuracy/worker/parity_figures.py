@@ -1,7 +1,7 @@
-"""What a numerics parity run measured against FP32's (autotune.accuracy.parity): the loss trajectory
+"""What a numerics parity run measured against FP32's (autotune.accuracy.worker.parity): the loss trajectory
 in windows, the progress on the first batch, and each parameter tensor's first gradient and update
-against FP32's, from the sums a run keeps (autotune.accuracy.parity_grads). The verdict judges these
-figures against their bands (autotune.accuracy.parity_verdict)."""
+against FP32's, from the sums a run keeps (autotune.accuracy.worker.parity_grads). The verdict judges these
+figures against their bands (autotune.accuracy.worker.parity_verdict)."""
 
 from __future__ import annotations
 

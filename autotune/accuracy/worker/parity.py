@@ -10,7 +10,7 @@ initial weight moved to one of its two bf16 neighbours at random, and every grad
 stochastically at every step: GradientRounding; known to be harmless, they show how far this model's
 own training carries such a difference); and the configuration. From each: the loss at every step,
 and per parameter tensor its first gradient (unscaled, of the step taken: one the GradScaler skips is
-taken again on its batch, as ``autotune.accuracy.check`` does) and its update over the run,
+taken again on its batch, as ``autotune.accuracy.worker.check`` does) and its update over the run,
 ``w_T - w_0`` (parity_grads). parity_verdict compares them with the reference's and judges each figure
 by ``k`` x the calibrations' largest + a floor, a band wider than MAX_BAND judging nothing.
 
@@ -58,8 +58,15 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from autotune.accuracy.parity_figures import progress_drift
-from autotune.accuracy.parity_verdict import (
+from autotune.accuracy.settings import MIN_STEPS, AccuracySettings
+from autotune.accuracy.worker.parity_figures import progress_drift
+from autotune.accuracy.worker.parity_grads import (
+    GRAD_SAMPLE,
+    RunTensors,
+    grads_writer,
+    read_grads,
+)
+from autotune.accuracy.worker.parity_verdict import (
     BF16_EPS,
     MAX_BAND,
     ParityResult,
@@ -67,14 +74,7 @@ from autotune.accuracy.parity_verdict import (
     gradients_out_of_band,
     judge,
 )
-from autotune.accuracy.parity_grads import (
-    GRAD_SAMPLE,
-    RunTensors,
-    grads_writer,
-    read_grads,
-)
-from autotune.accuracy.reference_cache import reference_writer
-from autotune.accuracy.settings import MIN_STEPS, AccuracySettings
+from autotune.accuracy.worker.reference_file import reference_writer
 
 RUN_PHASES: list[dict[str, Any]] = []
 """This worker's runs, each one's seconds by phase (its build, a calibration's move of the weights, the
@@ -279,7 +279,7 @@ def _one_run(spec, recipe, settings: ParitySettings, data, *, steps: int, refere
     (fp8 on every layer of a 1B Llama, fp16 gradients underflowing) costs one step, not ``steps``."""
     import torch
 
-    from autotune.accuracy.check import seeded_workload, to_device, without_dropout
+    from autotune.accuracy.worker.check import seeded_workload, to_device, without_dropout
     from autotune.deploy import runtime
     from autotune.deploy.recipe import backend_flags
     from autotune.workload.data import batch_order, collate
@@ -389,7 +389,7 @@ def train_reference(spec, settings: ParitySettings, device: str, data) -> tuple[
     """The FP32 reference's losses and its calibrations' figures (what the cache keeps, JSON), and
     the reference's first gradients and updates (parity_grads.RunTensors.kept: sampled, CPU; not kept
     across searches)."""
-    from autotune.accuracy.check import trained_on
+    from autotune.accuracy.worker.check import trained_on
 
     fp32 = parity_recipe(reference_knobs(device), device)
     ref = _one_run(spec, fp32, settings, data, steps=settings.steps)
@@ -415,9 +415,10 @@ def check_parity(spec, knobs: Mapping[str, Any], settings: ParitySettings, *, de
     ``on_reference`` before the configuration runs. ``reference_tensors``: that reference's first
     gradients and updates as the check keeps them (parity_grads.RunTensors: sampled), else the FP32
     reference's run is taken again for them (its calibrations are not) and they are handed to
-    ``on_tensors``. Returns the result and the reference (the gate keeps it: autotune.accuracy.reference_cache)."""
-    from autotune.accuracy.check import datasets
+    ``on_tensors``. Returns the result and the reference (the gate keeps it:
+    autotune.accuracy.study.reference_cache)."""
     from autotune.accuracy.settings import describe_numerics
+    from autotune.accuracy.worker.check import datasets
 
     started = time.perf_counter()
     data = datasets(spec, settings.data_settings(), device, init_device=device)  # as the runs build it (_one_run)
@@ -465,7 +466,7 @@ def run_parity(request: Mapping[str, Any]) -> dict[str, Any]:
     kept = read_grads(grads_path) if grads_path and request.get("reference") is not None else None
     on_tensors = grads_writer(grads_path) if grads_path and kept is None else None
     if request.get("reference_only"):  # FP32's numerics: the reference is their run
-        from autotune.accuracy.check import datasets
+        from autotune.accuracy.worker.check import datasets
 
         data = datasets(spec, settings.data_settings(), device, init_device=device)  # as the runs build it (_one_run)
         reference, tensors = train_reference(spec, settings, device, data)

@@ -1,4 +1,4 @@
-"""What a numerics parity run keeps of its tensors (autotune.accuracy.parity): per parameter tensor,
+"""What a numerics parity run keeps of its tensors (autotune.accuracy.worker.parity): per parameter tensor,
 its first gradient and its update over the run (``w_T - w_0``), read by an optimizer step pre-hook
 and after the run's last step, on a sample of each large tensor; kept (the reference's) or compared
 with the reference's (every other run's) as a few sums; and kept in a file between a search's checks.

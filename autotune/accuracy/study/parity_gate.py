@@ -1,8 +1,8 @@
-"""The search's accuracy verdict by numerics parity (autotune.accuracy.parity): the gate that checks
+"""The search's accuracy verdict by numerics parity (autotune.accuracy.worker.parity): the gate that checks
 configurations near the speed frontier and the recommendation against FP32, planned to cost at most
 ``share`` (15% by default) of ``--budget``, all its checks and the recommendation's verdict together.
 
-The held-out accuracy check (autotune.accuracy.gate.AccuracyGate, ``--accuracy-method held-out``)
+The held-out accuracy check (autotune.accuracy.study.gate.AccuracyGate, ``--accuracy-method held-out``)
 trains each configuration for hundreds of steps and judges held-out accuracy; in seven default
 searches (issue 37) none of its verdicts could have failed: a saturated task, a 25-point FP32
 reshuffle allowance, or no verdict because its runs did not fit the budget. A parity check costs a
@@ -31,7 +31,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
-from autotune.accuracy.gate import (
+from autotune.accuracy.settings import numerics_key, numerics_knobs
+from autotune.accuracy.study.gate import (
     METHOD_ATTR,
     MIN_CHECK_S,
     PLAN_ATTR,
@@ -42,11 +43,10 @@ from autotune.accuracy.gate import (
     key_hash,
     failed,
 )
-from autotune.accuracy.parity import ParityResult, ParitySettings
-from autotune.accuracy.parity_verdict import METHOD, evidence, reference_evidence
-from autotune.accuracy.plan import CHECKS_ATTR, duration, fitting_batch
-from autotune.accuracy.reference_cache import read_reference
-from autotune.accuracy.settings import numerics_key, numerics_knobs
+from autotune.accuracy.study.plan import CHECKS_ATTR, duration, fitting_batch
+from autotune.accuracy.worker.parity import ParityResult, ParitySettings
+from autotune.accuracy.worker.parity_verdict import METHOD, evidence, reference_evidence
+from autotune.accuracy.worker.reference_file import read_reference
 from autotune.trial.record import TrialRecord
 
 DEFAULT_SHARE = 0.15
@@ -64,7 +64,7 @@ OVERRUN = 3.0
 it is cut, within the budget: the seconds past the share come out of the trials."""
 BUILDS = 2
 """A parity worker's set-up besides its start, in model builds: it builds the model once and copies
-it for each run (autotune.accuracy.check.seeded_workload); the second is the data and the copies."""
+it for each run (autotune.accuracy.worker.check.seeded_workload); the second is the data and the copies."""
 
 
 def run_setup_steps(device: str) -> int:
@@ -78,7 +78,7 @@ def run_setup_steps(device: str) -> int:
 def parity_plan(settings: ParitySettings, *, budget_s: float, share: float, measured: Mapping[str, Any],
                 device: str = "cpu") -> dict[str, Any]:
     """The parity checks' steps and batch for a search of ``budget_s`` whose checks may spend ``share``
-    of it, from autotune.accuracy.plan.step_time's figures: the largest batch (``settings.batch_size``,
+    of it, from autotune.accuracy.study.plan.step_time's figures: the largest batch (``settings.batch_size``,
     halved down to MIN_BATCH) at which PREFERRED_STEPS of a first verdict and a later check fit, else the
     largest at which MIN_STEPS of both do, else of the first verdict alone;
     ``fits`` False where none does (``needed_budget_s`` says what budget would, at the smallest). Each
@@ -152,7 +152,7 @@ def later_check_s(study) -> float:
 
 
 PHASES = ("build", "perturb", "first step", "steps")
-"""A parity run's phases, as the worker returns them (autotune.accuracy.parity.RUN_PHASES)."""
+"""A parity run's phases, as the worker returns them (autotune.accuracy.worker.parity.RUN_PHASES)."""
 
 
 def measured_later_check_s(trained: Mapping[str, Any]) -> float:
@@ -209,7 +209,7 @@ class ParityGate(AccuracyGate):
         """A folder of this run's: the FP32 reference's first gradients, sampled, between its checks."""
 
     def grads_path(self) -> str:
-        """Where this run's check workers keep the reference's first gradients (autotune.accuracy.parity.
+        """Where this run's check workers keep the reference's first gradients (autotune.accuracy.worker.parity.
         run_parity): written by the worker that trains the reference, read by the later ones, which then
         take no FP32 step; removed with the gate."""
         import weakref

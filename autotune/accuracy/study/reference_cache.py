@@ -7,7 +7,7 @@ A file that cannot be read, or that is not a reference for its key, is a miss: t
 trained again. A folder that cannot be written only warns; the next search trains it again.
 
 Within a search, the worker that trains a reference writes it to a file of the study's as soon as it
-is trained (reference_writer), which the gate reads (read_reference) where that worker then fails.
+is trained, which the gate reads where that worker then fails (autotune.accuracy.worker.reference_file).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from autotune.accuracy.settings import AccuracySettings
 from autotune.cache import CACHE_ENV, cache_root
@@ -109,33 +109,3 @@ class ReferenceCache:
                           f"the next search trains it again. Set {CACHE_ENV} to a writable folder", stacklevel=2)
             return False
         return True
-
-
-# the reference a check worker trained, written for the study as soon as it is trained -----------------
-
-def reference_writer(path: str | None, on_written: Callable[[str], None] | None = None):
-    """Where a worker that trains the reference before the configuration's run writes it (JSON, whole
-    or not at all) as soon as it is trained: a configuration's run that runs out of memory, fails or
-    is cut by the budget then costs its own verdict, not the reference (read_reference). None
-    without a ``path``; ``on_written`` is told the path once it is written."""
-    if not path:
-        return None
-
-    def write(reference: Mapping[str, Any]) -> None:
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(reference, f)
-        os.replace(tmp, path)
-        if on_written is not None:
-            on_written(path)
-
-    return write
-
-
-def read_reference(path) -> dict[str, Any] | None:
-    """The reference a worker wrote (reference_writer), or None where it wrote none."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None

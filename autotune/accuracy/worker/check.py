@@ -1,6 +1,6 @@
 """The worker side of an accuracy check (worker mode "accuracy"): train the FP32 reference and a
 configuration on the same data in the same order, and compare one step's numerics. Returns raw
-results; the study side (autotune.accuracy.gate) judges them."""
+results; the study side (autotune.accuracy.study.gate) judges them."""
 
 from __future__ import annotations
 

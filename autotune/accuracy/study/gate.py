@@ -1,7 +1,7 @@
 """The study side of the accuracy check: judge a run against the reference (judge), cache the
 checks in the study's user attributes (and the FP32 reference across searches: reference_cache),
 and decide which trials to check and at how many steps (AccuracyGate, plan). `autotune accuracy`'s
-comparison of precision modes is autotune.accuracy.compare."""
+comparison of precision modes is autotune.accuracy.study.compare."""
 
 from __future__ import annotations
 
@@ -13,9 +13,6 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from autotune.accuracy.plan import CHECK_RUNS, CHECKS_ATTR, DEFAULT_SHARE, PLAN_ATTR, step_time
-from autotune.accuracy.plan import plan as make_plan
-from autotune.accuracy.reference_cache import ReferenceCache, reference_key
 from autotune.accuracy.settings import (
     DIVERGED_FACTOR,
     MAX_SKIPPED_FRACTION,
@@ -25,6 +22,9 @@ from autotune.accuracy.settings import (
     numerics_key,
     numerics_knobs,
 )
+from autotune.accuracy.study.plan import CHECK_RUNS, CHECKS_ATTR, DEFAULT_SHARE, PLAN_ATTR, step_time
+from autotune.accuracy.study.plan import plan as make_plan
+from autotune.accuracy.study.reference_cache import ReferenceCache, reference_key
 from autotune.trial.record import TrialRecord
 
 # ---------------------------------------------------------------------------------------------
@@ -59,7 +59,7 @@ def judge(run: Mapping[str, Any], reference: Mapping[str, Any], *, max_accuracy_
         out["reference_accuracy"] = reference["held_out_accuracy"]
         out["accuracy_drop"] = reference["held_out_accuracy"] - run["held_out_accuracy"]
         out["held_out_size"] = run.get("held_out_size")
-    # a language model's check judges its held-out loss (the teacher's tokens: autotune.accuracy.check)
+    # a language model's check judges its held-out loss (the teacher's tokens: autotune.accuracy.worker.check)
     held = not has_accuracy and run.get("held_out_loss") is not None and reference.get("held_out_loss") is not None
     key, words = ("held_out_loss", "held-out loss") if held else ("final_loss", "final training loss")
     progress = (reference.get("initial_loss") or 0.0) - (reference.get(key) or 0.0)
@@ -106,7 +106,7 @@ def _instability(run: Mapping[str, Any]) -> str | None:
         return f"the training loss was NaN/Inf in {run['nonfinite_losses']} of {steps} steps"
     if run.get("params_finite") is False:
         return "the weights became NaN/Inf during training"
-    # skipped steps taken again on their batch were made in the end (autotune.accuracy.check)
+    # skipped steps taken again on their batch were made in the end (autotune.accuracy.worker.check)
     not_taken = (run.get("skipped_steps") or 0) - (run.get("retried_steps") or 0)
     if not_taken > MAX_SKIPPED_FRACTION * steps:
         return (f"the GradScaler skipped {not_taken} of {steps} steps (gradients overflowed; final "
@@ -131,7 +131,7 @@ def failed(accuracy: Mapping[str, Any] | None) -> bool:
 
 SETTINGS_ATTR = "accuracy_settings"
 METHOD_ATTR = "accuracy_method"
-"""How the study's checks judge: "parity" (autotune.accuracy.parity_gate), absent for the held-out check."""
+"""How the study's checks judge: "parity" (autotune.accuracy.study.parity_gate), absent for the held-out check."""
 UNAVAILABLE_ATTR = "accuracy_unavailable"
 REFERENCE_ATTR = "accuracy_reference:{fingerprint}"
 RESULT_ATTR = "accuracy_run:{fingerprint}:{key}"
@@ -148,7 +148,7 @@ def study_settings(study):
     if not data:
         return None
     if study.user_attrs.get(METHOD_ATTR) == "parity":
-        from autotune.accuracy.parity import ParitySettings
+        from autotune.accuracy.worker.parity import ParitySettings
 
         return ParitySettings.from_dict(data)
     return AccuracySettings.from_dict(data)
@@ -182,7 +182,7 @@ def accuracy_of(study, trial) -> dict[str, Any] | None:
         return None
     run, reference = found
     if "calibration" in reference:  # a parity check's: its runs are stored judged
-        from autotune.accuracy.parity_verdict import reference_evidence
+        from autotune.accuracy.worker.parity_verdict import reference_evidence
 
         return dict(run) if run.get("method") else reference_evidence(reference, numerics_key=run.get("numerics_key"))
     return judge(run, reference, max_accuracy_drop=settings.max_accuracy_drop, max_loss_drift=settings.max_loss_drift)
@@ -197,9 +197,9 @@ def _planned(settings: AccuracySettings, plan: Mapping[str, Any]) -> AccuracySet
 class AccuracyGate:
     """The study side of the check: reuse by numerics key, check near the speed frontier, and
     make sure the recommended configuration has passing evidence. With a budget, the checks cost in
-    proportion: their steps are planned from the measured step time (autotune.accuracy.plan), and
+    proportion: their steps are planned from the measured step time (autotune.accuracy.study.plan), and
     during the search they spend at most ``share`` of it; the FP32 reference is trained once per
-    workload and device (autotune.accuracy.reference_cache)."""
+    workload and device (autotune.accuracy.study.reference_cache)."""
 
     def __init__(self, *, settings: AccuracySettings, space, workload: dict[str, Any], timeout_s: float,
                  log_dir: Path | None = None, budget_s: float | None = None, share: float = DEFAULT_SHARE,
@@ -258,7 +258,7 @@ class AccuracyGate:
         return None
 
     def settle(self, study, *, force: bool = False) -> None:
-        """Plan the check's steps (autotune.accuracy.plan) once a trial was measured, or with
+        """Plan the check's steps (autotune.accuracy.study.plan) once a trial was measured, or with
         ``force`` (a check is due) from the default when none was; then they are fixed."""
         if not self.pending:
             return
@@ -277,7 +277,7 @@ class AccuracyGate:
             self.pending = False
 
     def make_plan(self, measured: dict[str, Any]) -> dict[str, Any]:
-        """The checks' steps (and batch) from ``step_time``'s figures (autotune.accuracy.plan)."""
+        """The checks' steps (and batch) from ``step_time``'s figures (autotune.accuracy.study.plan)."""
         return make_plan(self.settings, budget_s=self.budget_s, share=self.share, measured=measured,
                          held_out=self.held_out)
 
@@ -434,7 +434,7 @@ class AccuracyGate:
         return reference
 
     def _keep(self, study, reference: Mapping[str, Any]) -> None:
-        """Keep a reference trained here for later searches (autotune.accuracy.reference_cache)."""
+        """Keep a reference trained here for later searches (autotune.accuracy.study.reference_cache)."""
         key = self._cache_key(study, reference)
         if key is not None:
             about = {**self.workload, "data": self.settings.data, "steps": self.settings.steps,
@@ -443,7 +443,7 @@ class AccuracyGate:
             self.cache.store(key, reference, about)
 
     def estimate_s(self, study) -> float:
-        """About how long the next check takes, from the plan (autotune.accuracy.plan): one training
+        """About how long the next check takes, from the plan (autotune.accuracy.study.plan): one training
         run, or three when the FP32 reference and its reshuffled twin must be trained first; 0 when
         the steps were not planned from a measured step time."""
         plan = study.user_attrs.get(PLAN_ATTR) or {}

@@ -1,12 +1,12 @@
 """`autotune accuracy`: each precision mode trained briefly against FP32, one worker each, judged
-as the search's checks are (autotune.accuracy.gate.judge), as the rows of a table."""
+as the search's checks are (autotune.accuracy.study.gate.judge), as the rows of a table."""
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-from autotune.accuracy.gate import judge
 from autotune.accuracy.settings import AccuracySettings
+from autotune.accuracy.study.gate import judge
 from autotune.errors import AutotuneError
 from strategies.precision import AUTOCAST_DTYPES
 

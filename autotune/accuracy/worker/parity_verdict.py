@@ -1,4 +1,4 @@
-"""The verdict of a numerics parity check (autotune.accuracy.parity) from its figures, and the same
+"""The verdict of a numerics parity check (autotune.accuracy.worker.parity) from its figures, and the same
 verdict as the accuracy gate records it on a trial (``evidence``).
 
 What is compared with FP32's run (the reference), each figure against a band:
@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from autotune.accuracy.parity_figures import (
+from autotune.accuracy.worker.parity_figures import (
     TENSOR_FIGURES,
     global_figures,
     loss_deviation,

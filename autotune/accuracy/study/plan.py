@@ -34,7 +34,7 @@ BUILDS_PER_WORKER = 5
 """A check worker's set-up besides its start, in model builds: it needs the model once per training
 run and one-step comparison (16 over the CHECK_WORKERS: the reference's two runs and its FP32 and
 FP64 steps; each configuration's run and its own, FP32's and FP64's steps), built for the first
-and deep-copied after (autotune.accuracy.check.seeded_workload; rebuilt for a model over a quarter
+and deep-copied after (autotune.accuracy.worker.check.seeded_workload; rebuilt for a model over a quarter
 of host memory), and it takes the FP64 step. The figure was set when each was a build; with the
 copies it still comes close to what a reference worker spends beside its training runs."""
 FIRST_VERDICT_RUNS = 3
@@ -45,7 +45,7 @@ FIRST_VERDICT_WORKERS = 2
 EVAL_COST = 1 / 3
 """A held-out batch (forward only, no gradients) costs about a third of a training step."""
 FP64_FACTOR = 2
-"""The check's one FP64 step (autotune.accuracy.check.step_numerics) holds about twice what an FP32
+"""The check's one FP64 step (autotune.accuracy.worker.check.step_numerics) holds about twice what an FP32
 step of the same batch holds."""
 CHECK_FILL = 0.9
 """The check's batch is sized so that its FP64 step stays within this share of the memory limit."""
