@@ -256,6 +256,9 @@ class _Gate:
     def __init__(self):
         self.checks = []
 
+    def verdict_reserve_s(self, study):
+        return 0.0
+
     def near_frontier(self, study, value):
         return True
 
@@ -363,3 +366,37 @@ def test_the_search_ends_when_no_compile_fits_and_nothing_queued_is_expected_to_
         rule, said = _stop_rule(300.0, started, walls)
         _told(rule, study)
         assert not study._stop_flag and STOP_ATTR not in study.user_attrs
+
+
+def test_a_trial_that_runs_long_is_cut_where_the_recommendations_verdict_needs_its_seconds(monkeypatch):
+    """The H100's 1B Llama at df7a3cd: the stop rule left the best (unchecked) its verdict's seconds, but
+    the fp8 compile it started then ran 88 s, to the budget's end, and the recommendation went unchecked.
+    A trial's worker is now given the budget less the verdict's reserve (the verdict is planned first)."""
+    import time
+
+    from autotune.search.objective import Objective
+
+    given = []
+    workers_answer_ok(monkeypatch)
+    import autotune.search.objective as objective_module
+
+    answer = objective_module.run_worker
+    monkeypatch.setattr(objective_module, "run_worker", lambda request, **kw: given.append(kw["timeout_s"]) or
+                        answer(request, **kw))
+
+    class Reserving(_Gate):
+        reserve = 30.0
+
+        def verdict_reserve_s(self, study):
+            return self.reserve
+
+    for reserve in (30.0, 0.0):
+        gate = Reserving()
+        gate.reserve = reserve
+        objective = Objective(space=SPACE, workload={"kind": "torchvision", "name": "resnet18"}, measure={},
+                              input_on_device=False, seed=0, trial_timeout_s=100.0, accuracy=gate, steer=False,
+                              deadline=time.time() + 80, profile=False)
+        study = _study()
+        study.enqueue_trial(_params("bf16", 64), user_attrs={"role": "sampled"})
+        study.optimize(objective, n_trials=1)
+    assert 45 < given[0] <= 50 and 75 < given[1] <= 80

@@ -31,6 +31,9 @@ class _Gate:
     def estimate_s(self, study):
         return self.estimate
 
+    def verdict_reserve_s(self, study):
+        return 0.0
+
     def near_frontier(self, study, value):
         return False
 

@@ -317,3 +317,64 @@ def test_replayed_from_the_h100_second_search_a_compile_that_cannot_finish_is_no
              for left, plan in chosen.items()}
     assert modes[560.0] == "max-autotune-no-cudagraphs" and 270.0 < chosen[560.0].cost_s < 560.0
     assert modes[270.0] != "max-autotune-no-cudagraphs" and chosen[270.0].cost_s < 270.0
+
+
+def test_replayed_from_the_second_h100_run_a_compile_the_budget_cut_is_not_started_again_where_it_cannot_finish():
+    """reports/warm-start-h100-df7a3cd/r50-second: with max-autotune's 7x prior the second ResNet-50 search
+    still predicted the first's best compiled in max-autotune at 234 s (its default compile took 35 s) with
+    270 s left, and the budget cut it after 267 s, compiling. Replayed from its study: without that cut the
+    planner picks it again; with the cut trial as evidence (kept for the next search), max-autotune is
+    expected to take at least twice the 267 s, and the planner runs a candidate that fits."""
+    from optuna.trial import create_trial
+
+    from autotune.search.planner import Planner
+    from autotune.search.plain_recipe import GrowToFit
+    from autotune.search.priors import prior
+
+    db = ROOT / "reports" / "warm-start-h100-df7a3cd" / "r50-second" / "study.db"
+    src = optuna.load_study(study_name=None, storage=f"sqlite:///{db}")
+    space = SearchSpace.from_dict(src.user_attrs["space"])
+    cut = src.trials[15]
+    assert cut.state == TrialState.FAIL and "ran out 267 s into this trial" in cut.user_attrs["reason"]
+
+    def replay(with_cut: bool):
+        study = optuna.create_study(direction="maximize")
+        for t in src.trials:
+            if TrialRecord.of(t).warm_from is not None:
+                study.add_trial(create_trial(state=t.state, params=t.params, distributions=t.distributions,
+                                             values=t.values, user_attrs=t.user_attrs, system_attrs=t.system_attrs))
+        if with_cut:  # as the objective now records it, and warm.remember keeps it for the next search
+            study.add_trial(create_trial(state=TrialState.FAIL, params=cut.params, distributions=cut.distributions,
+                                         user_attrs={**cut.user_attrs, "cut_after_s": 267.0, "warm_from": {
+                                             "out_dir": "r50-second", "study": src.study_name, "number": 15,
+                                             "finished": "2026-12-07T14:47:00"}}))
+        warm.propose_from_evidence(study, [GrowToFit(space, None), Neighbours(space, None)])
+        plan = Planner(space, walls=warm.warm_walls(study)).choose(study, left_s=270.0)
+        return study.trials[plan.number].system_attrs["fixed_params"]["compile.mode"], plan
+
+    mode, plan = replay(with_cut=False)
+    assert mode == "max-autotune-no-cudagraphs" and plan.cost_s < 270.0  # what the GPU run did
+    mode, plan = replay(with_cut=True)
+    assert mode != "max-autotune-no-cudagraphs" and plan.cost_s < 270.0
+    assert prior("trial", "cut", "cost over its seconds") * 267.0 > 270.0
+
+
+def test_a_trial_the_budget_cut_is_kept_for_the_next_search_as_a_bound_on_its_cost(tmp_path):
+    import strategies
+    from autotune.search.walls import cut_floors
+
+    study, out = _first_search(tmp_path)
+    fixed = optuna.trial.FixedTrial(_params("bf16", 128, "default", "channels_last"))
+    knobs = strategies.sample(fixed, SPACE)
+    study.add_trial(optuna.trial.create_trial(
+        state=TrialState.FAIL, params=dict(fixed.params), distributions=dict(fixed.distributions),
+        user_attrs={"reason": "the search budget ran out 267 s into this trial", "cut_after_s": 267.0,
+                    "knobs": strategies.knobs_to_dict(knobs)}))
+    assert cut_floors(study.trials) == {"default": 534.0}
+    warm.remember(study, out, KEY, JUDGED)
+    second = optuna.create_study(direction="maximize")
+    used = warm.warm_start(second, SPACE, KEY, JUDGED)
+    assert used[0]["trials"] == 3  # measured; the cut one is evidence of a cost, not a measurement
+    (failed,) = [t for t in second.trials if t.state == TrialState.FAIL]
+    assert TrialRecord.of(failed).cut_after_s == 267.0 and TrialRecord.of(failed).warm_from is not None
+    assert cut_floors(second.trials) == {"default": 534.0}

@@ -46,7 +46,7 @@ from autotune.search.levers import step_costs
 from autotune.search.neighbours import compile_mode_factor, fp8_speed, prior_factor, profiled_factor, stem_speed
 from autotune.search.priors import prior, values
 from autotune.search.trials import planned_params
-from autotune.search.walls import cached_compile_saving, trial_cost_s
+from autotune.search.walls import cached_compile_saving, cut_floors, trial_cost_s
 from autotune.trial.record import TrialRecord
 
 NOVELTY = 0.05
@@ -104,6 +104,8 @@ class Planner:
         self.step_costs: dict[tuple[str, Any], float] = {}
         """(param, value) -> seconds a step of the memory knobs costing that much whatever the batch,
         for this model (levers.step_costs; set by ``plans``)."""
+        self.cut_floors: dict[str, float] = {}
+        """compile mode -> the least a trial in it costs, from trials the budget cut (walls.cut_floors; set by ``plans``)."""
 
     # -- the plan ------------------------------------------------------------------------------------
 
@@ -117,6 +119,7 @@ class Planner:
         if not waiting:
             return []
         done = self._measured(trials)
+        self.cut_floors = cut_floors(trials)
         best = self._best(done, study)
         memory = MemoryModel.from_study(study, self.limit_bytes)
         seen = self._seen_values(done)
@@ -293,9 +296,10 @@ class Planner:
         return seen
 
     def _cost(self, mode: str, precision: str | None = None, saved_s: float = 0.0) -> float:
-        """A trial's expected seconds in ``mode`` and ``precision``, a cached compile's ``saved_s`` less (walls)."""
-        return trial_cost_s(self.walls, mode, precision, self.compile_prior_s, prior("trial", None, "seconds"),
-                            saved_s)
+        """A trial's expected seconds in ``mode`` and ``precision``, a cached compile's ``saved_s`` less (walls),
+        and no less than a trial the budget cut in that mode says (cut_floors)."""
+        return max(trial_cost_s(self.walls, mode, precision, self.compile_prior_s, prior("trial", None, "seconds"),
+                                saved_s), self.cut_floors.get(mode, 0.0))
 
     def _memory(self, memory, params: dict[str, Any]) -> tuple[float | None, str | None]:
         """Predicted peak bytes of ``params``, and the memory model's reason it cannot fit (None: it may)."""

@@ -184,6 +184,10 @@ PRIORS: tuple[Prior, ...] = (
     Prior(knob="accuracy check", value="cpu", what="run set-up steps", prior=1,
           means="the same on a 2-core CPU: ResNet-50's runs took 0.2-0.5 of a step (one step, rounded up)",
           source="reports/resnet50-cpu-10m"),
+    Prior(knob="trial", value="cut", what="cost over its seconds", prior=2.0,
+          means="a trial the budget cut after T seconds (its compile still going) costs at least 2T: the median "
+                "total of a scale-free duration seen lasting T; not measured",
+          source=_log("assumed-priors")),
     Prior(knob="trial", value=None, what="seconds", prior=10.0,
           means="a trial's seconds before any trial was measured (a compile's prior comes on top): assumed",
           source=_log("assumed-priors")),

@@ -9,6 +9,7 @@ from typing import Any
 
 import strategies
 from autotune.search.priors import prior, values
+from autotune.trial.record import TrialRecord
 
 
 def compile_prior_s(probe: dict[str, Any]) -> float:
@@ -44,6 +45,22 @@ def trial_cost_s(walls: list[tuple[float, bool]], mode: str, precision: str | No
         wall = eager + (compile_prior_s if compiled else 0.0)
     cost = eager + (wall - eager) * compile_cost_factor(mode, precision) if wall > eager else wall
     return max(eager, cost - saved_s) if saved_s > 0 else cost
+
+
+def cut_floors(trials) -> dict[str, float]:
+    """compile mode -> the least seconds a trial in it is expected to take, from the trials (this study's,
+    or an earlier search's: autotune.search.warm) the budget cut while they ran (TrialRecord.cut_after_s):
+    the longest such cut times the "cut" prior (2: nothing known but that it outlasted the cut). A trial's
+    cost in that mode is no less (the planner's, and the objective's check that a compile ends within
+    the budget)."""
+    factor = prior("trial", "cut", "cost over its seconds")
+    floors: dict[str, float] = {}
+    for t in trials:
+        record = TrialRecord.of(t)
+        if record.cut_after_s:
+            mode = record.knob("compile", "mode", "off")
+            floors[mode] = max(floors.get(mode, 0.0), factor * record.cut_after_s)
+    return floors
 
 
 def trial_wall(record) -> tuple[float, bool] | None:

@@ -8,7 +8,9 @@ search of the same key adds them to its study before its first trial, as finishe
 ``warm_from``: the planner, the sampler and the recommendation see them as evidence; a queued
 configuration one of them measured (the FP32 baseline, the plain recipe) is copied, not run again
 (Objective._reuse); the budget goes to what none of them reached. Their compiles and FP32 references
-are in the caches beside (compile/, accuracy/), so the trials that need them load them.
+are in the caches beside (compile/, accuracy/), so the trials that need them load them. A trial the
+budget cut (a compile still going) comes as a failed trial with the seconds it ran: the planner expects
+its compile mode to cost more than that (autotune.search.walls.cut_floors), not to fit again.
 
 ``autotune search --fresh`` (or ``AUTOTUNE_FRESH=1`` in the environment, as the test suite sets it)
 starts without them. Deleting the folder only makes the next search cold.
@@ -86,12 +88,11 @@ def evidence_path(key: dict[str, Any]) -> Path:
 
 
 def remember(study: optuna.Study, out_dir: Path, key: dict[str, Any], judged: dict[str, Any]) -> Path | None:
-    """Keep the trials this study measured (not the copies, nor those it was warmed with) for the next
-    search of ``key``; this study's earlier record (a resumed search's) is replaced, another study's
-    kept, in the same folder too (a folder deleted and searched again). Returns the file, or None when
-    nothing was measured."""
-    trials = [_entry(t) for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
-              if _own_outcome(t)]
+    """Keep the trials this study measured (not the copies, nor those it was warmed with), and those the
+    budget cut (what they cost is more than they ran: walls.cut_floors), for the next search of ``key``;
+    this study's earlier record (a resumed search's) is replaced, another study's kept, in the same
+    folder too (a folder deleted and searched again). Returns the file, or None when nothing was measured."""
+    trials = [_entry(t) for t in study.get_trials(deepcopy=False) if _own_outcome(t) or _own_cut(t)]
     if not trials:
         return None
     attrs = {k: v for k, v in study.user_attrs.items() if k.startswith(_STUDY_ATTRS)}
@@ -125,7 +126,7 @@ def warm_start(study: optuna.Study, space: SearchSpace, key: dict[str, Any], jud
                 continue
             seen.add(same)
             study.add_trial(trial)
-            added += 1
+            added += trial.state != TrialState.FAIL  # measured; a cut one bounds a cost
         for name, value in (run.get("study_attrs") or {}).items():
             if name not in study.user_attrs:
                 study.set_user_attr(name, value)
@@ -166,6 +167,11 @@ def warm_walls(study: optuna.Study) -> list[tuple[float, bool]]:
     records = (TrialRecord.of(t) for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,
                                                                                    TrialState.PRUNED)))
     return [wall for r in records if r.warm_from is not None and (wall := trial_wall(r)) is not None]
+
+
+def _own_cut(trial: optuna.trial.FrozenTrial) -> bool:
+    record = TrialRecord.of(trial)
+    return trial.state == TrialState.FAIL and bool(record.cut_after_s) and record.warm_from is None
 
 
 def _own_outcome(trial: optuna.trial.FrozenTrial) -> bool:

@@ -77,6 +77,9 @@ class TrialRecord:
     memory and the words (autotune.search.planner.Plan)."""
     retry_of: int | None = None
     """The trial this one re-runs (its process died; a trial that dies twice stays failed)."""
+    cut_after_s: float | None = None
+    """Seconds it ran before the search budget's end cut it (its compile still going): what it costs
+    is more than that (autotune.search.walls.cut_floors)."""
     warm_from: dict[str, Any] | None = None
     """Measured by an earlier search, not this one (autotune.search.warm): its folder ("out_dir"), study
     and trial "number" there. Evidence for the planner and the recommendation; not counted as a trial."""
