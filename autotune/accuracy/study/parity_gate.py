@@ -14,11 +14,11 @@ steps and the first batch again: ParitySettings.first_verdict_runs runs) in one 
 the configuration's run. The steps are the most (up to ParitySettings.steps) with which the first
 verdict and one later check fit in the share together (the first verdict's configuration may fail, or
 a later trial beat it: the recommendation's check then follows), halving the check's batch for
-PREFERRED_STEPS where needed. Where even MIN_STEPS do not fit,
-the search says so in one line, with the budget that would fit one, and checks nothing. The best
-trial so far is checked as it is measured; other checks keep one check's seconds of the share for
-the recommendation, and the stop rule (autotune.search.budget) ends the trials early enough for its
-verdict where the best has none.
+PREFERRED_STEPS where needed. Where even MIN_STEPS do not fit, the search says so in one line, with
+the budget that would fit one, and checks nothing. Every check but the end's keeps one later check's
+seconds of the share for the recommendation, the best trial's so far too; the stop rule
+(autotune.search.budget) ends the trials early enough for the recommendation's verdict where the best
+has none, and a trial that runs long is cut where those seconds begin (autotune.search.objective).
 """
 
 from __future__ import annotations
