@@ -258,7 +258,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_accuracy(args: argparse.Namespace) -> int:
     from autotune.accuracy.settings import AccuracySettings
     from autotune.accuracy.study.compare import compare_modes, mode_configurations
-    from autotune.deploy.space import SearchSpace
+    from autotune.space import SearchSpace
     from autotune.errors import ConfigError
     from autotune.search.options import SearchConfig, resolve_device
     from autotune.search.space import probe

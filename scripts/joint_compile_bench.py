@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from autotune.deploy import runtime  # noqa: E402
-from autotune.deploy.recipe import Recipe  # noqa: E402
+from autotune.recipe import Recipe  # noqa: E402
 from autotune.workload import hub  # noqa: E402
 from autotune.workload.models import Workload, WorkloadSpec, build, logits  # noqa: E402
 

@@ -24,7 +24,7 @@ import strategies
 from autotune.deploy.config import TunedConfig
 from autotune.trial.nvml import NvmlMonitor
 from autotune.trial.profile import analyze, record, save_fixture
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.workload.models import WorkloadSpec, build
 
 CONFIGS = {

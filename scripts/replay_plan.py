@@ -30,7 +30,7 @@ from optuna.trial import TrialState, create_trial
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autotune.deploy.space import SearchSpace  # noqa: E402
+from autotune.space import SearchSpace  # noqa: E402
 from autotune.search.neighbours import Neighbours  # noqa: E402
 from autotune.search.plain_recipe import ROLE, GrowToFit  # noqa: E402
 from autotune.search.planner import Planner  # noqa: E402

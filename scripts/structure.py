@@ -161,6 +161,27 @@ def _levels(modules: dict[str, Module], cycles: list[list[str]]) -> dict[str, in
     return {name: level(group[name]) for name in modules}
 
 
+def room(module: str, root: Path = ROOT) -> str:
+    """The folder a module lives in (``autotune.search``, ``strategies``); a module at the top of ``autotune/`` is a
+    room of its own (the command line, the recipe, the errors)."""
+    parts = module.split(".")
+    folder = parts[:-1] if len(parts) > 1 and not (root.joinpath(*parts) / "__init__.py").exists() else parts
+    return module if folder == ["autotune"] else ".".join(folder)
+
+
+def rooms(modules: dict[str, Module], root: Path = ROOT) -> dict:
+    """The same measure a level up: which folders import which, their floors, and each arrow that runs back up
+    (to a folder on the same or a higher floor: one that closes a cycle of folders)."""
+    of = {name: room(name, root) for name in modules}
+    folders = {r: Module(r, root, 0) for r in set(of.values())}
+    for m in modules.values():
+        folders[of[m.name]].top.update(of[t] for t in m.top | m.lazy if of[t] != of[m.name])
+    floors = _levels(folders, _cycles(folders))
+    back = sorted({f"{of[m.name]} -> {of[t]} ({m.name} imports {t})" for m in modules.values()
+                   for t in m.top | m.lazy if of[t] != of[m.name] and floors[of[t]] >= floors[of[m.name]]})
+    return {"rooms": len(folders), "floors": max(floors.values()) + 1, "arrows back up": back, "floor of": floors}
+
+
 def shape(root: Path = ROOT) -> dict:
     """The figures main() prints, for the packages under ``root``."""
     modules = read(root)
@@ -179,6 +200,7 @@ def shape(root: Path = ROOT) -> dict:
         f"functions over {MAX_FUNCTION_LINES} lines": [f for f in functions if f[1] > MAX_FUNCTION_LINES],
         f"modules over {MAX_MODULE_LINES} lines": sorted(((m.name, m.lines) for m in modules.values()
                                                           if m.lines > MAX_MODULE_LINES), key=lambda x: -x[1]),
+        **{f"folders: {k}": v for k, v in rooms(modules, root).items()},
         "levels": levels,
     }
 
@@ -189,7 +211,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     found = shape()
     for key, value in found.items():
-        if key == "levels":
+        if key in ("levels", "folders: floor of"):
             continue
         count = value if isinstance(value, int) else (f"{value[0]} ({value[1]} lines)" if key == "longest function"
                                                       else len(value))
@@ -203,6 +225,11 @@ def main(argv=None) -> None:
             by_level.setdefault(level, []).append(name)
         for level in sorted(by_level):
             print(f"level {level:2d}: {' '.join(sorted(by_level[level]))}")
+        by_floor: dict[int, list[str]] = {}
+        for name, floor in found["folders: floor of"].items():
+            by_floor.setdefault(floor, []).append(name)
+        for floor in sorted(by_floor):
+            print(f"floor {floor:2d}: {' '.join(sorted(by_floor[floor]))}")
 
 
 if __name__ == "__main__":

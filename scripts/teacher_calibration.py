@@ -65,7 +65,7 @@ def measure(name: str, seed: int, args) -> dict:
     """FP32 and its reshuffled twin (and each of ``--configs``) on ``name`` with ``seed``."""
     from autotune.accuracy.settings import AccuracySettings
     from autotune.accuracy.worker.check import datasets, train_run
-    from autotune.deploy.space import SearchSpace
+    from autotune.space import SearchSpace
     from autotune.workload.models import WorkloadSpec
 
     if name == "gpt2_tiny":

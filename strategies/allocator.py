@@ -43,8 +43,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from autotune.deploy.recipe import Recipe
-from autotune.deploy.space import SearchSpace
+from autotune.recipe import Recipe
+from autotune.space import SearchSpace
 from strategies.base import Strategy
 
 SETTING = "expandable_segments:True"

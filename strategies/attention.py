@@ -25,8 +25,8 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
-from autotune.deploy.recipe import Recipe
-from autotune.deploy.space import SearchSpace
+from autotune.recipe import Recipe
+from autotune.space import SearchSpace
 from strategies.base import ReportKnob, Strategy
 
 BACKENDS: dict[str, SDPBackend] = {

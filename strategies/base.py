@@ -5,7 +5,7 @@ A strategy owns its knob. It must do two things:
 * ``suggest(trial, space, chosen)``: sample its parameters, named ``"<name>.<field>"``, only
   when they mean something (``chosen`` holds the configs of the strategies before it, so
   GradScaler settings are sampled only when precision is fp16), and return its typed ``Config``.
-* ``apply(config, recipe)``: write that value into the :class:`~autotune.deploy.recipe.Recipe`: the
+* ``apply(config, recipe)``: write that value into the :class:`~autotune.recipe.Recipe`: the
   model transforms, the backend switches, the autocast dtype, the step's input pipeline.
 
 and it may say, where the defaults below do not fit:
@@ -33,8 +33,8 @@ from typing import Any, Callable, ClassVar, Mapping
 
 import optuna
 
-from autotune.deploy.recipe import Recipe
-from autotune.deploy.space import SearchSpace
+from autotune.recipe import Recipe
+from autotune.space import SearchSpace
 
 
 @dataclasses.dataclass(frozen=True)

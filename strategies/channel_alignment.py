@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
-from autotune.deploy.recipe import Recipe
-from autotune.deploy.space import SearchSpace
+from autotune.recipe import Recipe
+from autotune.space import SearchSpace
 from strategies.base import ReportKnob, Strategy
 
 __all__ = [

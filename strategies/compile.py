@@ -41,8 +41,8 @@ from typing import Any, Mapping
 
 import torch
 
-from autotune.deploy.recipe import Recipe
-from autotune.deploy.space import SearchSpace
+from autotune.recipe import Recipe
+from autotune.space import SearchSpace
 from strategies.base import ReportKnob, Strategy
 
 MODES = ("off", "default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune", "regional")

@@ -28,8 +28,8 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from autotune.deploy.recipe import Recipe
-from autotune.deploy.space import SearchSpace
+from autotune.recipe import Recipe
+from autotune.space import SearchSpace
 from strategies.base import ReportKnob, Strategy
 
 PREFETCH_FACTORS = [2, 4]

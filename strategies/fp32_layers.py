@@ -21,8 +21,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from autotune.deploy.recipe import Recipe
-from autotune.deploy.space import SearchSpace
+from autotune.recipe import Recipe
+from autotune.space import SearchSpace
 from strategies.base import ReportKnob, Strategy
 
 KINDS = ("norm", "attention", "head")

@@ -73,8 +73,8 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from autotune.deploy.recipe import Recipe
-from autotune.deploy.space import SearchSpace
+from autotune.recipe import Recipe
+from autotune.space import SearchSpace
 from autotune.errors import ConfigError
 from strategies.base import Strategy
 from strategies.loss_kernel import MEMORY_EXTRA, liger_problem

@@ -11,8 +11,8 @@ from typing import Any, Mapping
 
 import torch
 
-from autotune.deploy.recipe import Recipe
-from autotune.deploy.space import SearchSpace
+from autotune.recipe import Recipe
+from autotune.space import SearchSpace
 from strategies.base import ReportKnob, Strategy
 
 FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last}

@@ -17,8 +17,8 @@ from typing import Any, Mapping
 
 import torch
 
-from autotune.deploy.recipe import Recipe
-from autotune.deploy.space import SearchSpace
+from autotune.recipe import Recipe
+from autotune.space import SearchSpace
 from autotune.errors import ConfigError
 from strategies.base import ReportKnob, Strategy
 

@@ -14,8 +14,8 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
-from autotune.deploy.recipe import Recipe
-from autotune.deploy.space import SearchSpace
+from autotune.recipe import Recipe
+from autotune.space import SearchSpace
 from strategies.base import ReportKnob, Strategy
 
 

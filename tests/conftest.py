@@ -148,7 +148,7 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, check: bo
 def restore_backend_flags():
     """Code under test sets process-global switches (``prepare`` does, for good, as a user wants);
     the recipe's own scope puts every one of them back afterwards."""
-    from autotune.deploy.recipe import BACKEND_FLAGS, backend_flags
+    from autotune.recipe import BACKEND_FLAGS, backend_flags
 
     with backend_flags({name: get() for name, (get, _) in BACKEND_FLAGS.items()}):
         yield

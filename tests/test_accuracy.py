@@ -14,7 +14,7 @@ from autotune.accuracy.settings import AccuracySettings, numerics_key
 from autotune.accuracy.study.gate import AccuracyGate, accuracy_of, judge
 from autotune.accuracy.worker.check import max_retries, run_check
 from autotune.errors import ConfigError
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.search.options import SearchConfig
 from autotune.search.trials import best_trial
 from autotune.workload.models import WorkloadSpec

@@ -15,7 +15,7 @@ from autotune.accuracy.settings import AccuracySettings
 from autotune.accuracy.study.gate import REFERENCE_ATTR, SETTINGS_ATTR, AccuracyGate
 from autotune.accuracy.study.plan import PLAN_ATTR, describe, fitting_batch, plan, step_time
 from autotune.accuracy.study.reference_cache import CACHE_ENV, ReferenceCache, cache_dir, reference_key
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.errors import ConfigError
 from autotune.search.options import SearchConfig
 from autotune.workload.models import WorkloadSpec

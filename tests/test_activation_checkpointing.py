@@ -21,7 +21,7 @@ from torch import nn
 
 import strategies
 from autotune.deploy.config import TunedConfig, load
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.errors import ConfigError
 from strategies.activation_checkpointing import (ActivationCheckpointing, checkpoint_blocks, find_blocks,
                                                  hf_training_args, is_checkpointed, num_blocks)
@@ -529,7 +529,7 @@ def _gpu_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tup
 def test_on_a_gpu_every_block_checkpointed_keeps_well_under_the_activation_memory_with_the_same_loss():
     """GPT-2 shaped (4 layers, width 256, 8 sequences of 512 tokens), a small vocabulary so that the
     blocks' activations, not the logits, are what a step keeps; FP32 with TF32 off."""
-    from autotune.deploy.recipe import backend_flags
+    from autotune.recipe import backend_flags
 
     transformers = pytest.importorskip("transformers")
     config = transformers.AutoConfig.for_model("gpt2", n_layer=4, n_embd=256, n_head=4, n_positions=512,

@@ -14,7 +14,7 @@ import strategies
 from autotune.accuracy.settings import NUMERICS_KNOBS, numerics_key
 from autotune.deploy import config as config_module, exports
 from autotune.deploy.config import TunedConfig
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.search import plain_recipe
 from autotune.search.levers import LEVERS, levers_of
 from autotune.search.memory import MemoryModel, family

@@ -20,9 +20,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fake_models
 import strategies
 from autotune.deploy.config import TunedConfig
-from autotune.deploy.recipe import Recipe
+from autotune.recipe import Recipe
 from autotune.deploy.runtime import TrainStep
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.trial.measure import MeasureSettings
 from autotune.workload.models import WorkloadSpec
 from conftest import ROOT, run_cli, subprocess_env

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from autotune.deploy.recipe import Recipe
-from autotune.deploy.space import SearchSpace
+from autotune.recipe import Recipe
+from autotune.space import SearchSpace
 from strategies.channel_alignment import (
     AlignedConv1d,
     AlignedConv2d,

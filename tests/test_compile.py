@@ -22,7 +22,7 @@ from autotune.report.render import write_report
 from autotune.report.export import trials_frame
 from autotune.trial.instruments import cache_outcome
 from autotune.trial.runner import run_worker
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.search.budget import estimate_next_wall
 from autotune.search.walls import compile_prior_s, expected_wall, trial_cost_s, trial_wall
 from autotune.search.options import SearchConfig

@@ -24,7 +24,7 @@ import torch
 
 from autotune.deploy import compile_cache
 from autotune.deploy.config import TunedConfig
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.search.outputs import compile_archive_name, keep_compile_cache, prune_compile_archives
 from conftest import measured, run_cli, subprocess_env
 

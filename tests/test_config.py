@@ -15,7 +15,7 @@ from torch import nn
 import autotune
 import strategies
 from autotune.deploy.config import TunedConfig
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 
 torchvision = pytest.importorskip("torchvision")
 

@@ -12,9 +12,9 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 import strategies
-from autotune.deploy.recipe import Recipe
+from autotune.recipe import Recipe
 from autotune.deploy.runtime import GRAPH_WARMUP_STEPS, TrainStep
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.errors import ConfigError
 from autotune.search.options import SearchConfig
 from autotune.search.seeds import seed_configurations

@@ -20,7 +20,7 @@ from autotune.deploy.config import TunedConfig
 from autotune.search.findings import derive
 from autotune.trial.measure import is_data_bound
 from autotune.trial.measure import MeasureSettings
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.search.steering import complete_params
 from autotune.search.options import SearchConfig
 from autotune.search.run import run_search

@@ -27,7 +27,7 @@ import strategies
 from autotune.errors import ConfigError
 from autotune.trial.measure import MeasureSettings
 from autotune.trial.runner import run_worker
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.search.options import SearchConfig
 from autotune.search.seeds import seed_configurations
 from autotune.search.space import build_space, check_ddp

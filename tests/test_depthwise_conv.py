@@ -11,7 +11,7 @@ import torchvision
 from torch import nn
 
 import strategies
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.search import neighbours, plain_recipe
 from autotune.search.neighbours import Neighbours
 from autotune.search.options import SearchConfig

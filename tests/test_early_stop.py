@@ -104,7 +104,7 @@ def test_the_bars_are_measured_in_full():
     """The FP32 baseline and the plain recipe are what the best is held against: never stopped early
     (on a 2-core CPU a plain recipe in emulated bf16 was stopped below half the FP32 baseline, and
     the summary had no plain recipe to compare with)."""
-    from autotune.deploy.space import SearchSpace
+    from autotune.space import SearchSpace
     from autotune.search.objective import Objective
 
     space = SearchSpace(device="cpu", batch_sizes=[8], base_batch_size=8)

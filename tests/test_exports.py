@@ -19,7 +19,7 @@ from torch import nn
 
 from autotune.deploy.config import TunedConfig
 from autotune.deploy.exports import require
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.errors import ConfigError
 
 # a CPU search's space: bf16 autocast, padding, channels_last, threads, the fused optimizer, and a

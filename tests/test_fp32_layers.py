@@ -9,7 +9,7 @@ from torch import nn
 
 import strategies
 from autotune.deploy import runtime
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.search.options import SearchConfig
 from autotune.search.space import build_space
 from autotune.workload.models import WorkloadSpec

@@ -15,7 +15,7 @@ from torch import nn
 import strategies
 import strategies.precision as precision
 from autotune.deploy.config import TunedConfig
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.errors import ConfigError
 from conftest import run_cli
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import strategies
 from autotune.accuracy.settings import numerics_key
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.search.neighbours import fp8_speed
 from autotune.search.planner import Planner, accuracy_suspects
 from autotune.search.steering import complete_params

@@ -13,7 +13,7 @@ from torch import nn
 import strategies
 from autotune.deploy.config import TunedConfig
 from autotune.errors import ConfigError
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.search.options import SearchConfig
 from autotune.search.space import build_space
 from autotune.workload.models import WorkloadSpec

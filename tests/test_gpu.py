@@ -12,10 +12,10 @@ import torch
 import strategies
 from autotune.deploy.config import TunedConfig
 from autotune.trial.measure import MeasureSettings
-from autotune.deploy.recipe import BACKEND_FLAGS, backend_flags
+from autotune.recipe import BACKEND_FLAGS, backend_flags
 from autotune.trial import runner
 from autotune.trial.runner import run_worker
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from conftest import run_cli, wait_ready
 from strategies.channel_alignment import align_channels
 from strategies.streams import device_batches

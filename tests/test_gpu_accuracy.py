@@ -13,7 +13,7 @@ import pytest
 
 from autotune.accuracy.settings import AccuracySettings
 from autotune.accuracy.study.compare import compare_modes, mode_configurations
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from conftest import run_cli
 from strategies.precision import supported_modes
 

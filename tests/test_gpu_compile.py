@@ -15,7 +15,7 @@ from autotune.deploy.config import TunedConfig
 from autotune.errors import ConfigError
 from autotune.trial.measure import MeasureSettings
 from autotune.trial.runner import run_worker
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.workload.models import WorkloadSpec
 from conftest import TESTS
 

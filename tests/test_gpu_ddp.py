@@ -19,7 +19,7 @@ import torch
 import strategies
 from autotune.trial.measure import MeasureSettings
 from autotune.trial.runner import run_worker
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from conftest import run_cli, subprocess_env
 
 pytestmark = [pytest.mark.gpu,

@@ -8,7 +8,7 @@ import pytest
 from autotune.trial.measure import MeasureSettings
 from autotune.search.memory import MemoryModel, family
 from autotune.trial.runner import run_worker
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 
 pytestmark = pytest.mark.gpu
 

@@ -14,7 +14,7 @@ import pytest
 import strategies
 from autotune.trial.measure import MeasureSettings
 from autotune.trial.runner import run_worker
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from conftest import run_cli
 
 pytestmark = pytest.mark.gpu

@@ -14,7 +14,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from autotune.deploy import runtime
-from autotune.deploy.recipe import Recipe
+from autotune.recipe import Recipe
 from autotune.deploy.runtime import GRAPH_WARMUP_STEPS, TrainStep, joint_compile
 from autotune.workload.hub import causal_lm_loss
 

@@ -160,7 +160,7 @@ def test_only_a_steered_search_fixes_knobs(tmp_path, monkeypatch, steer):
 
 def test_steering_skips_a_measured_configuration_queued_with_fewer_parameters():
     from autotune.search.findings import Finding
-    from autotune.deploy.space import SearchSpace
+    from autotune.space import SearchSpace
     from autotune.search.steering import complete_params, steer
 
     space = SearchSpace(device="cuda", precisions=["fp32", "fp16"], batch_sizes=[64, 128], base_batch_size=64,

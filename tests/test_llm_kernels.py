@@ -19,7 +19,7 @@ from torch import nn
 import autotune
 import strategies
 from autotune.deploy.config import TunedConfig
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.errors import ConfigError
 from autotune.workload.hub import causal_lm_loss
 from autotune.workload.models import WorkloadSpec, build
@@ -457,7 +457,7 @@ def test_liger_kernels_are_checked_for_accuracy_apart_and_their_first_step_is_se
     import torch
 
     from autotune.accuracy.settings import describe_numerics, numerics_key
-    from autotune.deploy.recipe import Recipe
+    from autotune.recipe import Recipe
     from autotune.deploy.runtime import TrainStep
 
     on = {"precision": {"mode": "bf16"}, "llm_kernels": {"kernels": "liger"}}

@@ -28,7 +28,7 @@ import strategies
 from autotune.accuracy.settings import describe_numerics, numerics_key
 from autotune.deploy import runtime
 from autotune.deploy.config import TunedConfig
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.errors import ConfigError
 from autotune.workload.hub import causal_lm_loss
 from autotune.workload.models import WorkloadSpec, build, logits
@@ -485,7 +485,7 @@ HF_TRAINER = textwrap.dedent('''
     import json, sys, tempfile
     import torch, transformers
     from autotune.deploy.config import TunedConfig
-    from autotune.deploy.space import SearchSpace
+    from autotune.space import SearchSpace
 
     space = SearchSpace(device="cpu", batch_sizes=[4], choices={"loss_kernel": ["framework", "fused_linear"]})
     out = {}

@@ -150,7 +150,7 @@ def test_a_trial_says_where_its_build_went(monkeypatch) -> None:
     import optuna
 
     import strategies
-    from autotune.deploy.space import SearchSpace
+    from autotune.space import SearchSpace
     from autotune.trial import worker
     from autotune.workload.models import WorkloadSpec
 

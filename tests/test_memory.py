@@ -16,7 +16,7 @@ from optuna.trial import TrialState
 from autotune.errors import ConfigError
 from autotune.search.memory import MemoryModel, family, parse_size
 from autotune.search.objective import Objective
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.search.options import SearchConfig, memory_limit_bytes
 from autotune.workload.models import WorkloadSpec
 from conftest import ROOT, run_cli
@@ -240,7 +240,7 @@ def test_a_model_that_does_not_fit_above_batch_32_gets_a_baseline_and_a_recommen
 
 
 def test_a_backed_off_baseline_is_served_before_the_queued_seeds():
-    from autotune.deploy.space import SearchSpace
+    from autotune.space import SearchSpace
     from autotune.search.planner import Planner
 
     study = optuna.create_study()

@@ -33,7 +33,7 @@ def _study() -> optuna.Study:
 
 
 def _export(study: optuna.Study, out: Path) -> dict:
-    from autotune.deploy.space import SearchSpace
+    from autotune.space import SearchSpace
     from autotune.report.export import export
     from autotune.trial.measure import MeasureSettings
     from autotune.workload.models import WorkloadSpec

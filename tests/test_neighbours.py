@@ -9,7 +9,7 @@ import optuna
 import pytest
 
 import strategies
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.search import neighbours, plain_recipe
 from autotune.search.memory import PROBE_ATTR
 from autotune.search.memory import MemoryModel, family

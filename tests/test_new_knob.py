@@ -22,8 +22,8 @@ KNOB = textwrap.dedent('''
     from dataclasses import dataclass
     from typing import Any, Mapping
 
-    from autotune.deploy.recipe import Recipe
-    from autotune.deploy.space import SearchSpace
+    from autotune.recipe import Recipe
+    from autotune.space import SearchSpace
     from strategies.base import Strategy
 
 

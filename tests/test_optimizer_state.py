@@ -21,7 +21,7 @@ from torch import nn
 import strategies
 from autotune.deploy import exports, runtime
 from autotune.deploy.config import TunedConfig
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.errors import ConfigError
 from strategies import optimizer_state
 from strategies.optimizer_state import OptimizerState, rebuild

@@ -13,7 +13,7 @@ from torch import nn
 
 import strategies
 from autotune.deploy.config import TunedConfig
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.errors import ConfigError
 from strategies import describe
 from strategies import optimizer as optimizer_strategy

@@ -25,7 +25,7 @@ from autotune.accuracy.study.parity_gate import (
 from autotune.accuracy.study.plan import describe
 from autotune.accuracy.study.reference_cache import ReferenceCache
 from autotune.accuracy.worker.parity import ParitySettings
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.errors import ConfigError
 from autotune.search.options import SearchConfig
 from autotune.workload.models import WorkloadSpec

@@ -11,7 +11,7 @@ import pytest
 from optuna.trial import TrialState
 
 import strategies
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.search import plain_recipe
 from autotune.search.fit import Fit, plain_recipe_batch, widen_to_fit
 from autotune.search.memory import PROBE_ATTR, MemoryModel, family

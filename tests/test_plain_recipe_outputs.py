@@ -54,7 +54,7 @@ def _study(plain: int | None, extra: list[optuna.trial.FrozenTrial] = ()) -> opt
 def _export(study: optuna.Study, out: Path) -> dict:
     """Export ``study`` into ``out`` as the search does (on this GPU-less machine, replay only) and
     return its config.json."""
-    from autotune.deploy.space import SearchSpace
+    from autotune.space import SearchSpace
     from autotune.report.export import export
     from autotune.trial.measure import MeasureSettings
     from autotune.workload.models import WorkloadSpec

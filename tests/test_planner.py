@@ -10,7 +10,7 @@ import pytest
 from optuna.trial import TrialState
 
 import strategies
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.search.memory import PROBE_ATTR
 from autotune.search.planner import Planner
 from autotune.search.priors import prior

@@ -66,7 +66,7 @@ def test_the_memory_probe_looks_between_the_batch_that_fit_and_the_one_that_did_
     not fit, at the powers of two between, up to the first that does not either: the memory model
     knows the family does not fit at 4 (a 1B Llama's eager step fits one sequence under 24 GiB)."""
     import strategies
-    from autotune.deploy.space import SearchSpace
+    from autotune.space import SearchSpace
     from autotune.search import plain_recipe
     from autotune.trial.measure import MeasureSettings
     from optuna.trial import FixedTrial

@@ -11,7 +11,7 @@ import pytest
 import strategies
 from autotune.cli import build_parser
 from autotune.deploy.config import TunedConfig
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from conftest import ROOT, run_cli
 
 README = (ROOT / "README.md").read_text()

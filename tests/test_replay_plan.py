@@ -9,7 +9,7 @@ import sys
 import optuna
 import pytest
 
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.search import plain_recipe
 from autotune.search.neighbours import RULE
 from conftest import ROOT, measured

@@ -60,7 +60,7 @@ def test_a_gpu_study_from_before_the_newest_knobs_exports_again(tmp_path, monkey
 
     from autotune.report.export import export
     from autotune.trial.measure import MeasureSettings
-    from autotune.deploy.space import SearchSpace
+    from autotune.space import SearchSpace
     from autotune.workload.models import WorkloadSpec
 
     shutil.copy(ROOT / "reports" / "resnet50-h200-4m" / "study.db", tmp_path / "study.db")

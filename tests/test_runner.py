@@ -213,7 +213,7 @@ def test_the_live_line_hears_what_a_trial_worker_does(tmp_path, no_spares_left):
     import optuna
 
     import strategies
-    from autotune.deploy.space import SearchSpace
+    from autotune.space import SearchSpace
     from autotune.trial.measure import MeasureSettings
 
     space = SearchSpace(device="cpu")
@@ -288,7 +288,7 @@ def test_the_probe_and_the_accuracy_checks_leave_a_spare_for_the_next_trial(tmp_
     from autotune.accuracy.settings import AccuracySettings
     from autotune.accuracy.study.gate import AccuracyGate
     from autotune.accuracy.study.reference_cache import ReferenceCache
-    from autotune.deploy.space import SearchSpace
+    from autotune.space import SearchSpace
     from autotune.search import run as search_run
     from autotune.search.options import SearchConfig
     from autotune.workload.models import WorkloadSpec
@@ -335,7 +335,7 @@ def test_the_probe_and_the_accuracy_checks_leave_a_spare_for_the_next_trial(tmp_
 def test_autotune_accuracy_starts_each_next_modes_worker_while_one_runs(monkeypatch):
     from autotune.accuracy.settings import AccuracySettings
     from autotune.accuracy.study.compare import compare_modes, mode_configurations
-    from autotune.deploy.space import SearchSpace
+    from autotune.space import SearchSpace
 
     spares: list[bool] = []
 

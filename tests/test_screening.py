@@ -7,7 +7,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.search.objective import Objective
 from autotune.search.priors import prior
 from autotune.search.screening import SCREEN_SHARE, CompileFinalist

@@ -405,7 +405,7 @@ def test_replay_measures_an_earlier_searchs_configurations_in_its_order(cpu_sear
 
 
 def test_replay_leaves_out_configurations_this_space_does_not_offer(tmp_path):
-    from autotune.deploy.space import SearchSpace
+    from autotune.space import SearchSpace
     from autotune.search.seeds import replay_configurations
     from autotune.search.steering import complete_params
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import strategies
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.report.render import write_report
 from autotune.search.findings import derive
 from autotune.search.objective import Objective

@@ -12,7 +12,7 @@ from autotune.deploy.config import TunedConfig
 from autotune.search.findings import Finding
 from autotune.search.objective import Objective
 from autotune.trial.profile import analyze, load_fixture
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.search.steering import complete_params, steer
 from autotune.search.outputs import keep_traces
 from conftest import ROOT

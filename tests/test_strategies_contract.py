@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import strategies
-from autotune.deploy.recipe import BACKEND_FLAGS, Recipe, backend_flags
-from autotune.deploy.space import SearchSpace
+from autotune.recipe import BACKEND_FLAGS, Recipe, backend_flags
+from autotune.space import SearchSpace
 from strategies import batch_size as batch_size_strategy
 from strategies import precision as precision_module
 from strategies import threads as threads_strategy

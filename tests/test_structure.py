@@ -27,7 +27,11 @@ FORBIDDEN = {
     "autotune.deploy": ("autotune.search", "autotune.report", "autotune.trial", "autotune.accuracy", "autotune.cli"),
     "autotune.workload": ("autotune.search", "autotune.report", "autotune.trial", "autotune.accuracy",
                           "autotune.deploy", "autotune.cli"),
-    "strategies": ("autotune.search", "autotune.report", "autotune.trial", "autotune.accuracy", "autotune.cli"),
+    "strategies": ("autotune.search", "autotune.report", "autotune.trial", "autotune.accuracy", "autotune.deploy",
+                   "autotune.cli"),
+    # the recipe and the search space are what every knob writes into: they import none of the rooms above them
+    "autotune.recipe": ("strategies", "autotune.deploy", "autotune.search", "autotune.trial", "autotune.cli"),
+    "autotune.space": ("strategies", "autotune.deploy", "autotune.search", "autotune.trial", "autotune.cli"),
     "autotune.search": ("autotune.cli",),
     "autotune.report": ("autotune.cli",),
 }
@@ -80,3 +84,21 @@ def test_the_measure_sees_a_cycle_a_lazy_upward_import_and_a_long_function(tmp_p
     assert found["upward imports"]  # the arrow that closes the cycle points up
     assert found["private names imported across modules"] == ["autotune.low: _helper from autotune.high"]
     assert [name for name, _ in found[f"functions over {structure.MAX_FUNCTION_LINES} lines"]] == ["autotune.high._helper"]
+
+
+def test_the_measure_sees_two_folders_that_import_each_other(tmp_path):
+    """A level up: folders are rooms, and an import between two folders that closes a cycle runs back up."""
+    for folder in ("autotune", "autotune/low", "autotune/high", "strategies"):
+        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "autotune" / "errors.py").write_text("")
+    (tmp_path / "autotune" / "low" / "base.py").write_text("from autotune.errors import *\n")
+    (tmp_path / "autotune" / "high" / "top.py").write_text("from autotune.low.base import *\n")
+    found = structure.shape(tmp_path)
+    assert found["folders: arrows back up"] == []
+    assert found["folders: floor of"]["autotune.errors"] < found["folders: floor of"]["autotune.low"] \
+        < found["folders: floor of"]["autotune.high"]
+    (tmp_path / "autotune" / "low" / "util.py").write_text("def f():\n    from autotune.high import top\n")
+    found = structure.shape(tmp_path)
+    assert "autotune.low -> autotune.high (autotune.low.util imports autotune.high.top)" \
+        in found["folders: arrows back up"]

@@ -11,7 +11,7 @@ import torch
 
 from autotune.accuracy.settings import AccuracySettings
 from autotune.accuracy.worker.check import _workload_batches, run_check, train_run
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.errors import ConfigError
 from autotune.workload import data
 from autotune.workload.data import SyntheticImages, Teacher, TeacherTokens, clear, synthetic

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from autotune.deploy.config import TunedConfig
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.report.format import MEMORY_KNOB_PAIRS
 from autotune.search import plain_recipe, verify
 from autotune.search.steering import complete_params

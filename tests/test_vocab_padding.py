@@ -13,9 +13,9 @@ from torch import nn
 
 import fake_models
 import strategies
-from autotune.deploy.recipe import Recipe
+from autotune.recipe import Recipe
 from autotune.deploy.runtime import prepare_model
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from strategies.channel_alignment import align_channels
 from strategies.vocab_padding import PaddedEmbedding, PaddedHead, VocabPadding, pad_vocab, vocab_size
 

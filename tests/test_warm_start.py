@@ -18,7 +18,7 @@ from optuna.trial import TrialState
 
 from autotune.cache import cache_root, trim_cache
 from autotune.deploy import compile_cache
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.errors import ConfigError
 from autotune.search import warm
 from autotune.search.neighbours import Neighbours

@@ -1,1 +1,1 @@
-"""What a user imports: the Recipe, the SearchSpace it was chosen from, the one TrainStep (runtime) and TunedConfig."""
+"""What a user imports: the one TrainStep (runtime) and TunedConfig; the Recipe and SearchSpace they carry live in autotune.recipe and autotune.space."""

@@ -26,8 +26,8 @@ from torch import nn
 
 import strategies
 from autotune.deploy import compile_cache, runtime
-from autotune.deploy.recipe import Recipe, backend_flags
-from autotune.deploy.space import SearchSpace
+from autotune.recipe import Recipe, backend_flags
+from autotune.space import SearchSpace
 from autotune.errors import ConfigError
 from strategies.allocator import set_allocator
 from strategies.streams import device_batches

@@ -19,7 +19,7 @@ import functools
 from typing import Any, NamedTuple
 
 import strategies
-from autotune.deploy.recipe import Recipe
+from autotune.recipe import Recipe
 from autotune.errors import ConfigError
 from autotune.workload.hub import HF_PREFIX, hub_name
 from strategies import activation_checkpointing as checkpointing

@@ -19,7 +19,7 @@ from torch import nn
 
 from autotune.deploy.compile_cache import load_once
 from autotune.deploy.exports import LightningExport, lightning_settings, require
-from autotune.deploy.recipe import Recipe, apply_backend_flags
+from autotune.recipe import Recipe, apply_backend_flags
 from autotune.deploy.runtime import in_format
 from autotune.errors import ConfigError
 from strategies.compile import compile_regions

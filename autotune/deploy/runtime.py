@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from autotune.deploy.recipe import Recipe, apply_backend_flags
+from autotune.recipe import Recipe, apply_backend_flags
 from autotune.errors import ConfigError
 from autotune.workload.models import logits
 from strategies import optimizer as optimizer_strategy

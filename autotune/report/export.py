@@ -16,7 +16,7 @@ from autotune.accuracy.study.gate import SETTINGS_ATTR, UNAVAILABLE_ATTR, accura
 from autotune.accuracy.study.plan import PLAN_ATTR
 from autotune.deploy import compile_cache
 from autotune.deploy.config import TunedConfig
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.report.format import describe, warm_source
 from autotune.search.trials import (baseline_trial, best_trial, best_without_memory_knobs, plain_recipe_trial,
                                     search_cost)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import strategies
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.search import plain_recipe
 from autotune.search.memory import BACKOFF_FILL, MemoryModel, family, gib
 from autotune.search.options import SearchConfig

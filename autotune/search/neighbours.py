@@ -33,7 +33,7 @@ import optuna
 from optuna.trial import TrialState
 
 import strategies
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.search import plain_recipe
 from autotune.search.levers import LEVER_SETS, LEVERS, untuned
 from autotune.search.priors import prior, table

@@ -12,7 +12,7 @@ import optuna
 from optuna.trial import TrialState
 
 from autotune.deploy import compile_cache
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.errors import ConfigError
 from autotune.search.options import SearchConfig
 from autotune.search.trials import baseline_trial, best_trial, ranked_trials

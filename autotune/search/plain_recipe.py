@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import strategies
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 
 ROLE = "plain-recipe"
 MAX_BATCH_FACTOR = 4

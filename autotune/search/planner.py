@@ -41,7 +41,7 @@ import optuna
 from optuna.trial import TrialState
 
 import strategies
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.search.levers import step_costs
 from autotune.search.neighbours import compile_mode_factor, fp8_speed, prior_factor, profiled_factor, stem_speed
 from autotune.search.priors import prior, values

@@ -16,7 +16,7 @@ import optuna
 
 from autotune import stop
 from autotune.cache import trim_cache
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.errors import ConfigError
 from autotune.search.artifacts import Artifacts
 from autotune.search.budget import StopRule, deadline

@@ -27,7 +27,7 @@ import optuna
 from optuna.trial import TrialState
 
 import strategies
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.search.priors import prior
 from autotune.search.steering import complete_params
 from autotune.search.trials import best_trial, planned_params

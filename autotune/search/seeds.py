@@ -11,7 +11,7 @@ import optuna
 from optuna.trial import TrialState
 
 import strategies
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.errors import ConfigError
 from autotune.search import plain_recipe
 from autotune.search.trials import FINISHED, planned_params

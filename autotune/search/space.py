@@ -7,7 +7,7 @@ import warnings
 from typing import Any
 
 import strategies
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.errors import ConfigError, WorkloadError
 from autotune.search.options import SearchConfig
 from autotune.trial.runner import run_worker

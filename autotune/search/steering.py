@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import optuna
 
 import strategies
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.search.findings import Finding
 from autotune.search.trials import planned_params
 from autotune.trial.record import queue_attrs

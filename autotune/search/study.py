@@ -12,7 +12,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.errors import ConfigError
 from autotune.search.distributed import (
     check_same_hardware,

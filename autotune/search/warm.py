@@ -35,7 +35,7 @@ from optuna.trial import TrialState
 
 import strategies
 from autotune.cache import cache_root
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.search.options import SearchConfig
 from autotune.trial.record import TrialRecord
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import strategies
 from autotune.deploy.config import TunedConfig, load
-from autotune.deploy.space import SearchSpace
+from autotune.space import SearchSpace
 from autotune.trial.measure import MeasureSettings
 from autotune.workload.models import WorkloadSpec
 

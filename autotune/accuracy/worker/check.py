@@ -23,7 +23,7 @@ orders on 8,192 held-out tokens and 0.0031 on 32,768 (scripts/teacher_calibratio
 def run_check(request: Mapping[str, Any]) -> dict[str, Any]:
     """Worker mode "accuracy": train the FP32 reference (unless given) and the configuration,
     compare one step's numerics; return the raw results (judged by the study)."""
-    from autotune.deploy.space import SearchSpace
+    from autotune.space import SearchSpace
     from autotune.workload.models import WorkloadSpec
 
     settings = AccuracySettings.from_dict(request["settings"])
@@ -229,7 +229,7 @@ def train_run(spec, knobs: Mapping[str, Any], space, settings: AccuracySettings,
     import torch
 
     from autotune.deploy import runtime
-    from autotune.deploy.recipe import backend_flags
+    from autotune.recipe import backend_flags
     from autotune.workload.data import batch_order, collate
     from strategies.loss_kernel import step_loss
 
@@ -373,7 +373,7 @@ def _one_step(spec, knobs, space, settings, batch, dtype) -> tuple[float, Any]:
     import torch
 
     from autotune.deploy import runtime
-    from autotune.deploy.recipe import backend_flags
+    from autotune.recipe import backend_flags
     from autotune.workload.models import logits
     from strategies.loss_kernel import step_loss
 

@@ -281,7 +281,7 @@ def _one_run(spec, recipe, settings: ParitySettings, data, *, steps: int, refere
 
     from autotune.accuracy.worker.check import seeded_workload, to_device, without_dropout
     from autotune.deploy import runtime
-    from autotune.deploy.recipe import backend_flags
+    from autotune.recipe import backend_flags
     from autotune.workload.data import batch_order, collate
 
     started = time.perf_counter()
