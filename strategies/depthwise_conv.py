@@ -11,7 +11,7 @@ gradient convolved with each filter turned by 180 degrees, padded by ``kernel - 
 the bias's gradients stay the framework's (``aten.convolution_backward`` for the weight alone). The
 result is the same sum taken in another order: equal up to rounding, which the accuracy check compares
 with FP32 as it does a precision. What the move is hoped to give before a trial measures it is the
-priors table's row (autotune.search.priors, measured by scripts/depthwise_bench.py); whether it pays on
+priors table's row (autotune.priors, measured by scripts/depthwise_bench.py); whether it pays on
 a model is that model's trial to measure.
 
 Eligible: exact ``nn.Conv2d`` modules with ``groups == in_channels == out_channels``, stride 1,

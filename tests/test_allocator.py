@@ -19,7 +19,7 @@ from autotune.search import plain_recipe
 from autotune.search.levers import LEVERS, levers_of
 from autotune.search.memory import MemoryModel, family
 from autotune.search.neighbours import Neighbours
-from autotune.search.priors import prior
+from autotune.priors import prior
 from autotune.trial import worker
 from strategies.allocator import ENVIRONMENT_FIX, SETTING, Allocator, set_allocator
 

@@ -26,7 +26,7 @@ from autotune.space import SearchSpace
 from autotune.search.budget import estimate_next_wall
 from autotune.search.walls import compile_prior_s, expected_wall, trial_cost_s, trial_wall
 from autotune.search.options import SearchConfig
-from autotune.search.priors import prior
+from autotune.priors import prior
 from autotune.search.space import build_space
 from autotune.trial.record import TrialRecord
 from autotune.workload.models import WorkloadSpec
@@ -469,7 +469,7 @@ def test_the_fp32_baseline_times_fewer_steps_than_a_candidate(monkeypatch: pytes
 def test_a_compile_that_traces_a_measured_graph_is_costed_as_loaded_from_the_cache() -> None:
     """hf:gpt2 on the H200 (3445a3e): the plain recipe compiled in 25.4 s; its twin with gradients zeroed
     in place traced the same graph and loaded it in 3.7 s."""
-    from autotune.search.priors import prior
+    from autotune.priors import prior
     from autotune.search.walls import cached_compile_saving
 
     cached_share = prior("compile.mode", None, "cached compile share")

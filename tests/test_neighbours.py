@@ -16,7 +16,7 @@ from autotune.search.memory import MemoryModel, family
 from autotune.search.levers import LEVERS, lever_bytes
 from autotune.search.neighbours import RULE, Neighbours, prior_factor
 from autotune.search.planner import Planner
-from autotune.search.priors import prior
+from autotune.priors import prior
 from autotune.search.steering import complete_params
 from conftest import measured
 

@@ -1,6 +1,6 @@
 """No module of the engine or the knobs names a GPU but the priors table: a run's GPU, commit and figures
 live in reports/ (reports/measurement-log.md and the report folders), and a measured number lives in
-autotune/search/priors.py beside its source."""
+autotune/priors.py beside its source."""
 
 from __future__ import annotations
 

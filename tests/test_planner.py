@@ -13,12 +13,12 @@ import strategies
 from autotune.space import SearchSpace
 from autotune.search.memory import PROBE_ATTR
 from autotune.search.planner import Planner
-from autotune.search.priors import prior
+from autotune.priors import prior
 from autotune.search.steering import complete_params
 from conftest import measured, workers_answer_ok
 
 COMPILE_GAIN = prior("compile.mode", "default", "speed over eager")
-"""torch.compile's gain over eager before a search measured one (autotune.search.priors)."""
+"""torch.compile's gain over eager before a search measured one (autotune.priors)."""
 
 SPACE = SearchSpace(device="cuda", precisions=["fp32", "fp16", "bf16"], batch_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256],
                     base_batch_size=64, memory_formats=["contiguous"], compile_modes=["off", "default"],
@@ -217,7 +217,7 @@ def test_under_replay_the_queue_runs_in_its_order_after_the_sized_down_ones():
 
 
 def test_an_fp8_compile_is_costed_at_its_longer_compile():
-    """fp8 compiles longer than bf16 (its "compile cost" prior in autotune.search.priors).
+    """fp8 compiles longer than bf16 (its "compile cost" prior in autotune.priors).
     Here both compiles are predicted at the compile prior's 1,300 and are new (fp8 is one more 16-bit
     mode to the priors): 365 to gain each. Costed alike (80 s), the one queued first, fp8, would run
     first; at 11 + 69 x 1.6 = 121 s it gains 3.0 a second against bf16's 4.6, and waits."""

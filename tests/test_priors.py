@@ -1,4 +1,4 @@
-"""The priors table (autotune.search.priors): every row says where it was measured, the code reads its
+"""The priors table (autotune.priors): every row says where it was measured, the code reads its
 beliefs from it, and no identifier in the engine or the knobs is named after a benchmark model."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from autotune.search import levers, neighbours, priors
+from autotune import priors
+from autotune.search import levers, neighbours
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ from optuna.trial import TrialState
 
 from autotune.space import SearchSpace
 from autotune.search.objective import Objective
-from autotune.search.priors import prior
+from autotune.priors import prior
 from autotune.search.screening import SCREEN_SHARE, CompileFinalist
 from autotune.workload.models import WorkloadSpec
 

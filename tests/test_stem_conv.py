@@ -16,7 +16,7 @@ from autotune.space import SearchSpace
 from autotune.search import neighbours, plain_recipe
 from autotune.search.neighbours import Neighbours
 from autotune.search.options import SearchConfig
-from autotune.search.priors import prior
+from autotune.priors import prior
 from autotune.workload.models import WorkloadSpec
 from conftest import assert_compiles_as_eager, measured
 from strategies.channel_alignment import align_channels

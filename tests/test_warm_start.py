@@ -329,7 +329,7 @@ def test_replayed_from_the_second_h100_run_a_compile_the_budget_cut_is_not_start
 
     from autotune.search.planner import Planner
     from autotune.search.plain_recipe import GrowToFit
-    from autotune.search.priors import prior
+    from autotune.priors import prior
 
     db = ROOT / "reports" / "warm-start-h100-df7a3cd" / "r50-second" / "study.db"
     src = optuna.load_study(study_name=None, storage=f"sqlite:///{db}")

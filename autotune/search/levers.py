@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import strategies
-from autotune.search.priors import prior
+from autotune.priors import prior
 
 
 @dataclass(frozen=True)
 class Lever:
     """A knob that buys memory: what it saves, and what it is expected to cost in speed (its numbers are
-    rows of autotune.search.priors)."""
+    rows of autotune.priors)."""
 
     param: str
     value: Any

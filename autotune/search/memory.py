@@ -29,7 +29,7 @@ import optuna
 import strategies
 from autotune.errors import ConfigError
 from autotune.search.levers import GAP_LEVERS, lever_bytes, levers_of, without_levers
-from autotune.search.priors import prior, values
+from autotune.priors import prior, values
 from autotune.trial.record import TrialRecord
 
 PREDICT_MARGIN = 1.10
@@ -275,7 +275,7 @@ class MemoryModel:
         above the probe's fixed part, a sample's, where the probe's bytes per sample say the activations set
         it (a compiled step holds 0.74 to 1.0 of its eager sample there); else (the fixed part sets it: a 1B
         Llama's step at batch 1) the probe's, by the precision's "activation factor" prior, and the "compiled
-        sample share" prior of it where it compiles (autotune.search.priors)."""
+        sample share" prior of it where it compiles (autotune.priors)."""
         mode = (knobs.get("precision") or {}).get("mode", "fp32")
         compiled = (knobs.get("compile") or {}).get("mode", "off") != "off"
         _, fixed, eager = self.prior

@@ -16,7 +16,7 @@ it queues those candidates once each, as steered trials of RULE, from the fastes
 measured, at the batch its measured step predicts fits where the eager memory probe sized it smaller
 (``start``), and again from a larger batch of it, GrowToFit's, once that one is measured faster. The
 planner (autotune.search.planner) orders them by expected gain per second, from each move's prior
-(autotune.search.priors: what the knob gave elsewhere) until this search measures it. They
+(autotune.priors: what the knob gave elsewhere) until this search measures it. They
 are compiled like the bar and skip eager screening: a compiled configuration one knob away from a
 measured compiled one is ranked from it. A move (or a profile finding's remedy)
 that beats the bar and every trial so far gets the other moves on top of it (``climb``): each move
@@ -36,7 +36,7 @@ import strategies
 from autotune.space import SearchSpace
 from autotune.search import plain_recipe
 from autotune.search.levers import LEVER_SETS, LEVERS, untuned
-from autotune.search.priors import prior, table
+from autotune.priors import prior, table
 from autotune.search.steering import complete_params
 from autotune.search.trials import planned_params
 from autotune.trial.record import TrialRecord, queue_attrs
@@ -83,7 +83,7 @@ MOVES: tuple[Move, ...] = (
     Move(strategies.compile.MODE_PARAM, "regional", "each repeated block compiled once: a shorter first step"),
 )
 """The one-knob moves, in the order the guides rank them (the queue's order breaks the planner's ties);
-what each is expected to give is its "speed" row in autotune.search.priors."""
+what each is expected to give is its "speed" row in autotune.priors."""
 
 
 PRIORS: dict[tuple[str, Any], float] = table("speed")
@@ -100,7 +100,7 @@ def fp8_speed(sizes: dict[str, Any], layers: str = "all") -> float | None:
     fp8_width; with ``layers`` "feed-forward", fp8_ff_share and fp8_ff_width: strategies.fp8_layers):
     Amdahl's law over the share of its parameters fp8 runs, at the layers' matmul gain for their width.
     That gain is fp8's "gemm speed" prior at its "full width" and up, on a line down to the "knee width"
-    and below it on a line to the "narrow gemm speed" at the "narrow width" (autotune.search.priors):
+    and below it on a line to the "narrow gemm speed" at the "narrow width" (autotune.priors):
     float8's casts and scales cost about the same per element whatever the width, while a matmul's work
     grows with it, so a narrow model runs fp8 slower than bf16 (break-even near width 1,000). None where
     the probe did not size them. For the 1B Llama shape (every parameter in layers of mean width 2,006:

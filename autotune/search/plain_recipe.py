@@ -101,7 +101,7 @@ class GrowToFit:
     what it allocated, plus a compiled sample's bytes for each sample more, stays within the memory
     model's fill of the limit. A compiled sample is what the measured step held above the probe's fixed
     part (MemoryModel.one_point_per_sample), where its activations set its peak; else (a 1B Llama at
-    batch 1) the "compiled sample share" prior of the probe's (autotune.search.priors). A compiled step
+    batch 1) the "compiled sample share" prior of the probe's (autotune.priors). A compiled step
     holds less per sample than the eager probe measured (a third of it, for a GPT-2), so "the largest
     batch that fits" is found by measuring it, as a user would, in one trial rather than one batch a
     trial."""

@@ -12,7 +12,7 @@ proposes from a TrialScheduler that chooses), from the whole picture:
   gain as this search measured it for the precision (else its prior), 16-bit autocast over FP32, a
   larger batch (the half-speed batch), a side stream from the copies the measured trial's profile saw
   in series with compute, a CUDA graph at most the time it sat idle; every prior is a row of
-  autotune.search.priors;
+  autotune.priors;
 * its predicted cost in seconds: this run's measured walls of its kind (compiled or eager), a first
   compile's cost from the model's size before any compile ran, a measured graph's from Inductor's cache
   (autotune.search.walls);
@@ -44,7 +44,7 @@ import strategies
 from autotune.space import SearchSpace
 from autotune.search.levers import step_costs
 from autotune.search.neighbours import compile_mode_factor, fp8_speed, prior_factor, profiled_factor, stem_speed
-from autotune.search.priors import prior, values
+from autotune.priors import prior, values
 from autotune.search.trials import planned_params
 from autotune.search.walls import cached_compile_saving, cut_floors, trial_cost_s
 from autotune.trial.record import TrialRecord
@@ -396,7 +396,7 @@ class Planner:
 
     def compile_gains(self, study: optuna.Study) -> dict[str, float]:
         """torch.compile's gain for each offered precision as this search measured it (its compiled
-        trials over their eager twins), else any precision's, else its prior (autotune.search.priors); each
+        trials over their eager twins), else any precision's, else its prior (autotune.priors); each
         precision's compiled trials are read once."""
         from autotune.search.screening import compile_gains
 
@@ -466,7 +466,7 @@ def accuracy_suspects(study: optuna.Study, trials: list[optuna.trial.FrozenTrial
 
 
 def _batch_half(study: optuna.Study) -> float:
-    """The half-speed batch (autotune.search.priors) in samples of this study's workload (a language
+    """The half-speed batch (autotune.priors) in samples of this study's workload (a language
     model's: its prior in tokens over a sample's tokens)."""
     from autotune.workload.units import ATTR, Units
 

@@ -9,7 +9,7 @@ candidates for compiling at a fraction of the cost:
   queued; one whose twin ran below SCREEN_SHARE of the fastest eager trial is not compiled at all,
   and once a compile of its precision was measured, neither is one that could not win with the
   most that compiling gave that precision here (its "gain spread" prior over it:
-  autotune.search.priors).
+  autotune.priors).
   Both are pruned unstarted and uncounted (no "status"); Optuna's sampler ranks them low, so its own
   proposals stay mostly eager and the budget measures many configurations. fp8 is the exception
   (COMPILED_ONLY_PRECISIONS): it is built to be compiled, and its eager figure says little. So is a
@@ -28,7 +28,7 @@ from optuna.trial import TrialState
 
 import strategies
 from autotune.space import SearchSpace
-from autotune.search.priors import prior
+from autotune.priors import prior
 from autotune.search.steering import complete_params
 from autotune.search.trials import best_trial, planned_params
 from autotune.trial.record import TrialRecord, queue_attrs, write
@@ -37,7 +37,7 @@ SCREEN_SHARE = 0.9
 """A configuration is compiled only when its eager twin ran at this share of the fastest eager
 trial or more: compiling speeds up a configuration by a bounded factor, so one far behind eagerly
 stays behind compiled. How much more compiling may give one configuration than another of the same
-precision and compile mode is the "gain spread" prior (autotune.search.priors); the gains differ far
+precision and compile mode is the "gain spread" prior (autotune.priors); the gains differ far
 more between precisions, so a gain is carried within a precision only."""
 
 RULE_SCREEN, RULE_FINALIST = "screen eagerly", "compile the fastest eager"

@@ -8,14 +8,14 @@ import statistics
 from typing import Any
 
 import strategies
-from autotune.search.priors import prior, values
+from autotune.priors import prior, values
 from autotune.trial.record import TrialRecord
 
 
 def compile_prior_s(probe: dict[str, Any]) -> float:
     """What the first compile of the probed model is expected to cost: the prior's compile seconds
     scaled by the model's leaf modules against those of the model it was measured on, and no less than
-    the prior's least (autotune.search.priors); the prior itself when the probe did not count them."""
+    the prior's least (autotune.priors); the prior itself when the probe did not count them."""
     measured_on = prior(strategies.compile.MODE_PARAM, "default", "leaf modules")
     modules = probe.get("num_leaf_modules") or measured_on
     return max(prior(strategies.compile.MODE_PARAM, "default", "least compile seconds"),

@@ -70,7 +70,7 @@ it for each run (autotune.accuracy.worker.check.seeded_workload); the second is 
 def run_setup_steps(device: str) -> int:
     """A parity run's set-up beside its steps on ``device`` ("cuda", "cuda:1", "cpu"), in steps of its own
     pace (the priors table's "run set-up steps": on a GPU its first calls cost about 12 steps, on a CPU one)."""
-    from autotune.search.priors import prior
+    from autotune.priors import prior
 
     return int(prior("accuracy check", "cuda" if device.startswith("cuda") else "cpu", "run set-up steps"))
 

@@ -275,7 +275,7 @@ def prior(knob: str, value: Any, what: str, default: Any = _MISSING) -> float:
     if row is not None:
         return row.prior
     if default is _MISSING:
-        raise KeyError(f"no prior for {knob}={value!r} ({what}) in autotune.search.priors.PRIORS")
+        raise KeyError(f"no prior for {knob}={value!r} ({what}) in autotune.priors.PRIORS")
     return default
 
 
