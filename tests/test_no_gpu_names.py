@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GPU_NAMED = re.compile(r"H100|H200")
 """The GPUs the reports were measured on, as `grep -rn "H100\\|H200" autotune strategies` finds them (a report
 folder's lower-case name, reports/resnet50-h200, is a path, not a GPU named)."""
-TABLE = ROOT / "autotune" / "search" / "priors.py"
+TABLE = ROOT / "autotune" / "priors.py"
 
 
 def test_no_module_but_the_priors_table_names_a_gpu() -> None:
