@@ -233,7 +233,7 @@ def test_the_live_line_hears_what_a_trial_worker_does(tmp_path, no_spares_left):
 
 
 def test_progress_in_words():
-    from autotune.trial import progress
+    from autotune import progress
 
     assert progress.words(None) == "starting"
     assert progress.words({"phase": "FP32 reference", "done": 40, "total": 100, "since": 0}) == \

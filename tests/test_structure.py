@@ -20,7 +20,8 @@ FORBIDDEN = {
     "autotune.trial": ("autotune.search", "autotune.report", "autotune.cli"),
     # what a check worker runs (the parity run, the held-out check's training) never reaches into what
     # the study decides (the gates, the plan, the kept references), nor starts workers of its own
-    "autotune.accuracy.worker": ("autotune.accuracy.study", "autotune.trial.runner", "autotune.search",
+    # nor into the trial worker that serves it (which caps its memory as for a trial)
+    "autotune.accuracy.worker": ("autotune.accuracy.study", "autotune.trial", "autotune.search",
                                  "autotune.report", "autotune.cli"),
     # what both sides use sits below both
     "autotune.accuracy.settings": ("autotune.accuracy.worker", "autotune.accuracy.study"),

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from autotune import stop
-from autotune.trial import progress
+from autotune import progress
 from autotune.trial.process import (
     PRELOAD_IMPORTS,
     PYTHON_FLAGS,
@@ -400,7 +400,7 @@ def run_worker(request: dict[str, Any], *, timeout_s: float | None = None,
     this request runs (the search's trials on a GPU: their measurement is on the GPU, which the
     spare's imports on another CPU core leave alone).
     A trial of a ``--ddp N`` search runs in N rank processes instead (``autotune.trial.ddp_launch.run_ranks``).
-    ``on_progress(words)`` hears what the worker is doing while it runs (autotune.trial.progress).
+    ``on_progress(words)`` hears what the worker is doing while it runs (autotune.progress).
     """
     from autotune.trial.ddp_launch import request_world_size, run_ranks
 

@@ -38,7 +38,7 @@ from autotune.trial.loader_feed import LoaderFeed  # noqa: E402
 from autotune.trial.measure import Measurement, MeasureSettings, TooSlow, measure, memory_figures  # noqa: E402
 from autotune.trial.memory_fit import cap_memory, forward_held, is_out_of_memory, largest_fit, peak_at  # noqa: E402
 from autotune.trial.process import PRELOAD_CUDA, PRELOAD_IMPORTS  # noqa: E402
-from autotune.trial import progress  # noqa: E402
+from autotune import progress  # noqa: E402
 from autotune.trial.request import read_request  # noqa: E402
 from autotune.workload.hub import is_hub_model, preload as preload_hub_model  # noqa: E402
 from autotune.workload.models import WorkloadSpec, build  # noqa: E402
@@ -470,6 +470,8 @@ def serve(request: dict[str, Any], result_path: str, ready_at: float | None = No
         elif request.get("mode") == "parity":
             from autotune.accuracy.worker.parity import run_parity
 
+            if request.get("memory_limit_bytes") and request.get("device") == "cuda":
+                cap_memory(int(request["memory_limit_bytes"]))  # --memory-limit: as on a card of that size
             result = run_parity(request)
         else:
             result = run_trial(request)

@@ -223,8 +223,8 @@ def train_run(spec, knobs: Mapping[str, Any], space, settings: AccuracySettings,
               order_seed: int | None = None, label: str = "training") -> dict[str, Any]:
     """``settings.steps`` optimizer steps of the configuration, then the held-out evaluation.
     ``order_seed`` draws another data order (same initial weights): the FP32 noise run. Its steps
-    are told to the search's live line as ``label`` k/N (autotune.trial.progress)."""
-    from autotune.trial import progress
+    are told to the search's live line as ``label`` k/N (autotune.progress)."""
+    from autotune import progress
 
     import torch
 

@@ -450,7 +450,8 @@ def run_parity(request: Mapping[str, Any]) -> dict[str, Any]:
     "ok", "result": ParityResult dict (None for the reference alone), "reference": the reference
     (trained here, or the one given), "runs": RUN_PHASES, "in_worker_s": this function's seconds}.
     The check's seconds less ``in_worker_s`` are the worker's start, hand-over and exit;
-    ``in_worker_s`` less the runs' phases, its set-up (memory cap, data)."""
+    ``in_worker_s`` less the runs' phases, its set-up (data). The worker that serves it (autotune.trial.worker)
+    has capped its memory at the request's ``memory_limit_bytes`` first, as for a trial."""
     from autotune.workload.models import WorkloadSpec
 
     entered = time.perf_counter()
@@ -458,10 +459,6 @@ def run_parity(request: Mapping[str, Any]) -> dict[str, Any]:
     settings = ParitySettings.from_dict(request["settings"])
     spec = WorkloadSpec.from_dict(request["workload"])
     device = request.get("device", "cpu")
-    if request.get("memory_limit_bytes") and device == "cuda":
-        from autotune.trial.memory_fit import cap_memory
-
-        cap_memory(int(request["memory_limit_bytes"]))  # --memory-limit: as on a card of that size
     grads_path = request.get("grads_path")
     kept = read_grads(grads_path) if grads_path and request.get("reference") is not None else None
     on_tensors = grads_writer(grads_path) if grads_path and kept is None else None
