@@ -81,7 +81,7 @@ def test_config_json_the_terminal_and_the_report_give_the_memory_knobs_speed_up(
 def test_the_report_shows_each_memory_knob_paired_where_verify_measured_them(tmp_path):
     """`autotune verify --memory-knobs` writes its pairs beside config.json (autotune.search.verify); the
     report's summary then gives them, and says nothing of pairs where none were measured."""
-    from autotune.report.format import MEMORY_KNOB_PAIRS
+    from autotune.search.verify import MEMORY_KNOB_PAIRS
     from autotune.report.render import write_report
 
     study = _study()

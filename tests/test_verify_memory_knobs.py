@@ -10,7 +10,7 @@ import pytest
 
 from autotune.deploy.config import TunedConfig
 from autotune.space import SearchSpace
-from autotune.report.format import MEMORY_KNOB_PAIRS
+from autotune.search.verify import MEMORY_KNOB_PAIRS
 from autotune.search import plain_recipe, verify
 from autotune.search.steering import complete_params
 

@@ -155,14 +155,12 @@ def trial_counts(cost: dict[str, Any], early: str = "") -> str:
     return text
 
 
-MEMORY_KNOB_PAIRS = "memory-knob-pairs.json"
-"""Beside config.json: what ``autotune verify --memory-knobs`` measured of it (autotune.search.verify)."""
-
-
 def memory_knob_pairs_text(folder: Path) -> str | None:
     """Each memory knob of the recommendation against the same configuration without it, as
     ``autotune verify --memory-knobs`` measured them (MEMORY_KNOB_PAIRS in ``folder``); None without."""
     import json
+
+    from autotune.search.verify import MEMORY_KNOB_PAIRS
 
     path = Path(folder) / MEMORY_KNOB_PAIRS
     if not path.exists():

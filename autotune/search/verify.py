@@ -8,7 +8,7 @@ alone or alternating with variants of it (drift on the machine then hits every a
   read off the search's trials as a marginal. A knob whose absence does not fit the card is a result
   ("out of memory"), not a failure; one whose absence fits the card but not the search's
   --memory-limit is measured and flagged. The pairs are written beside config.json
-  (autotune.report.format.MEMORY_KNOB_PAIRS), where ``autotune report`` shows them.
+  (MEMORY_KNOB_PAIRS), where ``autotune report`` shows them.
 """
 
 from __future__ import annotations
@@ -22,10 +22,13 @@ from typing import Any, Callable
 
 import strategies
 from autotune.deploy.config import TunedConfig, variant
-from autotune.report.format import MEMORY_KNOB_PAIRS
 from autotune.search import plain_recipe
 from autotune.search.levers import LEVERS, untuned
 from autotune.trial.runner import run_worker
+
+MEMORY_KNOB_PAIRS = "memory-knob-pairs.json"
+"""Beside config.json: what ``autotune verify --memory-knobs`` measured of it, which ``autotune report`` shows
+(autotune.report.format.memory_knob_pairs_text)."""
 
 @dataclass
 class Arm:
