@@ -184,7 +184,7 @@ def cross_entropy_options(loss_fn: Any) -> dict[str, Any]:
     same: autotune's causal_lm_loss (every position's next-token cross-entropy, mean) or a
     ``torch.nn.CrossEntropyLoss`` without class weights, mean or sum. Any other loss is refused: the
     fused kernel replaces the loss, so it must be known to be the cross-entropy of the head's logits."""
-    from autotune.workload.hub import causal_lm_loss
+    from autotune.heads import causal_lm_loss
 
     if loss_fn is causal_lm_loss:
         return {"ignore_index": -100, "label_smoothing": 0.0, "reduction": "mean"}
@@ -303,7 +303,7 @@ def _one_short_sample(inputs: Any) -> Any:
 def returns_head_output(model: nn.Module, head: nn.Linear, inputs: Any) -> bool:
     """Whether ``model``'s output (its ``.logits``, or its first tensor) is the tensor its head
     returned, untouched: no logit scale, soft-cap or upcast after it, which the fused loss would skip."""
-    from autotune.workload.models import logits
+    from autotune.heads import logits
 
     short = _one_short_sample(inputs)
     seen: list[torch.Tensor] = []

@@ -29,7 +29,7 @@ FORBIDDEN = {
     "autotune.workload": ("autotune.search", "autotune.report", "autotune.trial", "autotune.accuracy",
                           "autotune.deploy", "autotune.cli"),
     "strategies": ("autotune.search", "autotune.report", "autotune.trial", "autotune.accuracy", "autotune.deploy",
-                   "autotune.cli"),
+                   "autotune.workload", "autotune.cli"),
     # the recipe and the search space are what every knob writes into: they import none of the rooms above them
     "autotune.recipe": ("strategies", "autotune.deploy", "autotune.search", "autotune.trial", "autotune.cli"),
     "autotune.space": ("strategies", "autotune.deploy", "autotune.search", "autotune.trial", "autotune.cli"),

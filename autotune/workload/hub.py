@@ -17,9 +17,9 @@ from types import ModuleType
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from autotune.errors import ConfigError, WorkloadError
+from autotune.heads import causal_lm_loss  # noqa: F401  (the loss a causal LM workload is built with)
 
 HF_PREFIX = "hf:"
 TIMM_PREFIX = "timm:"
@@ -170,11 +170,6 @@ def random_tokens(batch_size: int, generator: torch.Generator, *, vocab_size: in
     """One random sequence of seq_len + 1 tokens per sample: the inputs, and the same shifted by one."""
     tokens = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=generator)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
-def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy over every position, in FP32 whatever autocast made the logits."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
 CAUSAL_SDPA = "autotune_causal_sdpa"

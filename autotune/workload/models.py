@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from autotune.errors import ConfigError, WorkloadError
+from autotune.heads import logits  # noqa: F401  (autotune.workload.models.logits: where the workloads use it)
 from autotune.workload import hub
 
 
@@ -224,10 +225,3 @@ def _output_width(workload: Workload, spec: WorkloadSpec) -> int:
     return int(out.shape[-1])
 
 
-def logits(output: Any) -> Any:
-    """The main output of a model whose training forward returns extras (Inception, GoogLeNet)."""
-    if hasattr(output, "logits"):
-        return output.logits
-    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
-    return output
