@@ -297,7 +297,7 @@ def test_an_archive_without_graphs_says_its_first_step_still_compiles(monkeypatc
     "cfg.prepare loads it before the first compiled step" of an archive that saves no compile."""
     from torch._dynamo.utils import counters
 
-    from autotune.terminal import compile_cache_line
+    from autotune.cli.terminal import compile_cache_line
 
     monkeypatch.setitem(counters["inductor"], "fxgraph_cache_bypass", 2)
     monkeypatch.setitem(counters["aot_autograd"], "autograd_cache_bypass", 0)

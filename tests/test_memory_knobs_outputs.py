@@ -19,7 +19,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from autotune import terminal
+from autotune.cli import terminal
 from autotune.report.format import memory_knobs_line
 from autotune.search.trials import best_trial, best_without_memory_knobs
 from conftest import ROOT

@@ -23,7 +23,7 @@ from optuna.trial import TrialState
 from rich.console import Console
 
 import strategies
-from autotune import terminal
+from autotune.cli import terminal
 from autotune.report.compare import compare
 from autotune.report.render import write_report
 from conftest import ROOT

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from autotune import terminal
+from autotune.cli import terminal
 from autotune.report.format import fmt_rate, trials_text
 from conftest import ROOT, run_cli, subprocess_env
 

@@ -1,4 +1,4 @@
-"""Command line: autotune search | verify | report | compare | show | models (the options: autotune.cli_options)."""
+"""Command line: autotune search | verify | report | compare | show | models (the options: autotune.cli.options)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from typing import Any
 
 from autotune import stop
 from autotune.errors import AutotuneError
-from autotune.terminal import AccuracyView, SearchView, console, print_cache, print_summary
-from autotune.cli_options import add_option as _add_option, add_search as _add_search
+from autotune.cli.terminal import AccuracyView, SearchView, console, print_cache, print_summary
+from autotune.cli.options import add_option as _add_option, add_search as _add_search
 
 
 def build_parser() -> argparse.ArgumentParser:
