@@ -34,6 +34,7 @@ from autotune.deploy.space import SearchSpace  # noqa: E402
 from autotune.search.neighbours import Neighbours  # noqa: E402
 from autotune.search.plain_recipe import ROLE, GrowToFit  # noqa: E402
 from autotune.search.planner import Planner  # noqa: E402
+from autotune.search.queue import propose, queued  # noqa: E402
 from autotune.search.trials import planned_params  # noqa: E402
 from autotune.search.walls import trial_wall  # noqa: E402
 from autotune.trial.record import TrialRecord  # noqa: E402
@@ -58,9 +59,8 @@ def as_of(src: optuna.Study, after: int) -> tuple[optuna.Study, optuna.trial.Fro
         if t.state.is_finished() and t.datetime_complete <= told.datetime_complete:
             dst.add_trial(create_trial(state=t.state, params=t.params, distributions=t.distributions,
                                        values=t.values, user_attrs=t.user_attrs, system_attrs=t.system_attrs))
-        else:  # waiting then: queued again with what it was queued with
-            dst.enqueue_trial(planned_params(t), user_attrs={k: t.user_attrs[k] for k in KEPT_ATTRS
-                                                             if k in t.user_attrs})
+        else:  # waiting then: proposed again with what it was proposed with
+            propose(dst, planned_params(t), **{k: t.user_attrs[k] for k in KEPT_ATTRS if k in t.user_attrs})
     return dst, dst.trials[after]
 
 
@@ -88,8 +88,9 @@ def replay(path: str, after: int | None = None, left_s: float | None = None,
             proposer(study, told)
     planner = Planner(space, maximize=maximize, limit_bytes=limit, walls=walls(study))
     rows = []
+    queue = {t.number: planned_params(t) for t in queued(study)}
     for plan in planner.plans(study):
-        fixed = study.trials[plan.number].system_attrs.get("fixed_params") or {}
+        fixed = queue[plan.number]
         change = {k: v for k, v in fixed.items() if told.params.get(k) != v and not k.startswith("grad_scaler.")}
         rows.append({"number": plan.number, "role": plan.role, "change": change, "predicted": plan.predicted,
                      "cost_s": plan.cost_s, "gain_per_s": plan.gain_per_s, "rank": plan.rank, "why": plan.why})

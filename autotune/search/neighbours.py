@@ -37,9 +37,10 @@ from autotune.deploy.space import SearchSpace
 from autotune.search import plain_recipe
 from autotune.search.levers import LEVER_SETS, LEVERS, untuned
 from autotune.search.priors import prior, table
+from autotune.search.queue import propose, trials as queued_and_run
 from autotune.search.steering import complete_params
 from autotune.search.trials import planned_params
-from autotune.trial.record import TrialRecord, queue_attrs
+from autotune.trial.record import TrialRecord
 
 RULE = "one knob from the plain recipe"
 
@@ -212,7 +213,7 @@ class Neighbours:
         if TrialRecord.of(trial).role != plain_recipe.ROLE:
             self.climb(study, trial)
             return
-        trials = study.get_trials(deepcopy=False)
+        trials = queued_and_run(study)
         # from the fastest plain recipe measured, even while a larger batch of it is queued (GrowToFit):
         # the planner weighs them against it. Held back until that one ran, the moves may never run: the
         # grown batch is hoped little for a cold compile, and the budget may end first
@@ -229,8 +230,7 @@ class Neighbours:
             if params in known:
                 continue
             known.append(params)
-            study.enqueue_trial(params, user_attrs=queue_attrs(
-                role="steered", steered_by={"trial": start.number, "rule": RULE, "why": why}))
+            propose(study, params, role="steered", steered_by={"trial": start.number, "rule": RULE, "why": why})
 
     def climb(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         """A move that beat the plain recipe and every trial measured so far gets the other moves on
@@ -239,7 +239,7 @@ class Neighbours:
         bar's profile, rule "copies", say). The planner weighs them from this trial."""
         if TrialRecord.of(trial).role != "steered":
             return
-        trials = study.get_trials(deepcopy=False)
+        trials = queued_and_run(study)
         done = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None and t.number != trial.number]
         measured = [t.value for t in done]
         bar_measured = any(TrialRecord.of(t).role == plain_recipe.ROLE for t in done)

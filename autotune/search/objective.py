@@ -13,11 +13,12 @@ from optuna.trial import TrialState
 import strategies
 from autotune import stop
 from autotune.search.outputs import compile_archive_name, prune_compile_archives
+from autotune.search.queue import propose, trials
 from autotune.search.screening import queue_eager_twin, screen_eagerly
 from autotune.search.trials import planned_params
 from autotune.search.walls import cached_compile_saving, cut_floors, expected_wall, trial_cost_s
 from autotune.trial.instruments import cache_outcome
-from autotune.trial.record import TrialRecord, copy, queue_attrs, write
+from autotune.trial.record import TrialRecord, copy, write
 from autotune.trial.runner import run_worker
 from strategies.compile import COMPILE_ALLOWANCE_S
 
@@ -39,8 +40,7 @@ def requeue(study: optuna.Study, trial: optuna.Trial | optuna.trial.FrozenTrial)
     """Queue a trial's parameters to be measured again (its role kept), for a trial that was cut
     short through no fault of its configuration."""
     role = TrialRecord.of(trial).role
-    queued = queue_attrs(retry_of=trial.number, **({"role": role} if role else {}))
-    study.enqueue_trial(trial.params, user_attrs=queued, skip_if_exists=False)
+    propose(study, trial.params, retry_of=trial.number, **({"role": role} if role else {}))
 
 
 class Objective:
@@ -345,7 +345,7 @@ class Objective:
         if batch is None:
             return
         params = {**trial.params, strategies.batch_size.BATCH_SIZE_PARAM: batch}
-        for other in trial.study.get_trials(deepcopy=False):
+        for other in trials(trial.study):
             if planned_params(other) == params:
                 return
         record = TrialRecord.of(trial)
@@ -354,10 +354,9 @@ class Objective:
         # neighbour of the plain recipe keeps what steered it, so it is still ranked from the bar and
         # not screened eagerly: a move sized down would otherwise wait for an eager twin that the
         # planner predicts below the compiled bar
-        queued = queue_attrs(role=role if role == "baseline" else "backed-off", backoff_of=trial.number,
-                             **({"urgent": True} if role == "baseline" else {}),
-                             **({"steered_by": record.steered_by} if record.steered_by else {}))
-        trial.study.enqueue_trial(params, user_attrs=queued, skip_if_exists=False)
+        propose(trial.study, params, role=role if role == "baseline" else "backed-off", backoff_of=trial.number,
+                **({"urgent": True} if role == "baseline" else {}),
+                **({"steered_by": record.steered_by} if record.steered_by else {}))
         write(trial, backed_off_to=batch)
 
     def _explain(self, trial: optuna.Trial, result: dict[str, Any]) -> None:

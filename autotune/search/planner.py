@@ -1,6 +1,6 @@
 """The planner: which queued configuration runs next, and why.
 
-Proposers queue candidates with Optuna's ``enqueue_trial``: the seeds (the FP32 baseline, the plain
+Proposers put candidates forward (autotune.search.queue): the seeds (the FP32 baseline, the plain
 recipe, the known-good list and its feeder), the findings' remedies (steering), eager screening's
 twins, the compile finalist and the out-of-memory back-off; Optuna's sampler (TPE) proposes when
 the queue is empty. The planner decides among the queued ones (Ray Tune's split of a Searcher that
@@ -25,9 +25,9 @@ gain per second of budget: the predicted improvement on the best so far, where a
 measured yet may give NOVELTY more than predicted (what it gives is unknown until it runs), but no more than
 that: an eager candidate predicted far below a compiled best gains nothing by being new. When the budget
 left holds the candidate of most gain but not after the one of most gain per second, and it is expected to
-gain clearly more (by NOVELTY of the best so far), it runs first. Each chosen trial records its plan
-(predicted value, cost, peak, why) as its ``planned`` user attribute: "why did this trial run now?" is
-answered on the trial itself.
+gain clearly more (by NOVELTY of the best so far), it runs first. The queue hands the chosen one to
+Optuna with its plan (predicted value, cost, peak, why) as its ``planned`` user attribute: "why did this
+trial run now?" is answered on the trial itself.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class Plan:
     """One queued candidate, as the planner sees it."""
 
     number: int
-    trial_id: int
+    """The candidate's number (autotune.search.queue), or a WAITING trial's."""
     role: str
     predicted: float | None
     """The predicted objective value; None before anything comparable was measured."""
@@ -80,12 +80,12 @@ class Plan:
 
     def to_attr(self) -> dict[str, Any]:
         out = asdict(self)
-        del out["trial_id"], out["rank"]
+        del out["number"], out["rank"]
         return out
 
 
 class Planner:
-    """Chooses the next queued trial (``install`` makes the study pop through ``choose``)."""
+    """Chooses the next queued candidate (autotune.search.queue hands it to Optuna)."""
 
     def __init__(self, space: SearchSpace, *, maximize: bool = True, limit_bytes: float | None = None,
                  walls: list[tuple[float, bool]] | None = None, compile_prior_s: float = 0.0,
@@ -113,9 +113,10 @@ class Planner:
         """Every queued candidate with its prediction, in the order the planner would run them
         (before the look-ahead on the budget left, which ``choose`` adds)."""
         from autotune.search.memory import MemoryModel
+        from autotune.search.queue import queued
 
         trials = study.get_trials(deepcopy=False)
-        waiting = [t for t in trials if t.state == TrialState.WAITING]
+        waiting = queued(study)
         if not waiting:
             return []
         done = self._measured(trials)
@@ -184,7 +185,7 @@ class Planner:
             rank, why = 5, self._words(predicted, source, best, cost, gain, novel)
             if failed is not None:
                 why += f"; last: {failed} failed with the same knob values"
-        return Plan(number=t.number, trial_id=t._trial_id, role=role, predicted=predicted, cost_s=cost,
+        return Plan(number=t.number, role=role, predicted=predicted, cost_s=cost,
                     peak_bytes=peak, gain=gain, rank=rank, why=why)
 
     def choose(self, study: optuna.Study, left_s: float | None = None) -> Plan | None:
@@ -235,30 +236,6 @@ class Planner:
         if not ahead:
             return None
         return (max if self.maximize else min)(ahead, key=lambda p: p.predicted)
-
-    # -- Optuna's queue --------------------------------------------------------------------------------
-
-    def install(self, study: optuna.Study) -> None:
-        """Make ``study`` pop its queued trials through ``choose``, recording each chosen trial's plan.
-
-        Optuna has no public way to reorder its queue: this wraps the method that pops from it, and
-        claims a trial the way Optuna claims any (an atomic WAITING -> RUNNING update)."""
-        storage, pop = study._storage, study._pop_waiting_trial_id
-
-        def pop_planned() -> int | None:
-            for _ in range(3):  # another process or thread may claim the chosen one first
-                plan = self.choose(study)
-                if plan is None:
-                    return pop()
-                try:
-                    if storage.set_trial_state_values(plan.trial_id, state=TrialState.RUNNING):
-                        storage.set_trial_user_attr(plan.trial_id, "planned", plan.to_attr())
-                        return plan.trial_id
-                except optuna.exceptions.UpdateFinishedTrialError:
-                    continue
-            return pop()
-
-        study._pop_waiting_trial_id = pop_planned
 
     # -- predictions -------------------------------------------------------------------------------------
 
