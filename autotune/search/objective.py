@@ -13,7 +13,7 @@ from optuna.trial import TrialState
 import strategies
 from autotune import stop
 from autotune.search.outputs import compile_archive_name, prune_compile_archives
-from autotune.search.queue import propose, trials
+from autotune.search.queue import propose, prune, trials
 from autotune.search.screening import queue_eager_twin, screen_eagerly
 from autotune.search.trials import planned_params
 from autotune.search.walls import cached_compile_saving, cut_floors, expected_wall, trial_cost_s
@@ -171,9 +171,8 @@ class Objective:
         if found is None:
             return
         reason, accuracy = found
-        write(trial, reason=reason, accuracy=accuracy)
         trial.set_constraint("accuracy", accuracy["constraint"])
-        raise optuna.TrialPruned(reason)
+        prune(trial, reason, accuracy=accuracy)
 
     def _prune_what_cannot_run(self, trial: optuna.Trial) -> None:
         """Prune, unstarted and uncounted, a configuration whose pinned attention backend cannot run:
@@ -195,8 +194,7 @@ class Objective:
             reason = (f"not run: #{before.number} pinned the same attention backend with attention in {dtype}, "
                       "and it could not run this model's attention")
         if reason is not None:
-            write(trial, reason=reason)
-            raise optuna.TrialPruned(reason)
+            prune(trial, reason)
 
     def _prune_if_it_cannot_fit(self, trial: optuna.Trial) -> None:
         """Prune, unmeasured, a configuration the memory model says does not fit, and back it off."""
@@ -213,10 +211,9 @@ class Objective:
         if verdict is not None:
             # not run, and not counted (no "status"): the sampler learns the region from the pruned
             # trial, and the configuration is queued at a batch that fits
-            write(trial, reason=verdict)
-            write(trial, predicted_oom=True)
+            write(trial, reason=verdict, predicted_oom=True)
             self._back_off(trial)
-            raise optuna.TrialPruned(verdict)
+            prune(trial, verdict)
 
     def _trials_end(self, study: optuna.Study) -> float | None:
         """Where the trials' time ends: the budget's, less the seconds the recommendation's accuracy verdict
@@ -246,7 +243,7 @@ class Objective:
                 "the budget are left; its eager twin is measured instead")
         write(trial, reason=text)
         queue_eager_twin(trial, self.space, rule="budget")
-        raise optuna.TrialPruned(text)
+        prune(trial, text)
 
     def _measure_of(self, trial: optuna.Trial) -> dict[str, Any]:
         """What the trial's worker times: the search's settings, at most BASELINE_MIN_STEPS for the baseline."""
@@ -401,14 +398,12 @@ class Objective:
             # sampler ranks it below the completed trials by how slow it ran
             for step, rate in enumerate((TrialRecord.of(trial).screening or {}).get("windows", [])):
                 trial.report(rate, step)
-            raise optuna.TrialPruned(reason)
+            prune(trial, reason)
         if status == "oom":
             batch = TrialRecord.of(trial).batch_size
-            text = f"does not fit at batch {batch}: {reason}"
-            write(trial, reason=text)
             # PRUNED, not FAIL: Optuna's samplers learn from pruned trials (ranked below every
             # completed one), so the region that does not fit stops being proposed
-            raise optuna.TrialPruned(text)
+            prune(trial, f"does not fit at batch {batch}: {reason}")
         raise TrialFailed(f"trial {trial.number} {status}: {reason}" + (f"\n{traceback}" if traceback else ""))
 
     def _check_accuracy(self, trial: optuna.Trial, value: float) -> None:

@@ -12,6 +12,9 @@ is queued with ``study.enqueue_trial``, its plan recorded on it as the ``planned
 public API, and the answer to "why did this trial run now?" kept on the trial itself (Ray Tune's split:
 searchers propose, a scheduler decides).
 
+A trial is ended unmeasured here too (``prune``: the objective and eager screening say why, this module
+ends it), and the search is stopped here (``Feeder``, on the stop rule's word).
+
 Trials Optuna itself holds WAITING (one queued here that no thread has asked for yet, a re-run that
 storage's crash recovery queued, a study from before this queue) are candidates too (``queued``), and run
 before any other: Optuna asks for them in their order.
@@ -21,12 +24,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune.trial.record import queue_attrs
+from autotune.trial.record import queue_attrs, write
 
 CANDIDATES_ATTR = "autotune:candidates"
 """The study's user attribute holding the queue: [{"id", "params", "attrs"}] in the order proposed."""
@@ -146,3 +149,12 @@ class Feeder:
             study.stop()  # nothing more is queued: a stopped search leaves no trial waiting
             return
         self.feed(study)
+
+
+def prune(trial: optuna.Trial, reason: str | None, **record: Any) -> NoReturn:
+    """End ``trial`` as Optuna's PRUNED, with ``reason`` (where given) and ``record`` (TrialRecord fields)
+    written on it: not run (it cannot fit, cannot run, fails its numerics, waits for its eager twin, would
+    end past the budget), or run and stopped early, or out of memory. Optuna's samplers rank a pruned trial
+    below every completed one, so the region stops being proposed."""
+    write(trial, **({"reason": reason} if reason else {}), **record)
+    raise optuna.TrialPruned(reason)

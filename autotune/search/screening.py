@@ -29,10 +29,10 @@ from optuna.trial import TrialState
 import strategies
 from autotune.deploy.space import SearchSpace
 from autotune.search.priors import prior
-from autotune.search.queue import propose, queued, trials
+from autotune.search.queue import propose, prune as _prune, queued, trials
 from autotune.search.steering import complete_params
 from autotune.search.trials import best_trial, planned_params
-from autotune.trial.record import TrialRecord, write
+from autotune.trial.record import TrialRecord
 
 SCREEN_SHARE = 0.9
 """A configuration is compiled only when its eager twin ran at this share of the fastest eager
@@ -185,11 +185,6 @@ def _prune_if_it_cannot_win(trial: optuna.Trial, twin: optuna.trial.FrozenTrial,
                   f"{params.get(strategies.precision.MODE_PARAM, 'its precision')} here (x{gain:.2f}: #{compiled} over "
                   f"#{measured_twin}) and {spread:.0%} more, about {reach:,.4g}, "
                   f"{'below' if maximize else 'over'} the best #{best.number} ({best.value:,.4g})")
-
-
-def _prune(trial: optuna.Trial, reason: str) -> None:
-    write(trial, reason=reason)
-    raise optuna.TrialPruned(reason)
 
 
 class CompileFinalist:
