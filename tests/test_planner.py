@@ -181,13 +181,15 @@ def test_the_chosen_trial_records_why_it_ran():
     study = _study()
     _measured(study, _params("bf16", 64), 1000.0)
     _queue(study, _params("bf16", 64, "default"))
+    slower = _queue(study, _params("fp32", 64))  # eager FP32: predicted no faster than the measured bf16
     feed(study, Planner(SPACE, walls=_compiled_walls()))
-    assert not candidates(study)  # the chosen one left the list for Optuna's queue: nothing else waits
+    assert [c.id for c in candidates(study)] == [slower]  # the chosen one left the list for Optuna's queue
     trial = study.ask()
     assert trial.number == 1 and study.trials[1].system_attrs["fixed_params"] == _params("bf16", 64, "default")
     planned = study.trials[1].user_attrs["planned"]
     assert planned["predicted"] == 1000.0 * COMPILE_GAIN and planned["cost_s"] == 80.0
     assert "predicted 1,300 samples/s" in planned["why"]
+    assert planned["runner_up"]["number"] == slower and planned["runner_up"]["lost"].startswith("less gain a second")
     assert study.trials[1].state == TrialState.RUNNING
 
 

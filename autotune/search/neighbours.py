@@ -36,7 +36,7 @@ import strategies
 from autotune.deploy.space import SearchSpace
 from autotune.search import plain_recipe
 from autotune.search.levers import LEVER_SETS, LEVERS, untuned
-from autotune.search.priors import prior, table
+from autotune.search.priors import prior, table, values
 from autotune.search.queue import propose, trials as queued_and_run
 from autotune.search.steering import complete_params
 from autotune.search.trials import planned_params
@@ -387,3 +387,22 @@ def _compiles(params: dict[str, Any]) -> bool:
     return params.get(strategies.compile.MODE_PARAM, "off") != "off"
 
 
+SIXTEEN = {"fp16", "bf16", "fp8"}
+"""The 16-bit precision modes, one group of the priors' precision speeds."""
+
+
+def precision_factor(before: str, after: str, fp8: float | None = None) -> float | None:
+    """One precision mode's speed over another's, from the priors; ``fp8``: fp8's over the other 16-bit
+    modes for this model (neighbours.fp8_speed), None where its sizes are not known."""
+    group = {m: ("16" if m in SIXTEEN else m) for m in (before, after)}
+    a, b = group[before], group[after]
+    if a == b:
+        if fp8 is not None and (before == "fp8") != (after == "fp8"):
+            return fp8 if after == "fp8" else 1.0 / fp8
+        return None  # fp16 against bf16, say: measured, not assumed
+    speeds = values(strategies.precision.MODE_PARAM, "speed over")  # (before, after) -> after's speed over before's
+    if (a, b) in speeds:
+        return speeds[(a, b)]
+    if (b, a) in speeds:
+        return 1.0 / speeds[(b, a)]
+    return None
