@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import strategies
+from autotune.search.queue import Feeder
 from autotune.deploy.config import TunedConfig
 from autotune.trial.measure import MeasureSettings, measure
 from autotune.search.objective import Objective
@@ -300,7 +301,7 @@ def test_a_compile_that_would_end_past_the_budget_is_not_started_and_its_eager_t
     objective.walls, objective.compile_prior_s = [(5.0, False)], 60.0  # a compile: about 65 s; 40 s left
     study = optuna.create_study(direction="maximize")
     study.enqueue_trial({"compile.mode": "default", "batch_size.batch_size": 8}, user_attrs={"role": "known-good"})
-    study.optimize(objective, n_trials=2)
+    study.optimize(objective, n_trials=2, callbacks=[Feeder()])  # the queue hands Optuna the twin
     skipped, twin = study.trials
     assert skipped.state == optuna.trial.TrialState.PRUNED and "status" not in skipped.user_attrs  # not counted
     assert skipped.user_attrs["reason"].startswith("not started: a compiled trial takes about 65 s here")
@@ -329,7 +330,7 @@ def test_an_fp8_compile_is_expected_to_take_longer_than_a_bf16_one_before_it_sta
         study = optuna.create_study(direction="maximize")
         study.enqueue_trial({"compile.mode": "default", "precision.mode": precision, "batch_size.batch_size": 8})
         ran.clear()
-        study.optimize(objective, n_trials=2 if runs == "off" else 1)
+        study.optimize(objective, n_trials=2 if runs == "off" else 1, callbacks=[Feeder()])
         assert ran == [(precision, runs)], ran
         if runs == "off":
             reason = study.trials[0].user_attrs["reason"]

@@ -11,6 +11,7 @@ import torchvision
 from torch import nn
 
 import strategies
+from autotune.search import queue
 from autotune.space import SearchSpace
 from autotune.search import neighbours, plain_recipe
 from autotune.search.neighbours import Neighbours
@@ -236,7 +237,7 @@ def test_the_measured_plain_recipe_gets_the_flipped_gradient_as_a_one_knob_move(
     bar = measured(study, IMAGE_SPACE, plain_recipe.params(IMAGE_SPACE, 512), 3922.0, role=plain_recipe.ROLE)
     Neighbours(IMAGE_SPACE, limit_bytes=None)(study, bar)
     changes = [{k: v for k, v in t.system_attrs["fixed_params"].items() if bar.params.get(k) != v}
-               for t in study.trials if t.state == optuna.trial.TrialState.WAITING]
+               for t in queue.queued(study)]
     assert {"depthwise_conv.input_grad": "flipped"} in changes
     assert neighbours.PRIORS[("depthwise_conv.input_grad", "flipped")] == 1.07  # ConvNeXt-T on the H100
 

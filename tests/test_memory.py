@@ -13,6 +13,8 @@ import pytest
 import torch
 from optuna.trial import TrialState
 
+from autotune.search.queue import feed, propose
+from autotune.search import queue
 from autotune.errors import ConfigError
 from autotune.search.memory import MemoryModel, family, parse_size
 from autotune.search.objective import Objective
@@ -134,7 +136,7 @@ def test_a_configuration_known_not_to_fit_is_pruned_uncounted_and_queued_lower(t
     pruned = study.trials[1]
     assert pruned.state == TrialState.PRUNED and "status" not in pruned.user_attrs  # not counted
     assert pruned.user_attrs["reason"] == "does not fit: the same configuration ran out of memory at batch 256 (#0)"
-    queued = study.get_trials(states=(TrialState.WAITING,))
+    queued = queue.queued(study)
     assert [(t.system_attrs["fixed_params"], t.user_attrs["role"]) for t in queued] == \
         [({"batch_size.batch_size": 128}, "baseline")]  # half of 256, the family's ceiling; its role kept
 
@@ -244,12 +246,13 @@ def test_a_backed_off_baseline_is_served_before_the_queued_seeds():
     from autotune.search.planner import Planner
 
     study = optuna.create_study()
-    Planner(SearchSpace(device="cpu", precisions=["fp32"], batch_sizes=[32], base_batch_size=32)).install(study)
+    planner = Planner(SearchSpace(device="cpu", precisions=["fp32"], batch_sizes=[32], base_batch_size=32))
     for batch in (256, 512):
-        study.enqueue_trial({"x": batch}, user_attrs={"role": "known-good"})
-    study.enqueue_trial({"x": 32}, user_attrs={"role": "baseline", "urgent": True})
+        propose(study, {"x": batch}, role="known-good")
+    propose(study, {"x": 32}, role="baseline", urgent=True)
     served = []
     for _ in range(4):
+        feed(study, planner)
         trial = study.ask()
         served.append(trial.suggest_int("x", 1, 1024))
         study.tell(trial, 0.0)
@@ -301,7 +304,7 @@ def test_a_worker_over_the_limit_outside_the_allocator_is_an_oom_with_its_peak_a
     assert trial.state == TrialState.PRUNED and trial.user_attrs["status"] == "oom"
     assert trial.user_attrs["reason"] == "does not fit at batch 512: peak 24.1 GiB is over the memory limit of 24.0 GiB"
     assert trial.user_attrs["fit_peaks"] == {"512": int(24.1 * GiB)} and trial.user_attrs["backed_off_to"] == 256
-    (queued,) = study.get_trials(states=(TrialState.WAITING,))
+    (queued,) = queue.queued(study)
     assert queued.system_attrs["fixed_params"] == {"batch_size.batch_size": 256}
 
 
@@ -314,7 +317,7 @@ def test_a_neighbour_of_the_plain_recipe_backs_off_as_one_and_is_not_screened_ea
 
     steered = {"trial": 1, "rule": RULE, "why": "a side stream"}
     study = _over_the_limit_at_512(tmp_path, monkeypatch, role="steered", steered_by=steered)
-    (queued,) = study.get_trials(states=(TrialState.WAITING,))
+    (queued,) = queue.queued(study)
     record = TrialRecord.of(queued)
     assert record.role == "backed-off" and record.backoff_of == 0 and record.steered_by == steered
     assert _ranked_from_the_bar(record)

@@ -9,6 +9,7 @@ import optuna
 import pytest
 
 import strategies
+from autotune.search import queue
 from autotune.space import SearchSpace
 from autotune.search import neighbours, plain_recipe
 from autotune.search.memory import PROBE_ATTR
@@ -35,7 +36,7 @@ def _study():
 
 
 def _queued(study):
-    return [t for t in study.trials if t.state == optuna.trial.TrialState.WAITING]
+    return [t for t in queue.queued(study)]
 
 
 def test_the_measured_plain_recipe_gets_its_one_knob_neighbours_each_once():
@@ -490,7 +491,7 @@ def test_under_a_cap_the_memory_knobs_are_queued_on_the_fp8_twin_too_and_it_is_s
     assert any(t.user_attrs["steered_by"]["why"].startswith("fp8 + optimizer_state 8bit-bnb: batch 8")
                for t in _queued(study))
     plans = Planner(space, walls=[(20.0, False), (70.0, True)]).plans(study)
-    first = study.trials[plans[0].number].system_attrs["fixed_params"]
+    first = queue.queued_trial(study, plans[0].number).system_attrs["fixed_params"]
     assert first["precision.mode"] == "fp8"
     # once fp8 ran, its own peak says what it needs
     measured(study, space, fp8, 60.0, role="steered", status="ok", knobs=_knobs(space, fp8),
@@ -603,7 +604,7 @@ def test_a_side_stream_is_predicted_from_the_copies_the_bars_profile_measured_an
                     profile=COPYING)
     Neighbours(IMAGE_SPACE, limit_bytes=None)(study, bar)
     plans = Planner(IMAGE_SPACE, walls=[(15.0, False), (68.0, True)]).plans(study)
-    first = study.trials[plans[0].number]
+    first = queue.queued_trial(study, plans[0].number)
     assert {k: v for k, v in first.system_attrs["fixed_params"].items() if bar.params.get(k) != v} == {
         "streams.num_streams": 2}
     assert plans[0].predicted == pytest.approx(6888.0 / (1 - 0.0778 * prior("streams.num_streams", 2, "copy overlap")))
@@ -685,7 +686,7 @@ def test_a_side_stream_or_a_cuda_graph_the_profile_says_gives_nothing_is_not_new
     plans = {p.number: p for p in Planner(space, walls=[(15.0, False), (68.0, True)]).plans(study)}
     by_change = {}
     for number, plan in plans.items():
-        fixed = study.trials[number].system_attrs["fixed_params"]
+        fixed = queue.queued_trial(study, number).system_attrs["fixed_params"]
         change = {k: v for k, v in fixed.items() if bar.params.get(k) != v}
         by_change[tuple(sorted(change.items()))] = plan
     assert by_change[(("streams.num_streams", 2),)].gain == 0.0
@@ -696,7 +697,7 @@ def test_a_side_stream_or_a_cuda_graph_the_profile_says_gives_nothing_is_not_new
                     profile={**quiet, "idle_share": 0.2})
     Neighbours(space, limit_bytes=None)(study, bar)
     graphs = [p for p in Planner(space, walls=[(15.0, False), (68.0, True)]).plans(study)
-              if study.trials[p.number].system_attrs["fixed_params"].get("cuda_graphs.enabled")]
+              if queue.queued_trial(study, p.number).system_attrs["fixed_params"].get("cuda_graphs.enabled")]
     assert graphs[0].gain == pytest.approx(6888.0 * (1.02 * 1.05 - 1))
 
 
@@ -732,7 +733,7 @@ def test_a_long_compile_hoped_for_as_much_as_a_side_stream_does_not_run_before_i
     for params in (autotuned, streams):
         study.enqueue_trial(params, user_attrs={"role": "steered", "steered_by": {"rule": RULE}})
     planner = Planner(IMAGE_SPACE, walls=[(15.0, False), (57.0, True)])
-    plans = {study.trials[p.number].system_attrs["fixed_params"]["compile.mode"]: p for p in planner.plans(study)}
+    plans = {queue.queued_trial(study, p.number).system_attrs["fixed_params"]["compile.mode"]: p for p in planner.plans(study)}
     slow, cheap = plans["max-autotune-no-cudagraphs"], plans["default"]
     assert slow.gain > cheap.gain > 0.99 * slow.gain and slow.cost_s > 2 * cheap.cost_s
     left = cheap.cost_s + slow.cost_s - 10.0  # holds either, not both
@@ -775,12 +776,12 @@ def test_a_side_stream_runs_first_while_a_larger_batch_of_the_plain_recipe_waits
     Neighbours(IMAGE_SPACE, limit_bytes=None)(study, bar)
     planner = Planner(IMAGE_SPACE, walls=[(15.0, False), (116.6, True)])
     plans = planner.plans(study)
-    first = study.trials[plans[0].number].system_attrs["fixed_params"]
+    first = queue.queued_trial(study, plans[0].number).system_attrs["fixed_params"]
     assert {k: v for k, v in first.items() if bar.params.get(k) != v} == {"streams.num_streams": 2}
     assert plans[0].cost_s < min(p.cost_s for p in plans[1:] if p.gain > 0)  # loaded, not compiled again
-    grown = next(p for p in plans if study.trials[p.number].user_attrs.get("grown_from") == bar.number)
+    grown = next(p for p in plans if queue.queued_trial(study, p.number).user_attrs.get("grown_from") == bar.number)
     assert grown.gain_per_s < plans[0].gain_per_s
-    assert not any("optimizer.set_to_none" in {k for k, v in study.trials[p.number].system_attrs["fixed_params"].items()
+    assert not any("optimizer.set_to_none" in {k for k, v in queue.queued_trial(study, p.number).system_attrs["fixed_params"].items()
                                                if bar.params.get(k) != v} for p in plans)
 
 
@@ -839,7 +840,7 @@ def test_the_moves_start_at_the_batch_the_bars_measured_step_predicts_fits():
     grown = [t for t in _queued(study) if t.user_attrs.get("grown_from") == bar.number]
     assert len(grown) == 1  # the larger batch is GrowToFit's, queued once
     plan = Planner(GPT2_SPACE, limit_bytes=79 * GIB, walls=[(15.0, False), (40.0, True)]).choose(study)
-    first = study.trials[plan.number].system_attrs["fixed_params"]
+    first = queue.queued_trial(study, plan.number).system_attrs["fixed_params"]
     assert first["batch_size.batch_size"] == 64 and plan.rank == 5 and plan.predicted > 436.5
 
 

@@ -11,6 +11,7 @@ import pytest
 from optuna.trial import TrialState
 
 import strategies
+from autotune.search import queue
 from autotune.space import SearchSpace
 from autotune.search import plain_recipe
 from autotune.search.fit import Fit, plain_recipe_batch, widen_to_fit
@@ -122,20 +123,20 @@ def test_a_plain_recipe_whose_compiled_step_left_room_is_measured_at_the_next_ba
     hand-written loop fits batch 2 (45,784 tokens/s)."""
     study, trial = _plain_study(allocated_gib=20.2)
     plain_recipe.GrowToFit(LM, 24 * GIB)(study, trial)
-    queued = study.get_trials(states=(TrialState.WAITING,))
+    queued = queue.queued(study)
     assert len(queued) == 1 and queued[0].system_attrs["fixed_params"]["batch_size.batch_size"] == 2
     assert queued[0].user_attrs == {"role": "plain-recipe", "grown_from": trial.number}
     plain_recipe.GrowToFit(LM, 24 * GIB)(study, trial)  # once
-    assert len(study.get_trials(states=(TrialState.WAITING,))) == 1
+    assert len(queue.queued(study)) == 1
     # no room (21.6 + half the probe's 1.4 GiB a sample is over 92% of 24 GiB), or no limit: nothing
     full, trial = _plain_study(allocated_gib=21.6)
     plain_recipe.GrowToFit(LM, 24 * GIB)(full, trial)
-    assert not full.get_trials(states=(TrialState.WAITING,))
+    assert not queue.queued(full)
     plain_recipe.GrowToFit(LM, None)(*_plain_study(allocated_gib=1.0))
     # at 4x the base already: nothing larger is the plain recipe
     top, trial = _plain_study(allocated_gib=1.0, batch=64)
     plain_recipe.GrowToFit(LM, 24 * GIB)(top, trial)
-    assert not top.get_trials(states=(TrialState.WAITING,))
+    assert not queue.queued(top)
 
 
 GPT2_PROBE = {1: 4234149888, 8: 15202254848}
@@ -153,7 +154,7 @@ def _grown_batch(limit_gib, compiled_gib_a_sample=0.42, batch=8):
     trial.set_user_attr("figures", {"peak_allocated_bytes": allocated, "peak_memory_bytes": allocated + 1.5 * GIB})
     study.tell(trial, 300.0)
     plain_recipe.GrowToFit(LM, limit_gib * GIB)(study, study.trials[trial.number])
-    queued = study.get_trials(states=(TrialState.WAITING,))
+    queued = queue.queued(study)
     assert len(queued) <= 1
     return queued[0].system_attrs["fixed_params"]["batch_size.batch_size"] if queued else None
 

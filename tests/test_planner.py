@@ -14,6 +14,7 @@ from autotune.space import SearchSpace
 from autotune.search.memory import PROBE_ATTR
 from autotune.search.planner import Planner
 from autotune.priors import prior
+from autotune.search.queue import candidates, feed, propose
 from autotune.search.steering import complete_params
 from conftest import measured, workers_answer_ok
 
@@ -41,8 +42,8 @@ def _measured(study, params, value, **attrs):
 
 
 def _queue(study, params, role="known-good"):
-    study.enqueue_trial(params, user_attrs={"role": role}, skip_if_exists=False)
-    return study.trials[-1].number
+    """Put ``params`` forward as a candidate (autotune.search.queue): its number."""
+    return propose(study, params, role=role).id
 
 
 def _compiled_walls():
@@ -179,14 +180,17 @@ def test_a_candidate_predicted_not_to_fit_is_sized_down_before_anything_runs():
 def test_the_chosen_trial_records_why_it_ran():
     study = _study()
     _measured(study, _params("bf16", 64), 1000.0)
-    queued = _queue(study, _params("bf16", 64, "default"))
-    Planner(SPACE, walls=_compiled_walls()).install(study)
+    _queue(study, _params("bf16", 64, "default"))
+    slower = _queue(study, _params("fp32", 64))  # eager FP32: predicted no faster than the measured bf16
+    feed(study, Planner(SPACE, walls=_compiled_walls()))
+    assert [c.id for c in candidates(study)] == [slower]  # the chosen one left the list for Optuna's queue
     trial = study.ask()
-    assert trial.number == queued
-    planned = study.trials[queued].user_attrs["planned"]
+    assert trial.number == 1 and study.trials[1].system_attrs["fixed_params"] == _params("bf16", 64, "default")
+    planned = study.trials[1].user_attrs["planned"]
     assert planned["predicted"] == 1000.0 * COMPILE_GAIN and planned["cost_s"] == 80.0
     assert "predicted 1,300 samples/s" in planned["why"]
-    assert study.trials[queued].state == TrialState.RUNNING
+    assert planned["runner_up"]["number"] == slower and planned["runner_up"]["lost"].startswith("less gain a second")
+    assert study.trials[1].state == TrialState.RUNNING
 
 
 def test_a_larger_batch_is_predicted_from_the_batch_prior_in_the_workloads_units():
@@ -335,11 +339,9 @@ def _stop_rule(budget_s: float, started: float, walls):
     return rule, said
 
 
-def _told(rule, study):
-    """The stop rule told of the study's first trial, as Optuna calls its callbacks (inside optimize)."""
-    study._thread_local.in_optimize_loop = True
-    study._stop_flag = False
-    rule(study, study.trials[0])
+def _told(rule, study) -> bool:
+    """Whether the stop rule, told of the study's first trial, stops the search."""
+    return rule(study, study.trials[0])
 
 
 def test_the_search_ends_when_no_compile_fits_and_nothing_queued_is_expected_to_beat_the_best():
@@ -354,8 +356,7 @@ def test_the_search_ends_when_no_compile_fits_and_nothing_queued_is_expected_to_
     _queue(study, _params("fp16", 32), role="steered")  # eager, far below the compiled best: gains nothing
     walls = [(10.0, False), (80.0, True)]
     rule, said = _stop_rule(300.0, time.time() - 240.0, walls)  # about 50 s left: no 80 s compile fits
-    _told(rule, study)
-    assert study._stop_flag and "not expected to beat the best" in study.user_attrs[STOP_ATTR]
+    assert _told(rule, study) and "not expected to beat the best" in study.user_attrs[STOP_ATTR]
     assert said[-1][0] == "stopped"
     # with time for a compile, or a candidate that may gain, it goes on
     for started, queued in ((time.time() - 60.0, None), (time.time() - 240.0, _params("bf16", 64, "default", **{
@@ -364,8 +365,7 @@ def test_the_search_ends_when_no_compile_fits_and_nothing_queued_is_expected_to_
         _measured(study, _params("bf16", 64, "default"), 2000.0, role="plain-recipe")
         _queue(study, queued or _params("fp16", 32), role="steered")
         rule, said = _stop_rule(300.0, started, walls)
-        _told(rule, study)
-        assert not study._stop_flag and STOP_ATTR not in study.user_attrs
+        assert not _told(rule, study) and STOP_ATTR not in study.user_attrs
 
 
 def test_a_trial_that_runs_long_is_cut_where_the_recommendations_verdict_needs_its_seconds(monkeypatch):

@@ -4,6 +4,7 @@ run again, the planner's order printed. On a CPU with a scripted study in a SQLi
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 
 import optuna
@@ -72,3 +73,31 @@ def test_it_prints_the_order_and_says_what_to_give_when_nothing_finished(tmp_pat
     other.set_user_attr("space", IMAGE_SPACE.to_dict())
     with pytest.raises(SystemExit, match="no plain-recipe trial finished; give --after N"):
         replay_plan.replay(str(empty))
+
+
+FIRST_8 = ROOT / "tests" / "fixtures" / "replay-first-8.json"
+"""The first 8 candidates the planner ran after the plain recipe in three committed searches (a ResNet-50,
+a GPT-2 and a 1B Llama under a memory cap), as the planner chose them before the proposers returned to
+one queue (autotune.search.queue): a change to the planner or a proposer that changes them says so here."""
+
+
+@pytest.mark.parametrize("path", sorted(json.loads(FIRST_8.read_text())))
+def test_three_committed_searches_plan_their_first_8_candidates_as_before(path, replay_plan):
+    rows = replay_plan.replay(str(ROOT / path))["rows"][:8]
+    expected = json.loads(FIRST_8.read_text())[path]
+    assert [(r["role"], r["change"], r["rank"]) for r in rows] == [(r["role"], r["change"], r["rank"]) for r in expected]
+    assert [r["predicted"] for r in rows] == pytest.approx([r["predicted"] for r in expected], rel=1e-9)
+    assert [r["cost_s"] for r in rows] == pytest.approx([r["cost_s"] for r in expected], rel=1e-9)
+
+
+def test_the_choice_names_its_runner_up_and_why_it_lost(tmp_path, replay_plan):
+    path = tmp_path / "study.db"
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(storage=f"sqlite:///{path}", direction="maximize")
+    study.set_user_attr("space", IMAGE_SPACE.to_dict())
+    measured(study, IMAGE_SPACE, plain_recipe.params(IMAGE_SPACE, 512), 3953.0, role=plain_recipe.ROLE, profile=PROFILE,
+             timing={"compile_s": 67.9, "compile_cache": "miss", "wall_s": 116.6})
+    choice = replay_plan.replay(str(path), left_s=150.0)["choice"]
+    runner = choice["runner_up"]
+    assert runner is not None and runner["number"] != choice["number"] and runner["lost"]
+    assert runner["lost"].startswith(("less gain a second", "as much gain", "about"))

@@ -378,7 +378,9 @@ def test_the_worker_started_for_the_next_trial_is_kept_for_the_recommendations_c
                 raise self.raises
 
     shared = SimpleNamespace(guard=lambda objective: objective)
-    assert run._optimize(config, Study(), None, shared, None, [], 0.0) is None
+    feeder = SimpleNamespace(feed=lambda study: None)  # nothing queued
+    assert run._optimize(config, Study(), None, shared, None, [], 0.0, feeder) is None
     assert not discarded
-    assert isinstance(run._optimize(config, Study(KeyboardInterrupt()), None, shared, None, [], 0.0), KeyboardInterrupt)
+    assert isinstance(run._optimize(config, Study(KeyboardInterrupt()), None, shared, None, [], 0.0, feeder),
+                      KeyboardInterrupt)
     assert discarded == [True]

@@ -7,6 +7,8 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from autotune.search.queue import Feeder
+from autotune.search import queue
 from autotune.space import SearchSpace
 from autotune.search.objective import Objective
 from autotune.priors import prior
@@ -51,7 +53,7 @@ def _params(batch: int, mode: str) -> dict:
 def test_a_compile_waits_for_its_eager_twin_which_is_measured_first(ran) -> None:
     study = optuna.create_study(direction="maximize")
     study.enqueue_trial(_params(16, "default"), user_attrs={"role": "known-good"})
-    study.optimize(_objective(), n_trials=2)
+    study.optimize(_objective(), n_trials=2, callbacks=[Feeder()])  # the queue hands Optuna the twin
     first, twin = study.trials
     assert first.state == TrialState.PRUNED and "status" not in first.user_attrs  # unstarted, uncounted
     assert first.user_attrs["reason"].startswith("screened eagerly first: its eager twin (compile off)")
@@ -146,7 +148,7 @@ def test_the_fastest_eager_configuration_is_queued_compiled_once(ran) -> None:
     for batch in (8, 32, 16):
         study.enqueue_trial(_params(batch, "off"), user_attrs={"role": "known-good"})
     finalist = CompileFinalist(SPACE, maximize=True)
-    study.optimize(_objective(), n_trials=5, callbacks=[finalist])
+    study.optimize(_objective(), n_trials=5, callbacks=[finalist, Feeder()])
     # once the queued eager candidates ran, the fastest of them (batch 32) is queued compiled, once
     assert ran[:4] == [(8, "off"), (32, "off"), (16, "off"), (32, "default")]
     assert ran.count((32, "default")) == 1 and (8, "default") not in ran
@@ -162,7 +164,7 @@ def test_without_compile_in_the_space_nothing_is_queued() -> None:
                                               distributions={"batch_size.batch_size":
                                                              optuna.distributions.CategoricalDistribution([8, 16])}))
     CompileFinalist(eager_only, maximize=True)(study, study.trials[0])
-    assert not study.get_trials(states=(TrialState.WAITING,))
+    assert not queue.queued(study)
 
 
 def test_a_twin_stopped_early_screens_its_compile_by_its_warm_up_rate(monkeypatch) -> None:

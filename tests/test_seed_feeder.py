@@ -8,6 +8,7 @@ import optuna
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
+from autotune.search.queue import feed, propose, queued, waiting
 from autotune.search.seeds import BACKLOG_ATTR, SEEDS_UPFRONT, SeedFeeder, enqueue_seeds
 
 SPACE = {"precision.mode": CategoricalDistribution(["fp32", "fp16", "bf16", "fp8"]),
@@ -29,7 +30,8 @@ def _study():
 def _run_one(study, feeder, value=1.0, unstable=False):
     """One trial the way study.optimize runs it: the queue first, else the sampler's choice (here
     always fp32 at batch 64, which no seed is); then the callback."""
-    if not study.get_trials(states=(TrialState.WAITING,)):
+    feed(study)
+    if not waiting(study):
         study.enqueue_trial({"precision.mode": "fp32", "batch_size.batch_size": 64})
     trial = study.ask(SPACE)
     if unstable:
@@ -42,17 +44,17 @@ def _run_one(study, feeder, value=1.0, unstable=False):
 def test_the_baseline_and_the_best_two_are_queued_and_the_rest_kept_back():
     study = _study()
     enqueue_seeds(study, _seeds())
-    waiting = study.get_trials(states=(TrialState.WAITING,))
+    waiting = queued(study)
     assert [t.user_attrs["role"] for t in waiting] == ["baseline"] + ["known-good"] * SEEDS_UPFRONT
     assert len(study.user_attrs[BACKLOG_ATTR]) == len(_seeds()) - 1 - SEEDS_UPFRONT
     replay = _study()
     enqueue_seeds(replay, _seeds(), all_now=True)  # --replay keeps the earlier search's order
-    assert len(replay.get_trials(states=(TrialState.WAITING,))) == len(_seeds())
+    assert len(queued(replay)) == len(_seeds())
     assert replay.user_attrs[BACKLOG_ATTR] == []
 
 
 def _waiting(study):
-    return [t.system_attrs["fixed_params"] for t in study.get_trials(states=(TrialState.WAITING,))]
+    return [t.system_attrs["fixed_params"] for t in queued(study)]
 
 
 def test_seeds_alternate_with_the_searchs_own_trials():
@@ -89,7 +91,7 @@ def test_the_first_seed_of_a_precision_nothing_ran_is_queued_at_once():
     # a mode the search sampled itself is not new: its seed waits its turn
     sampled = _study()
     enqueue_seeds(sampled, seeds)
-    sampled.enqueue_trial({"precision.mode": "fp8", "batch_size.batch_size": 64})
+    propose(sampled, {"precision.mode": "fp8", "batch_size.batch_size": 64})
     _run_one(sampled, feeder)  # the baseline: fp16 is fed; fp8 has a trial queued by the search
     _run_one(sampled, feeder)
     assert {"precision.mode": "fp8", "batch_size.batch_size": 512} in sampled.user_attrs[BACKLOG_ATTR]

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import strategies
+from autotune.search import queue
 from autotune.space import SearchSpace
 from autotune.report.render import write_report
 from autotune.search.findings import derive
@@ -285,7 +286,7 @@ def _explain(space: SearchSpace, profile: dict[str, Any]) -> tuple[optuna.Study,
     trial.set_user_attr("knobs", strategies.knobs_to_dict(strategies.sample(optuna.trial.FixedTrial(params), space)))
     objective = Objective(space=space, workload={}, measure={}, input_on_device=False, seed=0, trial_timeout_s=60)
     objective._explain(trial, {"status": "ok", "figures": {"loss_finite": True}, "profile": profile})
-    waiting = study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+    waiting = queue.queued(study)
     return study, [t.system_attrs["fixed_params"] for t in waiting]
 
 

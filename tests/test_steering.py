@@ -8,6 +8,7 @@ import optuna
 import pytest
 
 import strategies
+from autotune.search import queue
 from autotune.deploy.config import TunedConfig
 from autotune.search.findings import Finding
 from autotune.search.objective import Objective
@@ -66,7 +67,7 @@ def test_remedies_are_queued_once_and_never_the_trial_itself():
     assert queued[1]["streams.num_streams"] == 2  # the limit (2) stops before the batch remedy
     again = steer(study, trial, findings, SPACE)
     assert again == [{**FP16_NCHW, "batch_size.batch_size": 256}]  # the first two are already queued
-    waiting = study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+    waiting = queue.queued(study)
     assert len(waiting) == 3 and all(t.user_attrs["role"] == "steered" for t in waiting)
     assert waiting[0].user_attrs["steered_by"] == {"trial": trial.number, "rule": "layout"}
 
@@ -83,7 +84,7 @@ def test_a_real_profile_becomes_findings_and_a_queued_channels_last_trial(tmp_pa
     attrs = study.trials[trial.number].user_attrs
     assert attrs["profile"]["layout_share"] > 0.1 and attrs["energy"]["energy_source"] == "energy counter"
     assert any("layout conversions" in text for text in attrs["findings"])
-    steered = study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+    steered = queue.queued(study)
     fixed = steered[0].system_attrs["fixed_params"]  # what the trial will run with
     assert fixed["memory_format.format"] == "channels_last" and fixed["precision.mode"] == "fp16"
 
@@ -95,8 +96,7 @@ def test_no_profile_no_findings():
     trial.set_user_attr("knobs", {"precision": {"mode": "fp16"}, "memory_format": {"format": "contiguous"}})
     objective = Objective(space=SPACE, workload={}, measure={}, input_on_device=False, seed=0, trial_timeout_s=60)
     objective._explain(trial, {"status": "ok", "figures": {"loss_finite": True}})
-    assert "findings" not in study.trials[0].user_attrs and not study.get_trials(
-        states=(optuna.trial.TrialState.WAITING,))
+    assert "findings" not in study.trials[0].user_attrs and not queue.queued(study)
 
 
 def test_the_baseline_and_best_traces_are_kept_and_the_rest_deleted(tmp_path):
@@ -151,6 +151,7 @@ def test_trials_csv_has_the_energy_profile_and_findings_columns():
         trial, {"status": "ok", "figures": {"loss_finite": True}, "energy": energy,
                 "profile": analyze(trace, step_time_ms=47.2)})
     study.tell(trial, 2715.0)
+    queue.feed(study)
     study.optimize(lambda t: 1.0, n_trials=1)  # runs the queued channels_last remedy
     frame = trials_frame(study).set_index("number")
     assert frame.loc[0, "joules_per_sample"] == pytest.approx(0.171)

@@ -12,6 +12,7 @@ import torchvision
 from torch import nn
 
 import strategies
+from autotune.search import queue
 from autotune.space import SearchSpace
 from autotune.search import neighbours, plain_recipe
 from autotune.search.neighbours import Neighbours
@@ -215,7 +216,7 @@ def test_the_measured_plain_recipe_gets_space_to_depth_as_a_one_knob_move() -> N
     bar = measured(study, IMAGE_SPACE, plain_recipe.params(IMAGE_SPACE, 1024), 5774.0, role=plain_recipe.ROLE)
     Neighbours(IMAGE_SPACE, limit_bytes=None)(study, bar)
     changes = [{k: v for k, v in t.system_attrs["fixed_params"].items() if bar.params.get(k) != v}
-               for t in study.trials if t.state == optuna.trial.TrialState.WAITING]
+               for t in queue.queued(study)]
     assert {"stem_conv.stem": "space_to_depth"} in changes
     assert neighbours.PRIORS[("stem_conv.stem", "space_to_depth")] == 1.037  # ResNet-50 on the H100
 

@@ -16,6 +16,7 @@ import pandas as pd
 import pytest
 from optuna.trial import TrialState
 
+from autotune.search import queue
 from autotune.cache import cache_root, trim_cache
 from autotune.deploy import compile_cache
 from autotune.space import SearchSpace
@@ -181,9 +182,9 @@ def test_the_evidence_gets_what_it_would_have_proposed_queued(tmp_path):
     seed = _params("fp32", 128, "off")
     study.enqueue_trial(seed, user_attrs={"role": "known-good"})
     assert warm.propose_from_evidence(study, [Neighbours(SPACE, None)]) == 3
-    queued = [t.system_attrs["fixed_params"] for t in study.get_trials(states=(TrialState.WAITING,))]
+    queued = [t.system_attrs["fixed_params"] for t in queue.queued(study)]
     assert len(queued) > 1 and _params("bf16", 64, "default", "channels_last") not in queued
-    assert all(TrialRecord.of(t).role == "steered" for t in study.get_trials(states=(TrialState.WAITING,))
+    assert all(TrialRecord.of(t).role == "steered" for t in queue.queued(study)
                if t.system_attrs["fixed_params"] != seed)
     # a study that has run a trial of its own has had its proposals
     trial = study.ask()
@@ -313,7 +314,7 @@ def test_replayed_from_the_h100_second_search_a_compile_that_cannot_finish_is_no
     assert warm.propose_from_evidence(study, [GrowToFit(space, None), Neighbours(space, None)]) == 5
     planner = Planner(space, walls=warm.warm_walls(study))
     chosen = {left: planner.choose(study, left_s=left) for left in (270.0, 560.0)}
-    modes = {left: study.trials[plan.number].system_attrs["fixed_params"]["compile.mode"]
+    modes = {left: queue.queued_trial(study, plan.number).system_attrs["fixed_params"]["compile.mode"]
              for left, plan in chosen.items()}
     assert modes[560.0] == "max-autotune-no-cudagraphs" and 270.0 < chosen[560.0].cost_s < 560.0
     assert modes[270.0] != "max-autotune-no-cudagraphs" and chosen[270.0].cost_s < 270.0
@@ -350,7 +351,7 @@ def test_replayed_from_the_second_h100_run_a_compile_the_budget_cut_is_not_start
                                              "finished": "2026-12-07T14:47:00"}}))
         warm.propose_from_evidence(study, [GrowToFit(space, None), Neighbours(space, None)])
         plan = Planner(space, walls=warm.warm_walls(study)).choose(study, left_s=270.0)
-        return study.trials[plan.number].system_attrs["fixed_params"]["compile.mode"], plan
+        return queue.queued_trial(study, plan.number).system_attrs["fixed_params"]["compile.mode"], plan
 
     mode, plan = replay(with_cut=False)
     assert mode == "max-autotune-no-cudagraphs" and plan.cost_s < 270.0  # what the GPU run did

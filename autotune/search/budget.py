@@ -50,7 +50,9 @@ def estimate_next_wall(study: optuna.Study, walls: list[tuple[float, bool]], *, 
     eager, compiled = expected_wall(walls, False), expected_wall(walls, True, compile_prior_s)
     if left_s is not None and compiled > left_s:
         return eager
-    waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+    from autotune.search.queue import queued
+
+    waiting = queued(study)
     if waiting:
         # the one the planner (autotune.search.planner) runs next, else the queue's first
         plan = planner.choose(study, left_s) if planner is not None else None
@@ -63,9 +65,10 @@ def estimate_next_wall(study: optuna.Study, walls: list[tuple[float, bool]], *, 
 
 
 class StopRule:
-    """Optuna's callback after each trial: counts the trials this run measured, fixes the knobs shown
-    to have no effect (with --steer), reports the trial, and stops the study once its trials are
-    done (--trials, across every process of the study) or the next one would end past the budget."""
+    """Called after each trial (by autotune.search.queue.Feeder, which stops the search): counts the trials
+    this run measured, fixes the knobs shown to have no effect (with --steer), reports the trial, and says
+    whether the search is done: its trials are (--trials, across every process of the study) or the next
+    one would end past the budget."""
 
     def __init__(self, config: SearchConfig, shared: SharedStudy, started: float,
                  emit: Callable[[str, Any], None], compile_prior_s: float = 0.0) -> None:
@@ -82,7 +85,8 @@ class StopRule:
         """The search's accuracy gate, or None: the trials leave it the seconds of the recommendation's
         verdict (verdict_reserve_s)."""
 
-    def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+    def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
+        """Whether the search stops after ``trial``."""
         config, started, record = self.config, self.started, TrialRecord.of(trial)
         if record.status is not None:
             self.new_trials += 1
@@ -98,17 +102,18 @@ class StopRule:
         # and waited for (a process that dies has its trial re-run here)
         end = deadline(config, started)
         if config.trials is not None and self.shared.has_its_trials(deadline=end):
-            study.stop()
+            return True
         if end is not None:
             now = time.time()
             end -= self.gate.verdict_reserve_s(study) if self.gate is not None else 0.0
             if now + estimate_next_wall(study, self.walls, left_s=end - now, compile_prior_s=self.compile_prior_s,
                                         planner=self.planner) > end:
-                study.stop()
-            elif (why := self.nothing_to_gain(study, end - now)) is not None:
+                return True
+            if (why := self.nothing_to_gain(study, end - now)) is not None:
                 study.set_user_attr(STOP_ATTR, why)
                 self.emit("stopped", why)
-                study.stop()
+                return True
+        return False
 
     def nothing_to_gain(self, study: optuna.Study, left_s: float) -> str | None:
         """Why the search ends before its budget, or None: no compile fits the ``left_s`` left, and the

@@ -37,7 +37,8 @@ from optuna.trial import TrialState
 
 from autotune.errors import ConfigError
 from autotune.search.storage import mask_url
-from autotune.trial.record import TrialRecord, queue_attrs, write
+from autotune.search.queue import propose
+from autotune.trial.record import TrialRecord, write
 
 log = logging.getLogger("autotune.search.distributed")
 
@@ -223,7 +224,7 @@ class SharedStudy:
         if fixed is not None:
             record = TrialRecord.of(frozen)
             kept = {k: v for k, v in (("role", record.role), ("retry_of", record.retry_of)) if v is not None}
-            self.study.enqueue_trial(fixed, user_attrs=queue_attrs(**kept), skip_if_exists=False)
+            propose(self.study, fixed, **kept)
 
     def other_processes(self) -> set[str]:
         """The host:pid of live processes, other than this one, running trials of the study."""

@@ -36,10 +36,11 @@ import strategies
 from autotune.space import SearchSpace
 from autotune.search import plain_recipe
 from autotune.search.levers import LEVER_SETS, LEVERS, untuned
-from autotune.priors import prior, table
+from autotune.priors import prior, table, values
+from autotune.search.queue import propose, trials as queued_and_run
 from autotune.search.steering import complete_params
 from autotune.search.trials import planned_params
-from autotune.trial.record import TrialRecord, queue_attrs
+from autotune.trial.record import TrialRecord
 
 RULE = "one knob from the plain recipe"
 
@@ -212,7 +213,7 @@ class Neighbours:
         if TrialRecord.of(trial).role != plain_recipe.ROLE:
             self.climb(study, trial)
             return
-        trials = study.get_trials(deepcopy=False)
+        trials = queued_and_run(study)
         # from the fastest plain recipe measured, even while a larger batch of it is queued (GrowToFit):
         # the planner weighs them against it. Held back until that one ran, the moves may never run: the
         # grown batch is hoped little for a cold compile, and the budget may end first
@@ -229,8 +230,7 @@ class Neighbours:
             if params in known:
                 continue
             known.append(params)
-            study.enqueue_trial(params, user_attrs=queue_attrs(
-                role="steered", steered_by={"trial": start.number, "rule": RULE, "why": why}))
+            propose(study, params, role="steered", steered_by={"trial": start.number, "rule": RULE, "why": why})
 
     def climb(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         """A move that beat the plain recipe and every trial measured so far gets the other moves on
@@ -239,7 +239,7 @@ class Neighbours:
         bar's profile, rule "copies", say). The planner weighs them from this trial."""
         if TrialRecord.of(trial).role != "steered":
             return
-        trials = study.get_trials(deepcopy=False)
+        trials = queued_and_run(study)
         done = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None and t.number != trial.number]
         measured = [t.value for t in done]
         bar_measured = any(TrialRecord.of(t).role == plain_recipe.ROLE for t in done)
@@ -387,3 +387,22 @@ def _compiles(params: dict[str, Any]) -> bool:
     return params.get(strategies.compile.MODE_PARAM, "off") != "off"
 
 
+SIXTEEN = {"fp16", "bf16", "fp8"}
+"""The 16-bit precision modes, one group of the priors' precision speeds."""
+
+
+def precision_factor(before: str, after: str, fp8: float | None = None) -> float | None:
+    """One precision mode's speed over another's, from the priors; ``fp8``: fp8's over the other 16-bit
+    modes for this model (neighbours.fp8_speed), None where its sizes are not known."""
+    group = {m: ("16" if m in SIXTEEN else m) for m in (before, after)}
+    a, b = group[before], group[after]
+    if a == b:
+        if fp8 is not None and (before == "fp8") != (after == "fp8"):
+            return fp8 if after == "fp8" else 1.0 / fp8
+        return None  # fp16 against bf16, say: measured, not assumed
+    speeds = values(strategies.precision.MODE_PARAM, "speed over")  # (before, after) -> after's speed over before's
+    if (a, b) in speeds:
+        return speeds[(a, b)]
+    if (b, a) in speeds:
+        return 1.0 / speeds[(b, a)]
+    return None

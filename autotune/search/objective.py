@@ -13,11 +13,12 @@ from optuna.trial import TrialState
 import strategies
 from autotune import stop
 from autotune.search.outputs import compile_archive_name, prune_compile_archives
+from autotune.search.queue import propose, prune, trials
 from autotune.search.screening import queue_eager_twin, screen_eagerly
 from autotune.search.trials import planned_params
 from autotune.search.walls import cached_compile_saving, cut_floors, expected_wall, trial_cost_s
 from autotune.trial.instruments import cache_outcome
-from autotune.trial.record import TrialRecord, copy, queue_attrs, write
+from autotune.trial.record import TrialRecord, copy, write
 from autotune.trial.runner import run_worker
 from strategies.compile import COMPILE_ALLOWANCE_S
 
@@ -39,8 +40,7 @@ def requeue(study: optuna.Study, trial: optuna.Trial | optuna.trial.FrozenTrial)
     """Queue a trial's parameters to be measured again (its role kept), for a trial that was cut
     short through no fault of its configuration."""
     role = TrialRecord.of(trial).role
-    queued = queue_attrs(retry_of=trial.number, **({"role": role} if role else {}))
-    study.enqueue_trial(trial.params, user_attrs=queued, skip_if_exists=False)
+    propose(study, trial.params, retry_of=trial.number, **({"role": role} if role else {}))
 
 
 class Objective:
@@ -171,9 +171,8 @@ class Objective:
         if found is None:
             return
         reason, accuracy = found
-        write(trial, reason=reason, accuracy=accuracy)
         trial.set_constraint("accuracy", accuracy["constraint"])
-        raise optuna.TrialPruned(reason)
+        prune(trial, reason, accuracy=accuracy)
 
     def _prune_what_cannot_run(self, trial: optuna.Trial) -> None:
         """Prune, unstarted and uncounted, a configuration whose pinned attention backend cannot run:
@@ -195,8 +194,7 @@ class Objective:
             reason = (f"not run: #{before.number} pinned the same attention backend with attention in {dtype}, "
                       "and it could not run this model's attention")
         if reason is not None:
-            write(trial, reason=reason)
-            raise optuna.TrialPruned(reason)
+            prune(trial, reason)
 
     def _prune_if_it_cannot_fit(self, trial: optuna.Trial) -> None:
         """Prune, unmeasured, a configuration the memory model says does not fit, and back it off."""
@@ -213,10 +211,9 @@ class Objective:
         if verdict is not None:
             # not run, and not counted (no "status"): the sampler learns the region from the pruned
             # trial, and the configuration is queued at a batch that fits
-            write(trial, reason=verdict)
-            write(trial, predicted_oom=True)
+            write(trial, reason=verdict, predicted_oom=True)
             self._back_off(trial)
-            raise optuna.TrialPruned(verdict)
+            prune(trial, verdict)
 
     def _trials_end(self, study: optuna.Study) -> float | None:
         """Where the trials' time ends: the budget's, less the seconds the recommendation's accuracy verdict
@@ -246,7 +243,7 @@ class Objective:
                 "the budget are left; its eager twin is measured instead")
         write(trial, reason=text)
         queue_eager_twin(trial, self.space, rule="budget")
-        raise optuna.TrialPruned(text)
+        prune(trial, text)
 
     def _measure_of(self, trial: optuna.Trial) -> dict[str, Any]:
         """What the trial's worker times: the search's settings, at most BASELINE_MIN_STEPS for the baseline."""
@@ -345,7 +342,7 @@ class Objective:
         if batch is None:
             return
         params = {**trial.params, strategies.batch_size.BATCH_SIZE_PARAM: batch}
-        for other in trial.study.get_trials(deepcopy=False):
+        for other in trials(trial.study):
             if planned_params(other) == params:
                 return
         record = TrialRecord.of(trial)
@@ -354,10 +351,9 @@ class Objective:
         # neighbour of the plain recipe keeps what steered it, so it is still ranked from the bar and
         # not screened eagerly: a move sized down would otherwise wait for an eager twin that the
         # planner predicts below the compiled bar
-        queued = queue_attrs(role=role if role == "baseline" else "backed-off", backoff_of=trial.number,
-                             **({"urgent": True} if role == "baseline" else {}),
-                             **({"steered_by": record.steered_by} if record.steered_by else {}))
-        trial.study.enqueue_trial(params, user_attrs=queued, skip_if_exists=False)
+        propose(trial.study, params, role=role if role == "baseline" else "backed-off", backoff_of=trial.number,
+                **({"urgent": True} if role == "baseline" else {}),
+                **({"steered_by": record.steered_by} if record.steered_by else {}))
         write(trial, backed_off_to=batch)
 
     def _explain(self, trial: optuna.Trial, result: dict[str, Any]) -> None:
@@ -402,14 +398,12 @@ class Objective:
             # sampler ranks it below the completed trials by how slow it ran
             for step, rate in enumerate((TrialRecord.of(trial).screening or {}).get("windows", [])):
                 trial.report(rate, step)
-            raise optuna.TrialPruned(reason)
+            prune(trial, reason)
         if status == "oom":
             batch = TrialRecord.of(trial).batch_size
-            text = f"does not fit at batch {batch}: {reason}"
-            write(trial, reason=text)
             # PRUNED, not FAIL: Optuna's samplers learn from pruned trials (ranked below every
             # completed one), so the region that does not fit stops being proposed
-            raise optuna.TrialPruned(text)
+            prune(trial, f"does not fit at batch {batch}: {reason}")
         raise TrialFailed(f"trial {trial.number} {status}: {reason}" + (f"\n{traceback}" if traceback else ""))
 
     def _check_accuracy(self, trial: optuna.Trial, value: float) -> None:

@@ -111,16 +111,16 @@ class GrowToFit:
         self.limit_bytes = limit_bytes
 
     def __call__(self, study, trial) -> None:
+        from autotune.search.queue import propose, trials
         from autotune.search.trials import planned_params
-        from autotune.trial.record import queue_attrs
 
         grown = grown_batch(study, trial, self.space, self.limit_bytes)
         if grown is None:
             return
         params = {**trial.params, strategies.batch_size.BATCH_SIZE_PARAM: grown}
-        if any(planned_params(t) == params for t in study.get_trials(deepcopy=False)):
+        if any(planned_params(t) == params for t in trials(study)):
             return
-        study.enqueue_trial(params, user_attrs=queue_attrs(role=ROLE, grown_from=trial.number))
+        propose(study, params, role=ROLE, grown_from=trial.number)
 
 
 def grown_batch(study, trial, space: SearchSpace, limit_bytes: float | None) -> int | None:

@@ -1,6 +1,6 @@
 """The planner: which queued configuration runs next, and why.
 
-Proposers queue candidates with Optuna's ``enqueue_trial``: the seeds (the FP32 baseline, the plain
+Proposers put candidates forward (autotune.search.queue): the seeds (the FP32 baseline, the plain
 recipe, the known-good list and its feeder), the findings' remedies (steering), eager screening's
 twins, the compile finalist and the out-of-memory back-off; Optuna's sampler (TPE) proposes when
 the queue is empty. The planner decides among the queued ones (Ray Tune's split of a Searcher that
@@ -25,16 +25,16 @@ gain per second of budget: the predicted improvement on the best so far, where a
 measured yet may give NOVELTY more than predicted (what it gives is unknown until it runs), but no more than
 that: an eager candidate predicted far below a compiled best gains nothing by being new. When the budget
 left holds the candidate of most gain but not after the one of most gain per second, and it is expected to
-gain clearly more (by NOVELTY of the best so far), it runs first. Each chosen trial records its plan
-(predicted value, cost, peak, why) as its ``planned`` user attribute: "why did this trial run now?" is
-answered on the trial itself.
+gain clearly more (by NOVELTY of the best so far), it runs first. The queue hands the chosen one to
+Optuna with its plan (predicted value, cost, peak, why) as its ``planned`` user attribute: "why did this
+trial run now?" is answered on the trial itself.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import optuna
@@ -43,8 +43,9 @@ from optuna.trial import TrialState
 import strategies
 from autotune.space import SearchSpace
 from autotune.search.levers import step_costs
-from autotune.search.neighbours import compile_mode_factor, fp8_speed, prior_factor, profiled_factor, stem_speed
-from autotune.priors import prior, values
+from autotune.search.neighbours import (compile_mode_factor, fp8_speed, precision_factor, prior_factor, profiled_factor,
+                                        stem_speed)
+from autotune.priors import prior
 from autotune.search.trials import planned_params
 from autotune.search.walls import cached_compile_saving, cut_floors, trial_cost_s
 from autotune.trial.record import TrialRecord
@@ -53,7 +54,6 @@ NOVELTY = 0.05
 """How much more than predicted a candidate with a knob value no trial measured (a precision mode,
 CUDA graphs, a compile mode) may give: about the run-to-run spread of the measured gains."""
 
-_SIXTEEN = {"fp16", "bf16", "fp8"}
 _IGNORED = ("grad_scaler.",)  # settings of a knob another parameter decides (fp16's GradScaler)
 
 
@@ -62,7 +62,7 @@ class Plan:
     """One queued candidate, as the planner sees it."""
 
     number: int
-    trial_id: int
+    """The candidate's number (autotune.search.queue), or a WAITING trial's."""
     role: str
     predicted: float | None
     """The predicted objective value; None before anything comparable was measured."""
@@ -73,6 +73,9 @@ class Plan:
     rank: int
     """0-4: the fixed roles' order (see the module's docstring); 5: ranked by gain per second."""
     why: str
+    runner_up: dict[str, Any] | None = None
+    """The candidate that would have run in its place (number, role, predicted, cost_s, why) and why it
+    lost ("lost"); set by ``choose``, None where nothing else was queued."""
 
     @property
     def gain_per_s(self) -> float:
@@ -80,12 +83,12 @@ class Plan:
 
     def to_attr(self) -> dict[str, Any]:
         out = asdict(self)
-        del out["trial_id"], out["rank"]
+        del out["number"], out["rank"]
         return out
 
 
 class Planner:
-    """Chooses the next queued trial (``install`` makes the study pop through ``choose``)."""
+    """Chooses the next queued candidate (autotune.search.queue hands it to Optuna)."""
 
     def __init__(self, space: SearchSpace, *, maximize: bool = True, limit_bytes: float | None = None,
                  walls: list[tuple[float, bool]] | None = None, compile_prior_s: float = 0.0,
@@ -113,9 +116,10 @@ class Planner:
         """Every queued candidate with its prediction, in the order the planner would run them
         (before the look-ahead on the budget left, which ``choose`` adds)."""
         from autotune.search.memory import MemoryModel
+        from autotune.search.queue import queued
 
         trials = study.get_trials(deepcopy=False)
-        waiting = [t for t in trials if t.state == TrialState.WAITING]
+        waiting = queued(study)
         if not waiting:
             return []
         done = self._measured(trials)
@@ -184,21 +188,33 @@ class Planner:
             rank, why = 5, self._words(predicted, source, best, cost, gain, novel)
             if failed is not None:
                 why += f"; last: {failed} failed with the same knob values"
-        return Plan(number=t.number, trial_id=t._trial_id, role=role, predicted=predicted, cost_s=cost,
+        return Plan(number=t.number, role=role, predicted=predicted, cost_s=cost,
                     peak_bytes=peak, gain=gain, rank=rank, why=why)
 
     def choose(self, study: optuna.Study, left_s: float | None = None) -> Plan | None:
-        """The queued candidate to run next; None when nothing is queued. ``left_s``: the budget's
-        seconds left (default: until the deadline)."""
+        """The queued candidate to run next, with the runner-up and why it lost; None when nothing is
+        queued. ``left_s``: the budget's seconds left (default: until the deadline)."""
         plans = self.plans(study)
         if not plans:
             return None
-        first = plans[0]
-        if first.rank < 5:
-            return first
-        if left_s is None and self.deadline is not None:
+        if plans[0].rank >= 5 and left_s is None and self.deadline is not None:
             left_s = self.deadline - time.time()
-        if left_s is None:
+        chosen = self._pick(study, plans, left_s)
+        others = [p for p in plans if p.number != chosen.number]
+        if not others:
+            return chosen
+        runner = others[0]
+        if chosen is plans[0] and chosen.rank >= 5 and left_s is not None:  # the next that the time left holds
+            runner = next((p for p in others if p.cost_s <= left_s), runner)
+        lost = _lost(chosen, runner, left_s, self.unit, self.queue_order)
+        return replace(chosen, runner_up={"number": runner.number, "role": runner.role, "predicted": runner.predicted,
+                                          "cost_s": runner.cost_s, "why": runner.why, "lost": lost})
+
+    def _pick(self, study: optuna.Study, plans: list[Plan], left_s: float | None) -> Plan:
+        """``choose``'s pick among ``plans`` (in the planner's order): the first, unless the budget left
+        holds the one of most gain only before the one of most gain per second."""
+        first = plans[0]
+        if first.rank < 5 or left_s is None:
             return first
         affordable = [p for p in plans if p.cost_s <= left_s]
         if not affordable:
@@ -235,30 +251,6 @@ class Planner:
         if not ahead:
             return None
         return (max if self.maximize else min)(ahead, key=lambda p: p.predicted)
-
-    # -- Optuna's queue --------------------------------------------------------------------------------
-
-    def install(self, study: optuna.Study) -> None:
-        """Make ``study`` pop its queued trials through ``choose``, recording each chosen trial's plan.
-
-        Optuna has no public way to reorder its queue: this wraps the method that pops from it, and
-        claims a trial the way Optuna claims any (an atomic WAITING -> RUNNING update)."""
-        storage, pop = study._storage, study._pop_waiting_trial_id
-
-        def pop_planned() -> int | None:
-            for _ in range(3):  # another process or thread may claim the chosen one first
-                plan = self.choose(study)
-                if plan is None:
-                    return pop()
-                try:
-                    if storage.set_trial_state_values(plan.trial_id, state=TrialState.RUNNING):
-                        storage.set_trial_user_attr(plan.trial_id, "planned", plan.to_attr())
-                        return plan.trial_id
-                except optuna.exceptions.UpdateFinishedTrialError:
-                    continue
-            return pop()
-
-        study._pop_waiting_trial_id = pop_planned
 
     # -- predictions -------------------------------------------------------------------------------------
 
@@ -382,7 +374,7 @@ class Planner:
             gain = gains.get(mode, prior(strategies.compile.MODE_PARAM, "default", "speed over eager"))
             return gain if was == "off" else 1.0 / gain
         if key == strategies.precision.MODE_PARAM:
-            return _precision_factor(before.get(key, "fp32"), after.get(key, "fp32"), gains.get("fp8 speed"))
+            return precision_factor(before.get(key, "fp32"), after.get(key, "fp32"), gains.get("fp8 speed"))
         if key == strategies.fp8_layers.LAYERS_PARAM:  # fp8 on the feed-forward layers alone, against all of them (or back)
             speeds = {"all": gains.get("fp8 speed"), "feed-forward": gains.get("fp8 feed-forward speed")}
             was, now = speeds.get(before.get(key, "all")), speeds.get(after.get(key, "all"))
@@ -476,18 +468,22 @@ def _batch_half(study: optuna.Study) -> float:
     return prior(strategies.batch_size.BATCH_SIZE_PARAM, "samples", "half-speed batch")
 
 
-def _precision_factor(before: str, after: str, fp8: float | None = None) -> float | None:
-    """One precision mode's speed over another's, from the priors; ``fp8``: fp8's over the other 16-bit
-    modes for this model (neighbours.fp8_speed), None where its sizes are not known."""
-    group = {m: ("16" if m in _SIXTEEN else m) for m in (before, after)}
-    a, b = group[before], group[after]
-    if a == b:
-        if fp8 is not None and (before == "fp8") != (after == "fp8"):
-            return fp8 if after == "fp8" else 1.0 / fp8
-        return None  # fp16 against bf16, say: measured, not assumed
-    speeds = values(strategies.precision.MODE_PARAM, "speed over")  # (before, after) -> after's speed over before's
-    if (a, b) in speeds:
-        return speeds[(a, b)]
-    if (b, a) in speeds:
-        return 1.0 / speeds[(b, a)]
-    return None
+_RANK_WORDS = ("a baseline backed off to a batch that fits", "a configuration sized before it runs",
+               "a repeat of a measured configuration", "the FP32 baseline", "the plain recipe",
+               "a candidate ranked by gain per second")
+
+
+def _lost(chosen: Plan, runner: Plan, left_s: float | None, unit: str, queue_order: bool = False) -> str:
+    """Why ``runner`` did not run in ``chosen``'s place, in words."""
+    if chosen.rank < 5 and chosen.rank != runner.rank:
+        return f"{_RANK_WORDS[chosen.rank]} runs before {_RANK_WORDS[runner.rank]}"
+    if chosen.rank < 5 or queue_order:
+        return "queued after it: the queue's order"
+    if left_s is not None and runner.cost_s > left_s:
+        return f"about {runner.cost_s:.0f} s, more than the {left_s:.0f} s left"
+    if runner.gain_per_s > chosen.gain_per_s:
+        return (f"more gain a second, but the {left_s:.0f} s left would not hold #{chosen.number} "
+                f"({chosen.cost_s:.0f} s) after it, and #{chosen.number} is expected to gain clearly more")
+    if runner.gain_per_s < chosen.gain_per_s:
+        return f"less gain a second: {runner.gain_per_s:,.3g} {unit} against {chosen.gain_per_s:,.3g}"
+    return "as much gain a second, queued after it"

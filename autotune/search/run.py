@@ -35,6 +35,7 @@ from autotune.search.outputs import check_writable, write_outputs
 from autotune.search.neighbours import Neighbours
 from autotune.search.plain_recipe import GrowToFit
 from autotune.search.planner import Planner
+from autotune.search.queue import Feeder
 from autotune.search.runlog import run_log
 from autotune.search.screening import CompileFinalist
 from autotune.search.seeds import SeedFeeder
@@ -110,14 +111,14 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         stop_rule = StopRule(config, shared, started, emit, compile_prior_s=compile_prior_s(info))
         objective.walls, objective.compile_prior_s = stop_rule.walls, stop_rule.compile_prior_s
         stop_rule.gate = gate
-        stop_rule.planner = _planner(study, space, objective, stop_rule, target, _deadline(config, started),
-                                     replay=bool(config.replay))
+        feeder = _planner(space, objective, stop_rule, target, _deadline(config, started),
+                          replay=bool(config.replay), slots=len(gpu_pool) if gpu_pool else 1)
         artifacts = Artifacts(out_dir)  # each trial's log and trace, for optuna-dashboard
         if tracking is not None:
             tracking.start(study, config.command)
-        callbacks = _warmed(study, stop_rule, _proposers(config, space, target, objective, info)) + [stop_rule]
+        callbacks = _warmed(study, stop_rule, _proposers(config, space, target, objective, info)) + [feeder]
         interrupted = _optimize(config, study, artifacts.wrap(objective), shared, gpu_pool,
-                                callbacks + ([tracking] if tracking is not None else []), started)
+                                callbacks + ([tracking] if tracking is not None else []), started, feeder)
         if gate is not None and interrupted is None:
             # the recommendation must have passing accuracy evidence: check the fastest trials that have none,
             # fastest first, until one passes, within the budget (one left unchecked says so: export)
@@ -209,18 +210,18 @@ def _proposers(config: SearchConfig, space: SearchSpace, target: Goal, objective
             Neighbours(space, objective.fit_limit_bytes)]
 
 
-def _planner(study: optuna.Study, space: SearchSpace, objective: Objective, stop_rule: StopRule, target: Goal,
-             end: float | None, *, replay: bool = False) -> Planner:
-    """One place decides what runs next, from the whole picture (autotune.search.planner): installed
-    on the study's queue, asked by the stop rule what the next trial costs and by the objective whether a
-    trial is predicted to be overtaken (then not checked for accuracy); under --replay it runs the queue
-    in its order."""
+def _planner(space: SearchSpace, objective: Objective, stop_rule: StopRule, target: Goal,
+              end: float | None, *, replay: bool = False, slots: int = 1) -> Feeder:
+    """One place decides what runs next, from the whole picture (autotune.search.planner): asked by the
+    queue (autotune.search.queue) which candidate runs next, by the stop rule what the next trial costs and
+    by the objective whether a trial is predicted to be overtaken (then not checked for accuracy); under
+    --replay it runs the queue in its order. Returns the queue's feeder, which asks the stop rule after each
+    trial and queues the planner's choice for each of ``slots`` trials run at once."""
     planner = Planner(space, maximize=target.maximize, limit_bytes=objective.fit_limit_bytes, walls=stop_rule.walls,
                       compile_prior_s=stop_rule.compile_prior_s, deadline=end, unit=target.unit,
                       queue_order=replay)
-    planner.install(study)
-    objective.planner = planner
-    return planner
+    objective.planner = stop_rule.planner = planner
+    return Feeder(planner, stop_rule, slots=slots)
 
 
 def _mlflow_log(config: SearchConfig):
@@ -315,10 +316,10 @@ def _objective(config: SearchConfig, device: str, info: dict[str, Any], space: S
 
 def _optimize(config: SearchConfig, study: optuna.Study, objective: Callable[[optuna.Trial], float],
               shared: SharedStudy, gpu_pool: GpuPool | None, callbacks: list[Callable], started: float,
-              ) -> KeyboardInterrupt | None:
-    """Run trials until the stop rule (one of ``callbacks``, Optuna's after each trial) or the
-    time left of the budget ends them; a Ctrl-C or SIGTERM is returned, not raised, so what was
-    measured is still exported."""
+              feeder: Feeder) -> KeyboardInterrupt | None:
+    """Run trials until the stop rule (asked by ``feeder``, one of ``callbacks``, Optuna's after each trial)
+    or the time left of the budget ends them, the queue's choice fed to Optuna before the first; a Ctrl-C
+    or SIGTERM is returned, not raised, so what was measured is still exported."""
     remaining = None if config.trials is None else config.trials - len(counted_trials(study))
     interrupted = None
     if remaining is None or remaining > 0:
@@ -327,6 +328,7 @@ def _optimize(config: SearchConfig, study: optuna.Study, objective: Callable[[op
         try:
             # --gpus: Optuna's own parallel loop, a thread (and a GPU) per trial in flight
             guarded = shared.guard(objective)
+            feeder.feed(study)
             study.optimize(gpu_pool.wrap(guarded) if gpu_pool else guarded, n_trials=None, timeout=timeout,
                            n_jobs=len(gpu_pool) if gpu_pool else 1, callbacks=callbacks,
                            catch=(TrialFailed,), gc_after_trial=False, show_progress_bar=False)

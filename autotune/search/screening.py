@@ -29,9 +29,10 @@ from optuna.trial import TrialState
 import strategies
 from autotune.space import SearchSpace
 from autotune.priors import prior
+from autotune.search.queue import propose, prune as _prune, queued, trials
 from autotune.search.steering import complete_params
 from autotune.search.trials import best_trial, planned_params
-from autotune.trial.record import TrialRecord, queue_attrs, write
+from autotune.trial.record import TrialRecord
 
 SCREEN_SHARE = 0.9
 """A configuration is compiled only when its eager twin ran at this share of the fastest eager
@@ -57,7 +58,7 @@ def eager_twin(params: dict[str, Any], space: SearchSpace) -> dict[str, Any]:
 def _twin(trial: optuna.Trial, space: SearchSpace) -> optuna.trial.FrozenTrial | None:
     """The trial of ``trial``'s eager twin, measured or queued; None when there is none."""
     twin_params = eager_twin(trial.params, space)
-    return next((t for t in trial.study.get_trials(deepcopy=False)
+    return next((t for t in trials(trial.study)
                  if t.number != trial.number and complete_params(planned_params(t), space) == twin_params), None)
 
 
@@ -82,8 +83,8 @@ def queue_eager_twin(trial: optuna.Trial, space: SearchSpace, rule: str) -> optu
 
 
 def _enqueue_twin(trial: optuna.Trial, space: SearchSpace, rule: str) -> None:
-    trial.study.enqueue_trial(eager_twin(trial.params, space), user_attrs=queue_attrs(
-        role="steered", steered_by={"trial": trial.number, "rule": rule}))
+    propose(trial.study, eager_twin(trial.params, space), role="steered",
+            steered_by={"trial": trial.number, "rule": rule})
 
 
 def eager_rate(trial: optuna.trial.FrozenTrial) -> float | None:
@@ -186,11 +187,6 @@ def _prune_if_it_cannot_win(trial: optuna.Trial, twin: optuna.trial.FrozenTrial,
                   f"{'below' if maximize else 'over'} the best #{best.number} ({best.value:,.4g})")
 
 
-def _prune(trial: optuna.Trial, reason: str) -> None:
-    write(trial, reason=reason)
-    raise optuna.TrialPruned(reason)
-
-
 class CompileFinalist:
     """Optuna's callback after each trial: queue the fastest eager configuration compiled (mode
     "default"), once per configuration, when the space offers compiling and no eager candidate is
@@ -203,15 +199,13 @@ class CompileFinalist:
     def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         if "default" not in self.space.compile_modes:
             return
-        waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-        if any(planned_params(t).get(strategies.compile.MODE_PARAM, "off") == "off" for t in waiting):
+        if any(planned_params(t).get(strategies.compile.MODE_PARAM, "off") == "off" for t in queued(study)):
             return  # eager candidates are still queued: the fastest is known once they ran
         fastest = _fastest_eager(study, self.maximize)
         best = None if fastest is None else fastest[0]
         if best is None or TrialRecord.of(best).role == "baseline":
             return  # the untuned FP32 baseline is not what anyone compiles
         compiled = complete_params({**best.params, strategies.compile.MODE_PARAM: "default"}, self.space)
-        known = [complete_params(planned_params(t), self.space) for t in study.get_trials(deepcopy=False)]
+        known = [complete_params(planned_params(t), self.space) for t in trials(study)]
         if compiled not in known:
-            study.enqueue_trial(compiled, user_attrs=queue_attrs(
-                role="steered", steered_by={"trial": best.number, "rule": RULE_FINALIST}))
+            propose(study, compiled, role="steered", steered_by={"trial": best.number, "rule": RULE_FINALIST})

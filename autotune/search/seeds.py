@@ -13,9 +13,10 @@ from optuna.trial import TrialState
 import strategies
 from autotune.space import SearchSpace
 from autotune.errors import ConfigError
-from autotune.search import plain_recipe
+from autotune.search import plain_recipe, queue
+from autotune.search.queue import propose
 from autotune.search.trials import FINISHED, planned_params
-from autotune.trial.record import TrialRecord, queue_attrs
+from autotune.trial.record import TrialRecord
 from strategies.batch_size import LM_BASE_TOKENS, nearest
 
 
@@ -68,11 +69,11 @@ def enqueue_replay(study: optuna.Study, folder: Path, space: SearchSpace,
         seed = next((s for s in unused if s[1] == params), None)
         if seed is not None:
             unused.remove(seed)
-            study.enqueue_trial(params, user_attrs=queue_attrs(role=seed[0]))
+            propose(study, params, role=seed[0])
         else:
-            study.enqueue_trial(params, user_attrs=queue_attrs(role="replayed", replay_of=number))
+            propose(study, params, role="replayed", replay_of=number)
     for role, params in unused:
-        study.enqueue_trial(params, user_attrs=queue_attrs(role=role))
+        propose(study, params, role=role)
     study.set_user_attr(BACKLOG_ATTR, [])
     if left_out:
         # stacklevel: shown at run_search's line (through study.prepare_study), where the replay was asked for
@@ -164,7 +165,7 @@ def enqueue_seeds(study: optuna.Study, seeds: list[tuple[str, dict[str, Any]]], 
     study's backlog for SeedFeeder (``all_now``: queue every one, as --replay's order needs)."""
     upfront = len(seeds) if all_now else 1 + SEEDS_UPFRONT  # the plain recipe, where there is one, among them
     for role, params in seeds[:upfront]:
-        study.enqueue_trial(params, user_attrs=queue_attrs(role=role))
+        propose(study, params, role=role)
     study.set_user_attr(BACKLOG_ATTR, [params for _, params in seeds[upfront:]])
 
 
@@ -181,7 +182,7 @@ class SeedFeeder:
         backlog = list(study.user_attrs.get(BACKLOG_ATTR) or [])
         if not backlog:
             return
-        trials = study.get_trials(deepcopy=False)
+        trials = queue.trials(study)
         fed = self._new_precision(study, trials, backlog) or self._caught_up(study, trials, backlog)
         if fed:
             study.set_user_attr(BACKLOG_ATTR, backlog)
@@ -192,7 +193,7 @@ class SeedFeeder:
         modes = {planned_params(t).get(strategies.precision.MODE_PARAM) for t in trials}
         for i, params in enumerate(backlog):
             if params.get(strategies.precision.MODE_PARAM) not in modes and not _answered(study, trials, params):
-                study.enqueue_trial(backlog.pop(i), user_attrs=queue_attrs(role="known-good"))
+                propose(study, backlog.pop(i), role="known-good")
                 return True
         return False
 
@@ -211,7 +212,7 @@ class SeedFeeder:
         while backlog:
             params = backlog.pop(0)
             if not _answered(study, trials, params):
-                study.enqueue_trial(params, user_attrs=queue_attrs(role="known-good"))
+                propose(study, params, role="known-good")
                 break
         return True
 

@@ -4,7 +4,7 @@ A finding such as "38% of GPU time is in layout conversions: channels_last remov
 with the parameters of its remedy (``autotune.search.findings``). The remedy applied to the trial's own
 parameters is a concrete configuration; it is completed through the strategies (a switch to fp16
 brings the GradScaler's parameters, at their defaults) and queued with Optuna's
-``enqueue_trial``, so the next trials test what the profile says instead of what TPE guesses. A
+``autotune.search.queue.propose``, so the next trials test what the profile says instead of what TPE guesses. A
 configuration already measured or queued is not queued again (every one compared in its completed
 form, so a seed queued with fewer parameters still counts), and a remedy that changes a knob
 ``autotune.search.knob_effects`` found to have no effect is not queued.
@@ -21,7 +21,6 @@ import strategies
 from autotune.space import SearchSpace
 from autotune.search.findings import Finding
 from autotune.search.trials import planned_params
-from autotune.trial.record import queue_attrs
 
 MAX_STEERED_PER_TRIAL = 2
 """Remedies queued from one trial, the first findings first (they are ordered by the rules)."""
@@ -90,7 +89,9 @@ def steer(study: optuna.Study, trial: optuna.trial.FrozenTrial | optuna.Trial, f
     """Queue the remedies of ``findings`` on top of ``trial``'s parameters; returns what was queued."""
     from autotune.search.knob_effects import fixed_knobs
 
-    known = [complete_params(planned_params(t), space) for t in study.get_trials(deepcopy=False)]
+    from autotune.search.queue import propose, trials
+
+    known = [complete_params(planned_params(t), space) for t in trials(study)]
     fixed = {param: entry["value"] for param, entry in fixed_knobs(study).items()}
     queued: list[dict[str, Any]] = []
     for finding in findings:
@@ -103,7 +104,6 @@ def steer(study: optuna.Study, trial: optuna.trial.FrozenTrial | optuna.Trial, f
         params = complete_params({**trial.params, **finding.suggest}, space)
         if params == trial.params or params in known or params in queued:
             continue
-        study.enqueue_trial(params, user_attrs=queue_attrs(role="steered",
-                                                     steered_by={"trial": trial.number, "rule": finding.rule}))
+        propose(study, params, role="steered", steered_by={"trial": trial.number, "rule": finding.rule})
         queued.append(params)
     return queued
