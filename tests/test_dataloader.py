@@ -23,7 +23,7 @@ from autotune.trial.measure import MeasureSettings
 from autotune.space import SearchSpace
 from autotune.search.steering import complete_params
 from autotune.search.options import SearchConfig
-from autotune.search.run import run_search
+from autotune.run import run_search
 from autotune.search.seeds import seed_configurations
 from autotune.search.space import build_space, same_space
 from autotune.workload.models import WorkloadSpec

@@ -289,7 +289,7 @@ def test_the_probe_and_the_accuracy_checks_leave_a_spare_for_the_next_trial(tmp_
     from autotune.accuracy.study.gate import AccuracyGate
     from autotune.accuracy.study.reference_cache import ReferenceCache
     from autotune.space import SearchSpace
-    from autotune.search import run as search_run
+    from autotune import run as search_run
     from autotune.search.options import SearchConfig
     from autotune.workload.models import WorkloadSpec
 
@@ -362,7 +362,7 @@ def test_the_worker_started_for_the_next_trial_is_kept_for_the_recommendations_c
     1B Llama's took 10.4 s of its 31.5 s starting a fresh one); a Ctrl-C discards it at once."""
     from types import SimpleNamespace
 
-    from autotune.search import run
+    from autotune import run
 
     discarded = []
     monkeypatch.setattr(run, "discard_spares", lambda: discarded.append(True))

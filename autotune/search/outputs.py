@@ -1,20 +1,17 @@
-"""The output folder: checked writable before any device time, and filled at the end of a search
-(config.json and trials.csv, the report, the baseline's and the best trial's traces, the best
-trial's compile cache)."""
+"""The output folder: checked writable before any device time, and what the search keeps in it at its end
+(the baseline's and the best trial's traces, the best trial's compile cache); autotune.report.write
+adds config.json, trials.csv and the report."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import optuna
 from optuna.trial import TrialState
 
 from autotune.deploy import compile_cache
-from autotune.space import SearchSpace
 from autotune.errors import ConfigError
-from autotune.search.options import SearchConfig
 from autotune.search.trials import baseline_trial, best_trial, ranked_trials
 from autotune.trial.record import TrialRecord
 
@@ -40,21 +37,6 @@ def check_writable(out_dir: Path, min_free_bytes: int = 50 * 2**20) -> None:
     if free < min_free_bytes:
         raise ConfigError(f"only {free / 2**20:.0f} MiB free under {out_dir}; free some space or choose "
                           "another --out (the study, logs and report need about 50 MiB)")
-
-
-def write_outputs(study: optuna.Study, out_dir: Path, config: SearchConfig, space: SearchSpace,
-                  info: dict[str, Any], device: str) -> dict[str, Path]:
-    """compile-cache.zip, config.json and trials.csv, then report.html and report.md; ``device``: the
-    one the trials ran on."""
-    from autotune.report.export import export
-    from autotune.report.render import write_report
-
-    files = keep_compile_cache(study, out_dir)  # before config.json, which records it
-    files.update(export(study, out_dir, config=config, space=space, probe=info, device=device))
-    files.update(keep_traces(study, out_dir))
-    exported = json.loads(files["config.json"].read_text()) if "config.json" in files else None
-    files.update(write_report(study, out_dir, exported))
-    return files
 
 
 def keep_traces(study: optuna.Study, out_dir: Path) -> dict[str, Path]:

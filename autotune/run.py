@@ -31,7 +31,8 @@ from autotune.search.options import (
     memory_limit_bytes,
     resolve_device,
 )
-from autotune.search.outputs import check_writable, write_outputs
+from autotune.report.write import write_outputs
+from autotune.search.outputs import check_writable
 from autotune.search.neighbours import Neighbours
 from autotune.search.plain_recipe import GrowToFit
 from autotune.search.planner import Planner
