@@ -184,6 +184,16 @@ PRIORS: tuple[Prior, ...] = (
     Prior(knob="accuracy check", value="cpu", what="run set-up steps", prior=1,
           means="the same on a 2-core CPU: ResNet-50's runs took 0.2-0.5 of a step (one step, rounded up)",
           source="reports/resnet50-cpu-10m"),
+    Prior(knob="accuracy check", value="cuda", what="later check over its plan", prior=1.8,
+          means="a configuration's check once the FP32 reference is trained, against the plan's figure for it (FP32's "
+                "pace and set-up): the 1B Llama's recommendation (fp8 feed-forward layers, 8-bit Adam, every block "
+                "recomputed) took 18.0 s against 10.2 planned, its first step 5.2 s where FP32's took 0.6 to 1.5; "
+                "the plan holds a first verdict and one later check at this multiple (ResNet-50's later checks ran "
+                "5x their plan, but so did its first verdict: its pace at batch 16, not the configuration)",
+          source="reports/warm-start-h100-6f4d128", measured_on="H100"),
+    Prior(knob="accuracy check", value="cpu", what="later check over its plan", prior=1.2,
+          means="the same on a CPU, where a configuration's kernels are not compiled on their first call: assumed",
+          source=_log("assumed-priors")),
     Prior(knob="trial", value="cut", what="cost over its seconds", prior=2.0,
           means="a trial the budget cut after T seconds (its compile still going) costs at least 2T: the median "
                 "total of a scale-free duration seen lasting T; not measured",

@@ -58,7 +58,8 @@ PREFERRED_STEPS = 8
 MIN_BATCH = 4
 """The smallest batch a plan halves the check's batch to."""
 RESERVE_MARGIN = 1.2
-"""The trials leave the recommendation's verdict this multiple of its planned seconds, and MIN_CHECK_S."""
+"""The trials leave the recommendation's verdict this multiple of its estimated seconds, and MIN_CHECK_S: a
+trial ends a few seconds past its own estimate."""
 OVERRUN = 3.0
 """A check started while trials run may take this multiple of its estimate (a busy machine's pace) before
 it is cut, within the budget: the seconds past the share come out of the trials."""
@@ -75,6 +76,16 @@ def run_setup_steps(device: str) -> int:
     return int(prior("accuracy check", "cuda" if device.startswith("cuda") else "cpu", "run set-up steps"))
 
 
+def later_check_margin(device: str) -> float:
+    """How far a later check (a configuration's run, once the FP32 reference is trained) may run past the
+    plan's figure for it, which counts FP32's pace and set-up, on ``device`` (the priors table's "later check
+    over its plan": a configuration's kernels' first calls, an 8-bit optimizer's compiled update and recomputed
+    blocks make its run slower than FP32's)."""
+    from autotune.priors import prior
+
+    return float(prior("accuracy check", "cuda" if device.startswith("cuda") else "cpu", "later check over its plan"))
+
+
 def parity_plan(settings: ParitySettings, *, budget_s: float, share: float, measured: Mapping[str, Any],
                 device: str = "cpu") -> dict[str, Any]:
     """The parity checks' steps and batch for a search of ``budget_s`` whose checks may spend ``share``
@@ -86,17 +97,19 @@ def parity_plan(settings: ParitySettings, *, budget_s: float, share: float, meas
     a 2-core CPU with bf16 matrix units (AMX) ResNet-50's FP32 baseline ran 1.4 samples/s: the
     reference's and the calibration's FP32 steps at batch 16 took 137 s of a 90 s share."""
     largest = fitting_batch(settings.batch_size, measured, bytes_factor=1.0, minimum=1, multiple=1)
-    setup = run_setup_steps(device)
-    options = [_sized(settings, largest, budget_s=budget_s, share=share, measured=measured, setup=setup)]
+    setup, margin = run_setup_steps(device), later_check_margin(device)
+    options = [_sized(settings, largest, budget_s=budget_s, share=share, measured=measured, setup=setup,
+                      margin=margin)]
     while options[-1]["batch"] // 2 >= MIN_BATCH:
         options.append(_sized(settings, options[-1]["batch"] // 2, budget_s=budget_s, share=share, measured=measured,
-                              setup=setup))
+                              setup=setup, margin=margin))
     want = min(settings.steps, PREFERRED_STEPS)
     pick = next((o for o in options if o["both"] and o["steps"] >= want), None) or \
         next((o for o in options if o["both"]), None) or next((o for o in options if o["fits"]), options[-1])
     batch = pick.pop("batch")
     pick.pop("both")
-    plan = {"how": "scaled", "method": METHOD, **pick, "setup_steps": setup, "default_steps": settings.steps, "share": share,
+    plan = {"how": "scaled", "method": METHOD, **pick, "setup_steps": setup, "later_margin": margin,
+            "default_steps": settings.steps, "share": share,
             "budget_s": budget_s, "from_trial": measured["trial"], "from_baseline": measured["baseline"]}
     if batch != settings.batch_size:
         plan.update(batch_size=batch, default_batch_size=settings.batch_size)
@@ -104,18 +117,17 @@ def parity_plan(settings: ParitySettings, *, budget_s: float, share: float, meas
 
 
 def _sized(settings: ParitySettings, batch: int, *, budget_s: float, share: float,
-           measured: Mapping[str, Any], setup: int) -> dict[str, Any]:
+           measured: Mapping[str, Any], setup: int, margin: float) -> dict[str, Any]:
     """The plan's figures at ``batch``: the most steps (up to settings.steps) with which the first
-    verdict and one later check (RESERVE_MARGIN times its estimate: a configuration's run is slower
-    than FP32's where it recomputes blocks) fit in the share; ``fits`` where the first verdict alone
+    verdict and one later check (``margin`` times its estimate: later_check_margin) fit in the share; ``fits`` where the first verdict alone
     does at MIN_STEPS (a verdict, if not a second); what a first and a later verdict cost, and the
     budget MIN_STEPS would need."""
     step_s = batch / measured["samples_per_s"]
     overhead = measured["overhead_s"]
     # the first verdict: the reference, the calibrations and the configuration, each a run; a later one, a run
     runs = settings.first_verdict_runs
-    room = share * budget_s - (1 + RESERVE_MARGIN) * overhead
-    steps = min(settings.steps, math.floor(room / ((runs + RESERVE_MARGIN) * step_s)) - 1 - setup)
+    room = share * budget_s - (1 + margin) * overhead
+    steps = min(settings.steps, math.floor(room / ((runs + margin) * step_s)) - 1 - setup)
     fits = share * budget_s >= overhead + runs * run_s(MIN_STEPS, step_s, setup)
     both, steps = steps >= MIN_STEPS, max(MIN_STEPS, steps)
     return {"batch": batch, "steps": steps, "fits": fits, "both": both, "step_s": round(step_s, 6),
