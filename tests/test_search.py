@@ -221,10 +221,8 @@ def test_resume_after_the_search_process_is_killed(tmp_path):
 @pytest.mark.slow
 def test_a_batch_that_does_not_fit_is_recorded_and_the_study_goes_on(tmp_path):
     out = tmp_path / "out"
-    # no accuracy check: what is pinned is the trials (the check's own batch: test_accuracy_budget), and on
-    # 2 cores the check's FP32 reference and verdict took longer than the five trials
     run_cli("search", "--model", "fake_models:oom_above_16", *SMALL, "--min-batch-size", "8",
-            "--max-batch-size", "32", "--trials", "5", "--no-accuracy-check", "--out", str(out))
+            "--max-batch-size", "32", "--trials", "5", "--out", str(out))
     trials = pd.read_csv(out / "trials.csv")
     big = trials[trials["param.batch_size.batch_size"] > 16]
     assert len(big) >= 1  # the known-good seed at the largest batch
@@ -238,9 +236,8 @@ def test_a_batch_that_does_not_fit_is_recorded_and_the_study_goes_on(tmp_path):
 @pytest.mark.slow
 def test_a_crashing_worker_fails_its_trial_and_the_study_goes_on(tmp_path):
     out = tmp_path / "out"
-    # no accuracy check, as above: the trials are what is pinned
     run_cli("search", "--model", "fake_models:crash_under_autocast", *SMALL, "--precisions", "fp32,bf16",
-            "--trials", "4", "--no-accuracy-check", "--out", str(out))
+            "--trials", "4", "--out", str(out))
     trials = pd.read_csv(out / "trials.csv")
     crashed = trials[trials["param.precision.mode"] == "bf16"]
     assert len(crashed) >= 1
