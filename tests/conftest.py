@@ -144,6 +144,23 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, check: bo
     return proc
 
 
+TINY_CPU_SEARCH = ["search", "--model", "fake_models:tiny_cnn", "--device", "cpu", "--input-shape", "3x32x32",
+                   "--num-classes", "10", "--min-measure-time", "0.3", "--early-stop-below", "0",
+                   "--no-accuracy-check"]
+"""A whole CPU search of the tiny CNN, every trial measured in full, no accuracy check: about half a
+minute at 3 trials. The session runs it once (``tiny_cpu_search``) for every test that needs a finished
+search, rather than one search per test."""
+
+
+@pytest.fixture(scope="session")
+def tiny_cpu_search(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The output folder of one finished 3-trial ``TINY_CPU_SEARCH`` run as a user runs it, and that
+    run's CompletedProcess. Shared by several modules: a test may read the folder, never write to it
+    (one that resumes the study works on a copy)."""
+    out = tmp_path_factory.mktemp("tiny-cpu-search") / "out"
+    return out, run_cli(*TINY_CPU_SEARCH, "--trials", "3", "--out", str(out))
+
+
 @pytest.fixture
 def restore_backend_flags():
     """Code under test sets process-global switches (``prepare`` does, for good, as a user wants);

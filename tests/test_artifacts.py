@@ -15,10 +15,6 @@ import pytest
 from autotune.search.artifacts import ARTIFACT_DIR, Artifacts, artifact_store, read_artifacts
 from autotune.trial.record import TrialRecord
 
-MODEL = ["--model", "fake_models:tiny_cnn", "--device", "cpu", "--input-shape", "3x32x32", "--num-classes", "10",
-         "--min-measure-time", "0.2", "--precisions", "fp32", "--no-accuracy-check"]
-
-
 def _study(out: Path) -> optuna.Study:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     return optuna.create_study(study_name="s", storage=f"sqlite:///{out / 'study.db'}", direction="maximize")
@@ -132,9 +128,8 @@ def test_optuna_dashboard_opens_the_study_and_serves_a_trials_artifact(tmp_path)
 
 
 @pytest.mark.slow
-def test_a_search_attaches_each_trials_log_and_its_report(tmp_path, cli):
-    out = tmp_path / "run"
-    cli("search", *MODEL, "--trials", "3", "--out", str(out))
+def test_a_search_attaches_each_trials_log_and_its_report(tiny_cpu_search, tmp_path):
+    out, _ = tiny_cpu_search  # the session's 3-trial CPU search: read here, downloaded into tmp_path
     storage = f"sqlite:///{out / 'study.db'}"
     study = optuna.load_study(study_name=None, storage=storage)
     measured = [t for t in study.trials if TrialRecord.of(t).duplicate_of is None and TrialRecord.of(t).counted]

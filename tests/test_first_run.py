@@ -19,7 +19,7 @@ from autotune.search.machine import MACHINE_ATTR, check_resume, same_machine
 from autotune.search.outcome import explain
 from autotune.trial.process import crash_reason
 from autotune.search.options import DEFAULT_OUT
-from conftest import ROOT, QuickTier, run_cli, subprocess_env
+from conftest import ROOT, TINY_CPU_SEARCH, QuickTier, run_cli, subprocess_env
 
 HERE = {"host": "here", "machine_id": "m-here", "gpu_uuid": "GPU-1111"}
 THERE = {"host": "there", "machine_id": "m-there", "gpu_uuid": "GPU-2222"}
@@ -236,18 +236,20 @@ def test_the_readme_main_command_on_a_fresh_clone(tmp_path):
 
 
 @pytest.mark.slow
-def test_another_machines_study_resumes_only_with_resume(tmp_path):
+def test_another_machines_study_resumes_only_with_resume(tiny_cpu_search, tmp_path):
+    # the session's finished 3-trial search, copied: this test writes to its study
     out = tmp_path / "out"
-    search = ["search", "--model", "fake_models:tiny_cnn", *TINY, "--batch-size", "8", "--out", str(out)]
-    run_cli(*search, "--trials", "1")
+    shutil.copytree(tiny_cpu_search[0], out)
+    search = [*TINY_CPU_SEARCH, "--out", str(out)]
     study = optuna.load_study(study_name=None, storage=f"sqlite:///{out / 'study.db'}")
     assert study.user_attrs[MACHINE_ATTR]["host"] == os.uname().nodename
+    assert _completed(out) == 3
     study.set_user_attr(MACHINE_ATTR, THERE)  # as if the folder had been copied from another machine
-    refused = run_cli(*search, "--trials", "2", check=False)
+    refused = run_cli(*search, "--trials", "4", check=False)
     assert refused.returncode == 2 and "--resume" in " ".join(refused.stderr.split())
-    assert _completed(out) == 1  # nothing was added
-    run_cli(*search, "--trials", "2", "--resume")
-    assert _completed(out) == 2
+    assert _completed(out) == 3  # nothing was added
+    run_cli(*search, "--trials", "4", "--resume")
+    assert _completed(out) == 4
 
 
 def _completed(out: Path) -> int:

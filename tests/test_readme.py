@@ -12,7 +12,7 @@ import strategies
 from autotune.cli import build_parser
 from autotune.deploy.config import TunedConfig
 from autotune.space import SearchSpace
-from conftest import ROOT, run_cli
+from conftest import ROOT
 
 README = (ROOT / "README.md").read_text()
 CI = (ROOT / ".ci" / "run").read_text()
@@ -122,12 +122,9 @@ MODELS = {
 
 
 @pytest.fixture(scope="module")
-def cpu_config(tmp_path_factory):
-    """The config.json of a tiny CPU search, as the main job writes one."""
-    out = tmp_path_factory.mktemp("readme-search") / "out"
-    run_cli("search", "--model", "fake_models:tiny_cnn", "--device", "cpu", "--input-shape", "3x32x32",
-            "--num-classes", "10", "--trials", "3", "--min-measure-time", "0.3", "--early-stop-below", "0",
-            "--no-accuracy-check", "--out", str(out))
+def cpu_config(tiny_cpu_search):
+    """The config.json of a tiny CPU search, as the main job writes one (the session's shared search)."""
+    out, _ = tiny_cpu_search
     return out / "config.json"
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import html
 import json
 import re
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,23 +18,22 @@ from optuna.trial import TrialState
 
 from autotune.report.format import trial_counts, trials_text
 from autotune.report.render import write_report
-from conftest import ROOT, run_cli
+from conftest import ROOT
 
-SEARCH = ["search", "--model", "fake_models:tiny_cnn", "--device", "cpu", "--input-shape", "3x32x32",
-          "--num-classes", "10", "--min-measure-time", "0.3", "--trials", "5",
-          # these tests check how sections a search did not measure render; tests/test_accuracy.py
-          # renders a measured accuracy section from a real search
-          "--no-accuracy-check"]
 NOT_MEASURED = "not measured in this search"
 _searches: dict[str, Path] = {}
 
 
-def tiny_search(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The output folder of one real `autotune search`, run once per test session (the browser
-    test uses it too: a search costs most of these tests' time)."""
+def tiny_search(tiny_cpu_search, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the session's real `autotune search` (conftest.tiny_cpu_search: no accuracy check, so
+    these tests see how sections a search did not measure render; tests/test_accuracy.py renders a
+    measured accuracy section from a real search), made once per session and shared with the browser
+    test: its report is rewritten in place, which the shared folder must not be."""
     if "out" not in _searches:
+        shared, proc = tiny_cpu_search
         out = tmp_path_factory.mktemp("tiny-search") / "out"
-        _searches["said"] = " ".join(run_cli(*SEARCH, "--out", str(out)).stderr.split())  # rich wraps lines
+        shutil.copytree(shared, out)
+        _searches["said"] = " ".join(proc.stderr.split())  # rich wraps lines
         _searches["out"] = out
     return _searches["out"]
 
@@ -45,8 +45,8 @@ def load(out: Path) -> tuple[optuna.Study, dict]:
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    out = tiny_search(tmp_path_factory)
+def report(tiny_cpu_search, tmp_path_factory):
+    out = tiny_search(tiny_cpu_search, tmp_path_factory)
     study, config = load(out)
     files = write_report(study, out, config)
     return SimpleNamespace(out=out, study=study, config=config, files=files,

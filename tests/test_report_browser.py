@@ -29,8 +29,8 @@ pytestmark = [pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    out = tiny_search(tmp_path_factory)
+def browser(tiny_cpu_search, tmp_path_factory):
+    out = tiny_search(tiny_cpu_search, tmp_path_factory)
     study, config = load(out)
     files = write_report(study, out, config)
     options = webdriver.ChromeOptions()

@@ -134,13 +134,11 @@ def test_cpu_search_exports_a_config_that_trains(cpu_search, tmp_path, cli_main)
 
 
 @pytest.mark.slow
-def test_cpu_trial_workers_are_forked_with_their_imports_done(tmp_path):
+def test_cpu_trial_workers_are_forked_with_their_imports_done(tiny_cpu_search, tmp_path):
     """On a CPU every trial's worker is forked from the fork server the search started with its
-    probe (tests/test_zygote.py tests the server): no trial waits for imports, the first included."""
-    out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "autotune", "search", "--model", "fake_models:tiny_cnn", *SMALL,
-                           "--trials", "3", "--no-accuracy-check", "--out", str(out)],
-                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    probe (tests/test_zygote.py tests the server): no trial waits for imports, the first included.
+    The search is the session's 3-trial one (conftest.TINY_CPU_SEARCH: SMALL, no accuracy check)."""
+    out, proc = tiny_cpu_search
     assert proc.returncode == 0, proc.stderr
     # run ones: what the proposers queued behind them (the plain recipe's neighbours) waits for a resume
     trials = [t for t in _study(out).trials if t.state.is_finished()]
