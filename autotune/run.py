@@ -23,7 +23,8 @@ from autotune.search.budget import StopRule, deadline
 from autotune.search.distributed import SharedStudy
 from autotune.search.fit import plain_recipe_batch, probe_fit, widen_to_fit
 from autotune.search.goal import Goal, goal, nvml_refusal
-from autotune.search.objective import Objective, TrialFailed
+from autotune.search.objective import Objective
+from autotune.search.queue import TrialFailed
 from autotune.search.options import (
     DEFAULT_OUT,
     SearchConfig,
@@ -41,8 +42,8 @@ from autotune.search.runlog import run_log
 from autotune.search.screening import CompileFinalist
 from autotune.search.seeds import SeedFeeder
 from autotune.search.space import build_space, check_ddp, probe
-from autotune.search.storage import open_storage
-from autotune.search.study import SearchLock, prepare_study, recover_dead_trials
+from autotune.search.storage import open_storage, recover_dead_trials
+from autotune.search.study import SearchLock, prepare_study
 from autotune.search.trials import counted_trials
 from autotune.search.walls import compile_prior_s
 from autotune.search.warm import evidence_key, judged_by, propose_from_evidence, remember, warm_walls
@@ -99,7 +100,7 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         if gpu_pool:
             gpu_pool.activate()
         study, storage, limit = prepare_study(config, storage, device, info, space, out_dir, slug)
-        recovered = recover_dead_trials(study) if config.storage is None else []
+        recovered = recover_dead_trials(study, storage) if config.storage is None else []
         shared = SharedStudy(study, storage, config.storage or f"sqlite:///{out_dir / 'study.db'}", config.trials)
         gate = _accuracy_gate(config, device, space, out_dir, study, info, prestart=prestart)
         objective = _objective(config, device, info, space, out_dir, started, target=target, gate=gate,

@@ -109,3 +109,30 @@ def test_the_measure_sees_two_folders_that_import_each_other(tmp_path):
     found = structure.shape(tmp_path)
     assert "autotune.low -> autotune.high (autotune.low.util imports autotune.high.top)" \
         in found["folders: arrows back up"]
+
+
+def test_one_module_queues_prunes_skips_and_stops_and_only_crash_recovery_reaches_into_optuna():
+    """What runs next, and what ends unmeasured, is decided in autotune/search/queue.py: no other module
+    of the package queues a trial with Optuna, prunes, skips or stops the search; and no module but the
+    storage's crash recovery touches Optuna's private attributes."""
+    import re
+
+    calls = {
+        "queues a trial": re.compile(r"\.enqueue_trial\(|\.ask\("),
+        "prunes": re.compile(r"raise\s+(optuna\.)?TrialPruned"),
+        "skips": re.compile(r"raise\s+TrialFailed\(f?\"trial \{trial\.number\} not run"),
+        "stops": re.compile(r"\bstudy\.stop\(\)"),
+        "touches Optuna's private attributes": re.compile(
+            r"(study|storage|trial|frozen|t)\._(storage|study_id|trial_id|get_stale_trial_ids|pop_waiting_trial_id|"
+            r"stop_flag|retrying)\b"),
+    }
+    allowed = {"queues a trial": {"autotune/search/queue.py", "autotune/search/storage.py"},
+               "touches Optuna's private attributes": {"autotune/search/storage.py"}}
+    found = []
+    for path in sorted((ROOT / "autotune").rglob("*.py")) + sorted((ROOT / "strategies").rglob("*.py")):
+        name = str(path.relative_to(ROOT))
+        code = "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith("#"))
+        for what, pattern in calls.items():
+            if pattern.search(code) and name not in allowed.get(what, {"autotune/search/queue.py"}):
+                found.append(f"{name} {what}")
+    assert found == []

@@ -123,16 +123,20 @@ class Artifacts:
 
 
 def read_artifacts(study: optuna.Study, trial: optuna.trial.FrozenTrial | None, out_dir: Path,
-                   into: Path) -> dict[str, Path]:
+                   into: Path, storage: optuna.storages.BaseStorage | str | None = None) -> dict[str, Path]:
     """Download the artifacts of ``trial`` (None: the study's own) from OUT/artifacts/ into ``into``;
-    {file name: downloaded path}. For scripts and tests reading a search's artifacts back."""
+    {file name: downloaded path}. ``storage``: the study's (a URL or the object; default OUT/study.db, the
+    search's own). For scripts and tests reading a search's artifacts back."""
     from optuna.artifacts import download_artifact
+    from optuna.storages import get_storage
+
+    storage = get_storage(storage or f"sqlite:///{out_dir / 'study.db'}")
 
     store = artifact_store(out_dir)
     owner: Any = study if trial is None else trial
     into.mkdir(parents=True, exist_ok=True)
     found = {}
-    for meta in get_all_artifact_meta(owner, storage=study._storage):
+    for meta in get_all_artifact_meta(owner, storage=storage):
         target = into / meta.filename
         target.unlink(missing_ok=True)  # download_artifact refuses to overwrite
         download_artifact(artifact_store=store, file_path=str(target), artifact_id=meta.artifact_id)

@@ -36,9 +36,9 @@ import optuna
 from optuna.trial import TrialState
 
 from autotune.errors import ConfigError
-from autotune.search.storage import mask_url
-from autotune.search.queue import propose
-from autotune.trial.record import TrialRecord, write
+from autotune.search.storage import is_transient, mask_url, stale_trial_ids, trial_id
+from autotune.search.queue import propose, skip
+from autotune.trial.record import TrialRecord
 
 log = logging.getLogger("autotune.search.distributed")
 
@@ -59,6 +59,10 @@ class SqliteSharedWarning(UserWarning):
     """Several processes write to one SQLite study."""
 
 
+CLAIM_ATTEMPTS = 5
+"""Tries of the setup claim's INSERT on a busy database (a locked SQLite file, a PostgreSQL restart)."""
+
+
 def claim_setup(storage: optuna.storages.RDBStorage, study: optuna.Study) -> bool:
     """Whether this process won the right to set the study up (record its space, queue its seeds).
 
@@ -75,13 +79,20 @@ def claim_setup(storage: optuna.storages.RDBStorage, study: optuna.Study) -> boo
                 connection.execute(
                     sqlalchemy.text("INSERT INTO study_user_attributes (study_id, key, value_json) "
                                     "VALUES (:study_id, :key, :value)"),
-                    {"study_id": study._study_id, "key": SETUP_ATTR, "value": json.dumps(f"claimed by {OWNER}")})
+                    {"study_id": study_id, "key": SETUP_ATTR, "value": json.dumps(f"claimed by {OWNER}")})
             return True
         except sa.IntegrityError:
             return False
 
-    retrying = getattr(storage, "_retrying", None)  # a busy database is waited out, as for every call
-    return retrying(lambda rdb: insert(rdb), "claim_setup") if retrying else insert(storage)
+    study_id = storage.get_study_id_from_name(study.study_name)
+    for attempt in range(CLAIM_ATTEMPTS):  # a busy database is waited out, as the storage's own calls are
+        try:
+            return insert(storage)
+        except Exception as exc:
+            if not is_transient(exc) or attempt == CLAIM_ATTEMPTS - 1:
+                raise
+            time.sleep(0.5 * 2 ** attempt)
+    return False
 
 
 def setup_done(study: optuna.Study) -> None:
@@ -160,9 +171,9 @@ class SharedStudy:
     def live_running(self, *, before: int | None = None) -> list[optuna.trial.FrozenTrial]:
         """RUNNING trials whose process is alive (heartbeat within the grace period), optionally
         only those numbered below ``before``."""
-        stale = set(self.storage._get_stale_trial_ids(self.study._study_id))
+        stale = stale_trial_ids(self.storage, self.study)
         return [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-                if t._trial_id not in stale and (before is None or t.number < before)]
+                if trial_id(self.storage, self.study, t.number) not in stale and (before is None or t.number < before)]
 
     def has_its_trials(self, deadline: float | None = None) -> bool:
         """Whether the study has its --trials: finished ones, and those running in live processes
@@ -191,15 +202,14 @@ class SharedStudy:
         """``objective`` behind the checks each trial passes first: it records its process, warns
         once when another process shares a SQLite study, and ends unmeasured when the study's
         --trials are already taken by trials started before it."""
-        from autotune.search.objective import TrialFailed
-
         def guarded(trial: optuna.Trial) -> float:
             from autotune.trial.gpus import current_pin
 
-            self.storage.set_trial_system_attr(trial._trial_id, OWNER_ATTR, OWNER)
+            here = trial_id(self.storage, self.study, trial.number)
+            self.storage.set_trial_system_attr(here, OWNER_ATTR, OWNER)
             pin = current_pin()
             if pin is not None:
-                self.storage.set_trial_system_attr(trial._trial_id, GPU_ATTR, pin)
+                self.storage.set_trial_system_attr(here, GPU_ATTR, pin)
             self.warn_if_sqlite_shared()
             if self.trials is not None:
                 from autotune.search.trials import counted_trials
@@ -207,8 +217,8 @@ class SharedStudy:
                 ahead = len(counted_trials(self.study)) + len(self.live_running(before=trial.number))
                 if ahead >= self.trials:  # the stop rule then waits for those, see has_its_trials
                     self._give_back(trial)
-                    raise TrialFailed(f"trial {trial.number} not run: the study's {self.trials} trials are "
-                                      "finished or running in other processes")
+                    skip(trial, f"not run: the study's {self.trials} trials were already finished or running "
+                                "in other processes")
             return objective(trial)
 
         return guarded
@@ -216,11 +226,10 @@ class SharedStudy:
     def _give_back(self, trial: optuna.Trial) -> None:
         """A trial that ends unmeasured: a queued configuration (a seed, a re-run) is queued again
         so that nothing queued is lost; the trial says why it has no result."""
-        frozen = self.storage.get_trial(trial._trial_id)
+        here = trial_id(self.storage, self.study, trial.number)
+        frozen = self.storage.get_trial(here)
         fixed = frozen.system_attrs.get("fixed_params")
-        self.storage.set_trial_system_attr(trial._trial_id, "fail_reason", "surplus: the study had its trials")
-        write(trial, reason=f"not run: the study's {self.trials} trials were already finished or "
-                             "running in other processes")
+        self.storage.set_trial_system_attr(here, "fail_reason", "surplus: the study had its trials")
         if fixed is not None:
             record = TrialRecord.of(frozen)
             kept = {k: v for k, v in (("role", record.role), ("retry_of", record.retry_of)) if v is not None}

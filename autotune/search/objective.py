@@ -13,7 +13,7 @@ from optuna.trial import TrialState
 import strategies
 from autotune import stop
 from autotune.search.outputs import compile_archive_name, prune_compile_archives
-from autotune.search.queue import propose, prune, trials
+from autotune.search.queue import TrialFailed, propose, prune, requeue, trials
 from autotune.search.screening import queue_eager_twin, screen_eagerly
 from autotune.search.trials import planned_params
 from autotune.search.walls import cached_compile_saving, cut_floors, expected_wall, trial_cost_s
@@ -30,17 +30,6 @@ baseline's trial."""
 
 # trial user attributes that hold a result; copied verbatim when a configuration repeats
 RESULT_ATTRS = ("status", "reason", "figures", "knobs", "timing", "energy", "profile", "findings", "screening")
-
-
-class TrialFailed(Exception):
-    """The worker crashed, timed out or raised: recorded on the trial, and the study goes on."""
-
-
-def requeue(study: optuna.Study, trial: optuna.Trial | optuna.trial.FrozenTrial) -> None:
-    """Queue a trial's parameters to be measured again (its role kept), for a trial that was cut
-    short through no fault of its configuration."""
-    role = TrialRecord.of(trial).role
-    propose(study, trial.params, retry_of=trial.number, **({"role": role} if role else {}))
 
 
 class Objective:

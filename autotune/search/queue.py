@@ -13,7 +13,8 @@ public API, and the answer to "why did this trial run now?" kept on the trial it
 searchers propose, a scheduler decides).
 
 A trial is ended unmeasured here too (``prune``: the objective and eager screening say why, this module
-ends it), and the search is stopped here (``Feeder``, on the stop rule's word).
+ends it; ``skip``: a shared study's process found its last trials taken), and the search is stopped here
+(``Feeder``, on the stop rule's word).
 
 Trials Optuna itself holds WAITING (one queued here that no thread has asked for yet, a re-run that
 storage's crash recovery queued, a study from before this queue) are candidates too (``queued``), and run
@@ -29,7 +30,7 @@ from typing import Any, NoReturn
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune.trial.record import queue_attrs, write
+from autotune.trial.record import TrialRecord, queue_attrs, write
 
 CANDIDATES_ATTR = "autotune:candidates"
 """The study's user attribute holding the queue: [{"id", "params", "attrs"}] in the order proposed."""
@@ -85,6 +86,13 @@ def propose(study: optuna.Study, params: dict[str, Any], **attrs: Any) -> Candid
 
 _NEXT_ATTR = "autotune:next_candidate"
 """The study's user attribute holding the next candidate's number (numbers are never reused)."""
+
+
+def requeue(study: optuna.Study, trial: optuna.Trial | FrozenTrial) -> Candidate:
+    """Put a trial's parameters forward to be measured again (its role kept), for a trial that was cut
+    short through no fault of its configuration."""
+    role = TrialRecord.of(trial).role
+    return propose(study, trial.params, retry_of=trial.number, **({"role": role} if role else {}))
 
 
 def waiting(study: optuna.Study) -> list[FrozenTrial]:
@@ -149,6 +157,18 @@ class Feeder:
             study.stop()  # nothing more is queued: a stopped search leaves no trial waiting
             return
         self.feed(study)
+
+
+class TrialFailed(Exception):
+    """A trial that ends without a measurement and is not the sampler's evidence: its worker crashed, timed out
+    or raised, or the budget cut it; or it was skipped (``skip``). Recorded on the trial, and the study goes on."""
+
+
+def skip(trial: optuna.Trial, reason: str) -> NoReturn:
+    """End ``trial`` unrun (FAIL, as Optuna's ``catch``), its configuration given back to the queue by the
+    caller where it was queued: another process of a shared study has taken the study's last trials."""
+    write(trial, reason=reason)
+    raise TrialFailed(f"trial {trial.number} {reason}")
 
 
 def prune(trial: optuna.Trial, reason: str | None, **record: Any) -> NoReturn:

@@ -188,7 +188,7 @@ class RetryStaleTrial:
     Optuna's RetryHeartbeatStaleTrialCallback(max_retry=1) copies every user attribute of the dead
     trial, and a process can die after recording part of a result; the re-run carries only the
     trial's role and ``retry_of`` (as a re-run after a killed single search does, see
-    study.recover_dead_trials), so a re-run that dies too is not queued again.
+    recover_dead_trials), so a re-run that dies too is not queued again.
     """
 
     def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
@@ -210,3 +210,37 @@ def _sqlalchemy_error() -> type[Exception]:
         return SQLAlchemyError
     except ImportError:
         return optuna.exceptions.OptunaError
+
+
+def trial_id(storage: optuna.storages.BaseStorage, study: optuna.Study, number: int) -> int:
+    """The storage's id of ``study``'s trial ``number``, through Optuna's public storage API."""
+    return storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name(study.study_name), number)
+
+
+def stale_trial_ids(storage: optuna.storages.BaseStorage, study: optuna.Study) -> set[int]:
+    """Ids of ``study``'s RUNNING trials whose process's heartbeat stopped: crash recovery's one private
+    call into Optuna (its heartbeat has no public query; ``optuna.storages.fail_stale_trials`` fails them)."""
+    if not isinstance(storage, RDBStorage):
+        return set()
+    return set(storage._get_stale_trial_ids(storage.get_study_id_from_name(study.study_name)))
+
+
+def recover_dead_trials(study: optuna.Study, storage: optuna.storages.BaseStorage) -> list[int]:
+    """Fail the trials a killed search left RUNNING and queue each for one re-run.
+
+    Only called while holding the output folder's lock on its own SQLite study, which proves no
+    other process is running them.
+    """
+    from optuna.trial import TrialState
+
+    from autotune.search.queue import requeue
+
+    recovered = []
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        number = trial_id(storage, study, trial.number)
+        storage.set_trial_system_attr(number, "fail_reason", "search process died; re-queued")
+        storage.set_trial_state_values(number, TrialState.FAIL)
+        if TrialRecord.of(trial).retry_of is None:  # re-run once: a trial that dies twice stays failed
+            requeue(study, trial)
+        recovered.append(trial.number)
+    return recovered

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-from optuna.trial import TrialState
 
 from autotune.space import SearchSpace
 from autotune.errors import ConfigError
@@ -23,13 +22,11 @@ from autotune.search.distributed import (
 from autotune.search.knob_effects import apply_fixed_knobs
 from autotune.search.memory import PROBE_ATTR
 from autotune.search.machine import MACHINE_ATTR, check_resume, this_machine
-from autotune.search.objective import requeue
 from autotune.search.options import SearchConfig, memory_limit_bytes
 from autotune.search.seeds import enqueue_replay, enqueue_seeds, seed_configurations
 from autotune.search.space import same_space
 from autotune.search.storage import mask_url, open_storage
 from autotune.search.warm import evidence_key, judged_by, starts_warm, unmeasured, warm_start
-from autotune.trial.record import TrialRecord
 from autotune.workload.units import ATTR as UNITS_ATTR, Units
 
 
@@ -183,19 +180,3 @@ def _set_up(config: SearchConfig, device: str, info: dict[str, Any], study: optu
             seeds = unmeasured(study, seeds)
         enqueue_seeds(study, seeds)
     setup_done(study)
-
-
-def recover_dead_trials(study: optuna.Study) -> list[int]:
-    """Fail the trials a killed search left RUNNING and queue each for one re-run.
-
-    Only called while holding the output folder's lock on its own SQLite study, which proves no
-    other process is running them.
-    """
-    recovered = []
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        study._storage.set_trial_system_attr(trial._trial_id, "fail_reason", "search process died; re-queued")
-        study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
-        if TrialRecord.of(trial).retry_of is None:  # re-run once: a trial that dies twice stays failed
-            requeue(study, trial)
-        recovered.append(trial.number)
-    return recovered

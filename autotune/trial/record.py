@@ -136,8 +136,8 @@ def write(trial: optuna.Trial | optuna.trial.FrozenTrial, **values: Any) -> None
 
 
 def queue_attrs(**values: Any) -> dict[str, Any]:
-    """User attributes for ``study.enqueue_trial(..., user_attrs=queue_attrs(role="steered"))``, checked
-    against TrialRecord's fields as ``write`` checks them."""
+    """User attributes a queued configuration carries (``autotune.search.queue.propose(study, params,
+    role="steered")``), checked against TrialRecord's fields as ``write`` checks them."""
     unknown = set(values) - FIELDS
     if unknown:
         raise AttributeError(f"TrialRecord has no field {', '.join(sorted(unknown))}")
