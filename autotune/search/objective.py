@@ -222,9 +222,8 @@ class Objective:
         left = end - time.time()
         trials = trial.study.get_trials(deepcopy=False)
         done = [(dict(t.params), TrialRecord.of(t).timing) for t in trials if t.state == TrialState.COMPLETE]
-        need = max(trial_cost_s(self.walls, knobs["compile"].mode, knobs["precision"].mode, self.compile_prior_s,
-                                saved_s=cached_compile_saving(dict(trial.params), done)),
-                   cut_floors(trials).get(knobs["compile"].mode, 0.0))
+        need = trial_cost_s(self.walls, knobs["compile"].mode, knobs["precision"].mode, self.compile_prior_s,
+                            saved_s=cached_compile_saving(dict(trial.params), done), floors=cut_floors(trials))
         if need <= left or expected_wall(self.walls, False) > left:
             return  # it fits; or nothing does, and the stop rule ends the search
         measured = "" if any(c for _, c in self.walls) else " (no compiled trial measured yet: an estimate)"

@@ -290,8 +290,8 @@ class Planner:
     def _cost(self, mode: str, precision: str | None = None, saved_s: float = 0.0) -> float:
         """A trial's expected seconds in ``mode`` and ``precision``, a cached compile's ``saved_s`` less (walls),
         and no less than a trial the budget cut in that mode says (cut_floors)."""
-        return max(trial_cost_s(self.walls, mode, precision, self.compile_prior_s, prior("trial", None, "seconds"),
-                                saved_s), self.cut_floors.get(mode, 0.0))
+        return trial_cost_s(self.walls, mode, precision, self.compile_prior_s, prior("trial", None, "seconds"),
+                            saved_s, floors=self.cut_floors)
 
     def _memory(self, memory, params: dict[str, Any]) -> tuple[float | None, str | None]:
         """Predicted peak bytes of ``params``, and the memory model's reason it cannot fit (None: it may)."""

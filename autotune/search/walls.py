@@ -31,11 +31,14 @@ def compile_cost_factor(mode: str, precision: str | None = None) -> float:
 
 
 def trial_cost_s(walls: list[tuple[float, bool]], mode: str, precision: str | None = None,
-                 compile_prior_s: float = 0.0, unmeasured_s: float = 0.0, saved_s: float = 0.0) -> float:
+                 compile_prior_s: float = 0.0, unmeasured_s: float = 0.0, saved_s: float = 0.0,
+                 floors: dict[str, float] | None = None) -> float:
     """Expected seconds of a trial in compile ``mode`` and ``precision``: this run's walls of its kind
     (expected_wall), its compile's share (the compiled median over the eager one) scaled by
     compile_cost_factor; ``unmeasured_s`` plus the compile prior before any trial was measured. Less
-    ``saved_s`` (cached_compile_saving: a compile loaded from Inductor's cache), down to an eager trial's."""
+    ``saved_s`` (cached_compile_saving: a compile loaded from Inductor's cache), down to an eager trial's;
+    no less than ``floors`` says of ``mode`` (cut_floors: a trial in it that the budget cut)."""
+    floor = (floors or {}).get(mode, 0.0)
     compiled = mode != "off"
     if walls:
         wall = expected_wall(walls, compiled, compile_prior_s)
@@ -44,7 +47,7 @@ def trial_cost_s(walls: list[tuple[float, bool]], mode: str, precision: str | No
         eager = unmeasured_s
         wall = eager + (compile_prior_s if compiled else 0.0)
     cost = eager + (wall - eager) * compile_cost_factor(mode, precision) if wall > eager else wall
-    return max(eager, cost - saved_s) if saved_s > 0 else cost
+    return max(floor, max(eager, cost - saved_s) if saved_s > 0 else cost)
 
 
 def cut_floors(trials) -> dict[str, float]:
