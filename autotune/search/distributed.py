@@ -36,7 +36,7 @@ import optuna
 from optuna.trial import TrialState
 
 from autotune.errors import ConfigError
-from autotune.search.storage import is_transient, mask_url, stale_trial_ids, trial_id
+from autotune.search.storage import is_transient, mask_url, stale_trial_numbers, trial_id
 from autotune.search.queue import propose, skip
 from autotune.trial.record import TrialRecord
 
@@ -171,9 +171,9 @@ class SharedStudy:
     def live_running(self, *, before: int | None = None) -> list[optuna.trial.FrozenTrial]:
         """RUNNING trials whose process is alive (heartbeat within the grace period), optionally
         only those numbered below ``before``."""
-        stale = stale_trial_ids(self.storage, self.study)
+        stale = stale_trial_numbers(self.storage, self.study)
         return [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-                if trial_id(self.storage, self.study, t.number) not in stale and (before is None or t.number < before)]
+                if t.number not in stale and (before is None or t.number < before)]
 
     def has_its_trials(self, deadline: float | None = None) -> bool:
         """Whether the study has its --trials: finished ones, and those running in live processes

@@ -217,12 +217,14 @@ def trial_id(storage: optuna.storages.BaseStorage, study: optuna.Study, number: 
     return storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name(study.study_name), number)
 
 
-def stale_trial_ids(storage: optuna.storages.BaseStorage, study: optuna.Study) -> set[int]:
-    """Ids of ``study``'s RUNNING trials whose process's heartbeat stopped: crash recovery's one private
-    call into Optuna (its heartbeat has no public query; ``optuna.storages.fail_stale_trials`` fails them)."""
+def stale_trial_numbers(storage: optuna.storages.BaseStorage, study: optuna.Study) -> set[int]:
+    """Numbers of ``study``'s RUNNING trials whose process's heartbeat stopped: crash recovery's one private
+    call into Optuna (its heartbeat has no public query; ``optuna.storages.fail_stale_trials`` fails them).
+    Usually none, so the live trials cost no lookup of their own."""
     if not isinstance(storage, RDBStorage):
         return set()
-    return set(storage._get_stale_trial_ids(storage.get_study_id_from_name(study.study_name)))
+    stale = storage._get_stale_trial_ids(storage.get_study_id_from_name(study.study_name))
+    return {storage.get_trial_number_from_id(i) for i in stale}
 
 
 def recover_dead_trials(study: optuna.Study, storage: optuna.storages.BaseStorage) -> list[int]:
