@@ -114,7 +114,7 @@ def test_a_spare_for_a_gpu_trial_has_its_model_imported_and_cuda_context_made_be
         runner.discard_spares()
     assert first["status"] == second["status"] == "ok", (first, second)
     assert second["pid"] == spare.proc.pid
-    assert first["preloaded"] == second["preloaded"] == ["torchvision", "torch._dynamo", "cuda"]
+    assert first["preloaded"] == second["preloaded"] == ["torchvision", "torch._dynamo", "torch._inductor", "cuda"]
     # the spare did all of it while the first trial ran: the second waited for nothing
     assert first["worker_start_s"] > 1.0 and second["worker_start_s"] < 0.5, (first["worker_start_s"],
                                                                              second["worker_start_s"])

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 from optuna.distributions import CategoricalDistribution
 
-from autotune.accuracy.study.gate import METHOD_ATTR, PLAN_ATTR, accuracy_of, study_settings
+from autotune.accuracy.study.gate import METHOD_ATTR, MIN_CHECK_S, PLAN_ATTR, accuracy_of, study_settings
 from autotune.accuracy.study.parity_gate import (
     DEFAULT_SHARE,
     MIN_STEPS,
@@ -46,46 +46,54 @@ MEASURED = {"samples_per_s": 32.0, "overhead_s": 2.0, "trial": 0, "baseline": Tr
 # the plan ----------------------------------------------------------------------------------------
 
 def test_the_first_verdict_and_one_later_check_fit_in_the_share():
-    # on a GPU each run costs its steps, the first batch again and 12 steps' set-up (RUN_SETUP_STEPS), 0.5 s a step
-    roomy = parity_plan(ParitySettings(), budget_s=1200, share=DEFAULT_SHARE, measured=MEASURED, device="cuda")
-    # 180 s of share: the default 40 steps fit; the first verdict trains the reference, the two
-    # calibrations and the configuration (53 step-times each), a later one the configuration
+    # on a GPU each run costs its steps, the first batch again and 12 steps' set-up (the priors table's "run
+    # set-up steps"), 0.5 s a step; a configuration's run 1.8x an FP32 run ("later check over its plan")
+    def planned_s(steps: int, margin: float = 1.8, setup: int = 12, step_s: float = 0.5) -> float:
+        run = (steps + 1 + setup) * step_s  # the first verdict: reference, two calibrations, the configuration
+        return 2 + (3 + margin) * run + margin * (2 + run)  # and one later check
+
+    roomy = parity_plan(ParitySettings(), budget_s=1500, share=DEFAULT_SHARE, measured=MEASURED, device="cuda")
+    # 225 s of share: the default 40 steps fit (53 step-times a run)
     assert roomy["steps"] == 40 and roomy["fits"]
-    assert roomy["first_verdict_s"] == pytest.approx(2 + 4 * 53 * 0.5)
+    assert roomy["first_verdict_s"] == pytest.approx(2 + 4.8 * 53 * 0.5)
     assert roomy["check_s"] == pytest.approx(2 + 53 * 0.5)  # no FP32 run: the reference's tensors are kept
-    assert describe(roomy) == ("40 steps of numerics parity against FP32 (scaled to 15% of the 20 min budget; the "
-                               "first verdict about 108 s, each later one 28 s)")
-    # 90 s: the first verdict and a later check at 1.8x its plan (a configuration's run on a GPU: the priors
-    # table's "later check over its plan") hold 16 steps (60 + 1.8 x 16.5 s); 40 would take 159 s
+    assert describe(roomy) == ("40 steps of numerics parity against FP32 (scaled to 15% of the 25 min budget; the "
+                               "first verdict about 129 s, each later one 51 s)")
+    # 90 s: 12 steps fit, 13 would not
     half = parity_plan(ParitySettings(), budget_s=600, share=DEFAULT_SHARE, measured=MEASURED, device="cuda")
-    assert half["steps"] == 16 and half["later_margin"] == 1.8
-    assert half["first_verdict_s"] + 1.8 * half["check_s"] <= 90 < half["first_verdict_s"] + 1.8 * (half["check_s"] + 0.5)
-    # 36 s of share: fewer than 8 steps at batch 16 and at 8, 28 at batch 4 (0.125 s a step), so the batch is
+    assert half["steps"] == 12 and half["later_margin"] == 1.8
+    assert half["first_verdict_s"] + 1.8 * half["check_s"] == pytest.approx(planned_s(12), abs=0.1)
+    assert planned_s(12) <= 90 < planned_s(13)
+    # 36 s of share: fewer than 8 steps at batch 16 and at 8, 23 at batch 4 (0.125 s a step), so the batch is
     # halved twice
     tight = parity_plan(ParitySettings(), budget_s=240, share=DEFAULT_SHARE, measured=MEASURED, device="cuda")
-    assert (tight["batch_size"], tight["steps"], tight["fits"]) == (4, 28, True)
-    assert tight["first_verdict_s"] + 1.8 * tight["check_s"] <= 36
+    assert (tight["batch_size"], tight["steps"], tight["fits"]) == (4, 23, True)
+    assert tight["first_verdict_s"] + 1.8 * tight["check_s"] <= 36 < planned_s(24, step_s=0.125)
     assert "against FP32 at batch 4 (scaled to 15% of the 4 min budget" in describe(tight)
-    # 18 s of share: no batch gets 8 steps, batch 4 gets the fewest of both, 4
+    # 18 s of share: no batch holds a first verdict and a later check (at batch 4, 3 steps of both take 18.8 s);
+    # the first verdict alone, at the fewest steps
     shorter = parity_plan(ParitySettings(), budget_s=120, share=DEFAULT_SHARE, measured=MEASURED, device="cuda")
-    assert (shorter["batch_size"], shorter["steps"]) == (4, 4)
-    # 12 s: the first verdict alone holds 3 steps at batch 4 (10 s), a later check not: still a verdict
+    assert (shorter["batch_size"], shorter["steps"], shorter["fits"]) == (4, 3, True)
+    assert shorter["first_verdict_s"] <= 18 < planned_s(3, step_s=0.125)
+    # 12 s: the first verdict alone holds 3 steps at batch 4 (11.6 s), a later check not: still a verdict
     alone = parity_plan(ParitySettings(), budget_s=80, share=DEFAULT_SHARE, measured=MEASURED, device="cuda")
     assert (alone["batch_size"], alone["steps"], alone["fits"]) == (4, 3, True)
+    assert alone["first_verdict_s"] == pytest.approx(2 + 4.8 * 16 * 0.125, abs=0.1)
 
-
-    # on a CPU a run's set-up is about a step's, and a later check 1.2x its plan: 30 steps fit in 90 s where
-    # the GPU's left 16
+    # on a CPU a run's set-up is about a step's, and a configuration's run 1.2x FP32's: 29 steps fit in 90 s
+    # where the GPU's left 12
     cpu = parity_plan(ParitySettings(), budget_s=600, share=DEFAULT_SHARE, measured=MEASURED)
-    assert (cpu["steps"], cpu["setup_steps"], cpu["first_verdict_s"], cpu["later_margin"]) == (30, 1, 2 + 4 * 32 * 0.5, 1.2)
-    assert cpu["first_verdict_s"] + 1.2 * cpu["check_s"] <= 90
+    assert (cpu["steps"], cpu["setup_steps"], cpu["later_margin"]) == (29, 1, 1.2)
+    assert cpu["first_verdict_s"] == pytest.approx(2 + 4.2 * 31 * 0.5)
+    assert planned_s(29, 1.2, 1) <= 90 < planned_s(30, 1.2, 1)
 
 
 def test_the_llamas_plan_counts_its_later_check_at_what_it_measured():
     """The 1B Llama under 24 GiB on an H100 (reports/warm-start-h100-6f4d128/llama-first): planned with FP32's
     pace and set-up for a later check at 1.2x, 19 steps; its checks took 36.4 s (the first verdict) and 18.0 s
     (the recommendation's, planned 10.2 s: 1.76x), 54.4 s of a 45 s share. From the same inputs the plan now
-    counts a later check at the measured multiple, and runs fewer steps."""
+    counts a configuration's run, in the first verdict as in a later check, at the measured multiple, and runs
+    fewer steps."""
     from pathlib import Path
 
     study = optuna.load_study(study_name=None, storage="sqlite:///" + str(
@@ -99,16 +107,17 @@ def test_the_llamas_plan_counts_its_later_check_at_what_it_measured():
     margin = later_check_margin("cuda")
     assert later_s / ran["check_s"] <= margin  # the prior covers the row it was measured on
     plan = parity_plan(settings, budget_s=300, share=0.15, measured=measured, device="cuda")
-    assert plan["steps"] == 14 and plan["first_verdict_s"] + margin * plan["check_s"] <= 0.15 * 300
+    assert plan["steps"] == 11 and plan["first_verdict_s"] + margin * plan["check_s"] <= 0.15 * 300
 
 
 def test_where_no_verdict_fits_the_plan_says_so_with_the_budget_that_would():
     short = parity_plan(ParitySettings(), budget_s=60, share=DEFAULT_SHARE, measured=MEASURED, device="cuda")
     assert not short["fits"] and short["steps"] == MIN_STEPS and short["batch_size"] == 4
-    # 3 steps at batch 4: 2 s + 4 runs x 16 step-times x 0.125 s = 10 s, in 15%: a budget of 66.7 s
-    assert short["needed_budget_s"] == pytest.approx(10 / 0.15, abs=0.1)
+    # 3 steps at batch 4: 2 s + 3 FP32 runs and a configuration's at 1.8x, 16 step-times x 0.125 s = 11.6 s,
+    # in 15%: a budget of 77.3 s
+    assert short["needed_budget_s"] == pytest.approx(11.6 / 0.15, abs=0.1)
     notice = no_verdict_notice(short)
-    assert notice == ("no accuracy verdict fits: one numerics parity check against FP32 takes about 10 s here, more "
+    assert notice == ("no accuracy verdict fits: one numerics parity check against FP32 takes about 12 s here, more "
                       "than 15% of the 60 s budget; the recommendation will say it was not checked (--budget 2m "
                       "would fit one, or raise --accuracy-share)")
     assert describe(short) == "3 steps of numerics parity at batch 4 would not fit in 15% of the 60 s budget"
@@ -255,6 +264,29 @@ def test_a_check_starts_where_the_shares_rest_holds_its_estimate_and_only_the_bu
     gate.spent_s = 54.0 + 30  # the share overrun: the recommendation's verdict still runs, in the budget's time
     gate.evidence(study, BF16, check=True, label="#1", timeout_s=40)
     assert given[1:] == [40]
+
+
+def test_the_check_that_trains_the_reference_may_take_the_shares_rest(tmp_path, monkeypatch):
+    """ResNet-50 on an H100: the first check, planned at 4.9 s from the FP32 baseline's pace at batch 256,
+    was cut at 3x that (15 s) twice, its pace at batch 16 six times the plan's; the third found the reference
+    kept. The check that trains the reference may now take what the share holds beside the end's check,
+    where that is more than OVERRUN times its estimate; a later check is still cut at OVERRUN."""
+    import autotune.trial.runner as runner
+    from autotune.accuracy.study.gate import REFERENCE_ATTR
+    from autotune.accuracy.study.parity_gate import OVERRUN
+
+    given = []
+    monkeypatch.setattr(runner, "run_worker", lambda request, **kw: given.append(kw["timeout_s"]) or {"status": "timeout"})
+    study = _study((100.0, {"precision": {"mode": "fp32"}}, "baseline"), (300.0, BF16, "candidate"))
+    gate = _gate(tmp_path, budget_s=300)  # a share of 45 s
+    gate.attach(study)
+    study.set_user_attr(PLAN_ATTR, {"method": "parity", "steps": 40, "check_s": 1.9, "first_verdict_s": 4.9})
+    gate.evidence(study, BF16, check=True, label="#2, before it runs", timeout_s=200)
+    assert given == [pytest.approx(45 - 1.9)]  # the share, less the end's check: not 3 x 5 s
+    study.set_user_attr(REFERENCE_ATTR.format(fingerprint=gate.settings.fingerprint()), {"losses": [1.0]})
+    gate.spent_s = 10.0
+    gate.evidence(study, BF16, check=True, label="#3", timeout_s=200)
+    assert given[1:] == [pytest.approx(OVERRUN * max(MIN_CHECK_S, 1.9))]
 
 
 def test_where_the_share_holds_one_check_after_the_reference_it_is_the_recommendations(tmp_path, monkeypatch):

@@ -47,7 +47,7 @@ from strategies.allocator import set_allocator  # noqa: E402
 
 def _preload() -> list[str]:
     """What autotune.trial.runner.preload asked for, done before the request: the model's module
-    imported and, for a GPU, torch._dynamo imported and the CUDA context made. Each is done again by
+    imported and, for a GPU, torch._dynamo and Inductor's compiler imported and the CUDA context made. Each is done again by
     the trial if it fails here, and says what went wrong then."""
     done = []
     module = os.environ.get(PRELOAD_IMPORTS)
@@ -70,6 +70,11 @@ def _preload() -> list[str]:
                 # from the search
                 importlib.import_module("torch._dynamo")
                 done.append("torch._dynamo")
+                # and a compiled step's first call imports Inductor's compiler (torch.compile reads its config
+                # there: 2-3 s), in every compiled trial and in a check whose configuration compiles a part
+                # (8-bit Adam's update): a GPU spare takes it off their clocks too
+                importlib.import_module("torch._inductor.compile_fx")
+                done.append("torch._inductor")
             except Exception:
                 pass
         try:

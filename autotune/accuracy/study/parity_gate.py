@@ -119,23 +119,29 @@ def parity_plan(settings: ParitySettings, *, budget_s: float, share: float, meas
 def _sized(settings: ParitySettings, batch: int, *, budget_s: float, share: float,
            measured: Mapping[str, Any], setup: int, margin: float) -> dict[str, Any]:
     """The plan's figures at ``batch``: the most steps (up to settings.steps) with which the first
-    verdict and one later check (``margin`` times its estimate: later_check_margin) fit in the share; ``fits`` where the first verdict alone
-    does at MIN_STEPS (a verdict, if not a second); what a first and a later verdict cost, and the
+    verdict and one later check fit in the share, a configuration's run counted at ``margin`` times an FP32
+    run (later_check_margin: in the first verdict as in a later check); ``fits`` where the first verdict
+    alone does at MIN_STEPS (a verdict, if not a second); what a first and a later verdict cost, and the
     budget MIN_STEPS would need."""
     step_s = batch / measured["samples_per_s"]
     overhead = measured["overhead_s"]
-    # the first verdict: the reference, the calibrations and the configuration, each a run; a later one, a run
-    runs = settings.first_verdict_runs
+    # the first verdict: the reference and the calibrations, each an FP32 run, and the configuration's run,
+    # which runs ``margin`` times an FP32 run as a later check's does; a later check, that run and a worker
+    fp32_runs = settings.first_verdict_runs - 1
     room = share * budget_s - (1 + margin) * overhead
-    steps = min(settings.steps, math.floor(room / ((runs + margin) * step_s)) - 1 - setup)
-    fits = share * budget_s >= overhead + runs * run_s(MIN_STEPS, step_s, setup)
+    steps = min(settings.steps, math.floor(room / ((fp32_runs + 2 * margin) * step_s)) - 1 - setup)
+
+    def first_verdict_s(steps: int) -> float:
+        return overhead + (fp32_runs + margin) * run_s(steps, step_s, setup)
+
+    fits = share * budget_s >= first_verdict_s(MIN_STEPS)
     both, steps = steps >= MIN_STEPS, max(MIN_STEPS, steps)
     return {"batch": batch, "steps": steps, "fits": fits, "both": both, "step_s": round(step_s, 6),
-            "estimate_s": round(overhead + runs * run_s(steps, step_s, setup), 1),
-            "first_verdict_s": round(overhead + runs * run_s(steps, step_s, setup), 1),
-            # its run: the reference's first gradients and updates are kept for it (parity.GRAD_SAMPLE)
+            "estimate_s": round(first_verdict_s(steps), 1), "first_verdict_s": round(first_verdict_s(steps), 1),
+            # its run, at FP32's pace: the reference's first gradients and updates are kept for it
+            # (parity.GRAD_SAMPLE); later_check_margin scales it where a later check is reserved
             "check_s": round(overhead + run_s(steps, step_s, setup), 1),
-            "needed_budget_s": round((overhead + runs * run_s(MIN_STEPS, step_s, setup)) / share, 1)}
+            "needed_budget_s": round(first_verdict_s(MIN_STEPS) / share, 1)}
 
 
 def run_s(steps: int, step_s: float, setup: int = 0) -> float:
@@ -146,8 +152,9 @@ def run_s(steps: int, step_s: float, setup: int = 0) -> float:
 def later_check_s(study) -> float:
     """A check's seconds once the FP32 reference is trained: from the phases of the worker that trained
     it (CHECKS_ATTR: an FP32 check, alone, or a first verdict, before its configuration's run) where it
-    returned them (measured_later_check_s), not less than the plan's ``check_s``; else that figure,
-    scaled by how far that worker ran past the plan's figure for it (the first verdict; less the
+    returned them (measured_later_check_s), not less than the plan's ``check_s``; before any, ``check_s`` times
+    the plan's ``later_margin`` (later_check_margin); else ``check_s``, scaled by how far that worker ran
+    past the plan's figure for it (the first verdict; less the
     configuration's run, alone): a reference can take three times its plan, and a check planned from
     the plan alone is started with too little left and cut."""
     plan = study.user_attrs.get(PLAN_ATTR) or {}
@@ -158,7 +165,7 @@ def later_check_s(study) -> float:
     if trained is not None and trained.get("runs") and trained.get("in_worker_s") is not None:
         return max(check_s, measured_later_check_s(trained))  # as the scaling below, never under the plan
     if not (check_s and first and step_s and steps and trained):
-        return check_s
+        return round(check_s * plan.get("later_margin", 1.0), 1)  # a configuration's run, as the plan counts it
     planned = first - run_s(steps, step_s, plan.get("setup_steps", 0)) if trained.get("fp32") else first
     return round(check_s * max(1.0, trained["seconds"] / planned), 1) if planned > 0 else check_s
 
@@ -287,9 +294,10 @@ class ParityGate(AccuracyGate):
         """How long the next check may take (``timeout_s``: what the budget's end leaves it); None: it is
         not started. The share decides which checks start: while trials run, one whose estimate the
         share's rest (less one check's seconds kept for the end) holds; at the end, the recommendation's
-        whatever the share has left, since the stop rule kept its seconds (verdict_reserve_s). A started
-        check is cut by the budget's end only, never by the share's: on a machine slower than its plan
-        the overrun comes out of the trials, and the verdict is not lost for a few seconds."""
+        whatever the share has left, since the stop rule kept its seconds (verdict_reserve_s). A check
+        started while trials run is cut at OVERRUN times its estimate, or, where it trains the reference, at
+        what the share has left if that is more; the end's by the budget's end only: on a machine slower
+        than its plan the overrun comes out of the trials, and the verdict is not lost for a few seconds."""
         timeout = timeout_s or self.timeout_s
         if self.budget_s is None:
             return timeout
@@ -299,8 +307,13 @@ class ParityGate(AccuracyGate):
         if self.final:
             return timeout
         keep = self._keep_s(self.study) if self.study is not None else 0.0
-        if self.share * self.budget_s - self.spent_s - keep < need:
+        rest = self.share * self.budget_s - self.spent_s - keep
+        if rest < need:
             return None
+        if self.study is not None and self._reference(self.study) is None:
+            # it trains the FP32 reference every verdict needs: cut, all its seconds would be lost, and its
+            # estimate is the least sure (the FP32 pace at the check's batch is inferred from the baseline's)
+            return min(timeout, max(OVERRUN * need, rest))
         return min(timeout, OVERRUN * need)
 
     def _first_verdict_fits(self, study) -> bool:

@@ -147,7 +147,8 @@ def describe(plan: dict[str, Any] | None) -> str | None:
         if plan.get("fits") is False:
             return f"{steps} steps of numerics parity{batch} would not fit in {within}"
         return (f"{steps} steps of numerics parity against FP32{batch} (scaled to {within}; the first verdict "
-                f"about {plan['first_verdict_s']:.0f} s, each later one {plan['check_s']:.0f} s)")
+                f"about {plan['first_verdict_s']:.0f} s, each later one "
+                f"{plan['check_s'] * plan.get('later_margin', 1.0):.0f} s)")
     if plan.get("batch_size"):
         within += (f"; batch {plan['batch_size']} instead of {plan['default_batch_size']}, for the FP32 "
                    "baseline's memory")
