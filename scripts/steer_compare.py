@@ -154,7 +154,7 @@ def search_config(args: argparse.Namespace, *, steer: bool, seed: int, budget_s:
 def run_one(args: argparse.Namespace, arm: str, seed: int, budget_s: float | None) -> dict[str, Any]:
     """Run one arm for one seed into ARM-seedSEED under --out, or reuse that run if it finished."""
     import strategies
-    from autotune.run import run_search
+    from autotune.cli.run import run_search
 
     out_dir = args.out / f"{arm}-seed{seed}"
     if (out_dir / "study.db").exists():

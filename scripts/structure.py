@@ -163,7 +163,10 @@ def _levels(modules: dict[str, Module], cycles: list[list[str]]) -> dict[str, in
 
 def room(module: str, root: Path = ROOT) -> str:
     """The folder a module lives in (``autotune.search``, ``strategies``); a module at the top of ``autotune/`` is a
-    room of its own (the command line, the recipe, the errors)."""
+    room of its own (the recipe, the errors), but ``autotune/__main__.py``, which only runs the command line for
+    ``python -m autotune``, is the command line's."""
+    if module == "autotune.__main__":  # `python -m autotune`: the command line, by another name
+        return "autotune.cli"
     parts = module.split(".")
     folder = parts[:-1] if len(parts) > 1 and not (root.joinpath(*parts) / "__init__.py").exists() else parts
     return module if folder == ["autotune"] else ".".join(folder)

@@ -369,7 +369,7 @@ def test_offered_on_a_gpu_for_a_model_with_repeated_blocks(recwarn):
 
 
 def test_the_probe_counts_the_blocks():
-    from autotune.trial.worker import probe
+    from autotune.trial.work import probe
 
     request = {"device": "cpu", "workload": {"model": "resnet18", "input_shape": [3, 16, 16], "num_classes": 10}}
     assert probe(request)["checkpoint_blocks"] == 8

@@ -20,7 +20,7 @@ from autotune.search.levers import LEVERS, levers_of
 from autotune.search.memory import MemoryModel, family
 from autotune.search.neighbours import Neighbours
 from autotune.priors import prior
-from autotune.trial import worker
+from autotune.trial import work as worker
 from strategies.allocator import ENVIRONMENT_FIX, SETTING, Allocator, set_allocator
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)

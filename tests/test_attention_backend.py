@@ -187,7 +187,7 @@ def test_a_trial_whose_backend_cannot_run_is_a_recorded_error(tmp_path):
                "workload": WorkloadSpec(model="fake_models:tiny_lm").to_dict(),
                "measure": MeasureSettings(min_warmup_steps=1, min_steps=1, min_time_s=0.0).to_dict(), "seed": 0}
     result_path = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, "-m", "autotune.trial.worker", str(result_path), str(os.getpid())],
+    proc = subprocess.run([sys.executable, "-m", "autotune.worker.serve", str(result_path), str(os.getpid())],
                           input=json.dumps(request), env=subprocess_env(), cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -241,7 +241,7 @@ def test_the_probe_reports_the_language_model_knobs_questions_and_skips_the_forw
     """worker.probe in this process: the attention calls, the vocabulary and the fp8-eligible share
     of a tiny LM; with "forward": False (a first probe's forward killed its process) the model is
     built and described but never run."""
-    from autotune.trial.worker import probe
+    from autotune.trial.work import probe
 
     request = {"mode": "probe", "device": "cpu", "workload": {"model": "fake_models:tiny_lm"}}
     info = probe(request)

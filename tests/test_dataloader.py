@@ -23,7 +23,7 @@ from autotune.trial.measure import MeasureSettings
 from autotune.space import SearchSpace
 from autotune.search.steering import complete_params
 from autotune.search.options import SearchConfig
-from autotune.run import run_search
+from autotune.cli.run import run_search
 from autotune.search.seeds import seed_configurations
 from autotune.search.space import build_space, same_space
 from autotune.workload.models import WorkloadSpec
@@ -176,7 +176,7 @@ def test_data_bound_finding_suggests_more_workers_and_steering_completes_it():
 
 
 def _fed_trial(data: str, workers: int = 0) -> dict:
-    from autotune.trial.worker import run_trial
+    from autotune.trial.work import run_trial
 
     space = SearchSpace(device="cpu", batch_sizes=[16], base_batch_size=16, thread_counts=[1],
                         dataloader_workers=[0, 1])

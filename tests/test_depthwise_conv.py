@@ -188,7 +188,7 @@ def test_only_stride_1_depthwise_convolutions_with_zero_padding_within_the_kerne
 
 
 def test_the_probe_counts_the_models_eligible_depthwise_convolutions() -> None:
-    from autotune.trial.worker import probe
+    from autotune.trial.work import probe
 
     for model, count in (("fake_models:tiny_depthwise_cnn", 1), ("fake_models:tiny_cnn", 0)):
         found = probe({"device": "cpu", "workload": WorkloadSpec(model=model, num_classes=10).to_dict()})

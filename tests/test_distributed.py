@@ -332,7 +332,7 @@ def test_the_probe_sees_the_requested_gpus_and_names_them(monkeypatch):
     assert listed == [1]
     # CUDA_VISIBLE_DEVICES=5 on that machine: the probe sees no GPU, says so and probes nothing
     if not torch.cuda.is_available():
-        from autotune.trial.worker import probe
+        from autotune.trial.work import probe
 
         assert probe({"device": "cuda", "list_devices": True, "workload": {"model": "resnet18"}}) == {"cuda_devices": []}
 

@@ -126,12 +126,12 @@ def fake_worker(request, timeout_s=None, log_path=None, spare=False, on_progress
 @pytest.mark.parametrize("steer", [True, False])
 def test_only_a_steered_search_fixes_knobs(tmp_path, monkeypatch, steer):
     import autotune.search.objective
-    import autotune.run
+    import autotune.cli.run
     from autotune.search.options import SearchConfig
-    from autotune.run import run_search
+    from autotune.cli.run import run_search
     from autotune.workload.models import WorkloadSpec
 
-    monkeypatch.setattr(autotune.run, "probe", fake_probe)
+    monkeypatch.setattr(autotune.cli.run, "probe", fake_probe)
     monkeypatch.setattr(autotune.search.objective, "run_worker", fake_worker)
     events = []
     config = SearchConfig(workload=WorkloadSpec(model="resnet18", num_classes=10), device="cpu", out_dir=tmp_path,

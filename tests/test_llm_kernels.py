@@ -297,7 +297,7 @@ def test_the_probe_names_the_model_type_and_why_not(monkeypatch):
 
 
 def test_the_search_s_probe_reports_it():
-    from autotune.trial import worker
+    from autotune.trial import work as worker
 
     spec = WorkloadSpec(model="hf:llama", model_config=dict(LLAMA), seq_len=16)
     found = worker.probe({"device": "cpu", "workload": spec.to_dict()})

@@ -151,7 +151,7 @@ def test_a_trial_says_where_its_build_went(monkeypatch) -> None:
 
     import strategies
     from autotune.space import SearchSpace
-    from autotune.trial import worker
+    from autotune.trial import work as worker
     from autotune.workload.models import WorkloadSpec
 
     real_batches = worker.input_batches

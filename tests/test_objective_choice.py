@@ -10,12 +10,12 @@ import optuna
 import pytest
 
 import autotune.search.objective
-import autotune.run
+import autotune.cli.run
 from autotune.errors import ConfigError
 from autotune.search.goal import GOALS, OBJECTIVE_ATTR, goal, goal_of, goal_of_config, nvml_refusal
 from autotune.search.storage import open_storage
 from autotune.search.options import SearchConfig
-from autotune.run import run_search
+from autotune.cli.run import run_search
 from autotune.search.study import open_study
 from autotune.search.trials import best_trial
 from autotune.workload.models import WorkloadSpec
@@ -73,14 +73,14 @@ def test_energy_is_refused_without_nvml_before_any_trial(tmp_path, monkeypatch):
         raise AssertionError("no worker may start")
 
     monkeypatch.setattr(autotune.search.objective, "run_worker", no_worker)
-    monkeypatch.setattr(autotune.run, "probe", no_worker)
+    monkeypatch.setattr(autotune.cli.run, "probe", no_worker)
     # a CPU search: refused before even the probe
     with pytest.raises(ConfigError, match="NVML.*use --objective throughput or --objective memory"):
         run_search(SearchConfig(workload=SPEC, device="cpu", out_dir=tmp_path / "cpu", trials=2,
                                 accuracy_check=False, objective="energy"))
     # a GPU whose driver has no usable NVML: refused after the probe says so
-    monkeypatch.setattr(autotune.run, "resolve_device", lambda requested: "cuda")
-    monkeypatch.setattr(autotune.run, "probe", lambda config, device, list_devices=False, spare=False: {
+    monkeypatch.setattr(autotune.cli.run, "resolve_device", lambda requested: "cuda")
+    monkeypatch.setattr(autotune.cli.run, "probe", lambda config, device, list_devices=False, spare=False: {
         "provenance": {"gpu": "Test GPU"}, "precisions": ["fp32"],
         "nvml": {"available": False, "reason": "NVML Shared Library Not Found"}})
     with pytest.raises(ConfigError, match="NVML Shared Library Not Found.*nvidia-ml-py"):
@@ -113,8 +113,8 @@ def fake_worker(request, timeout_s=None, log_path=None, spare=False, on_progress
 def fake_search(tmp_path, monkeypatch, objective: str):
     monkeypatch.setattr(autotune.search.objective, "run_worker", fake_worker)
     device = "cuda" if objective == "energy" else "cpu"  # the energy objective needs a GPU with NVML
-    monkeypatch.setattr(autotune.run, "resolve_device", lambda requested: device)
-    monkeypatch.setattr(autotune.run, "probe", lambda config, device, list_devices=False, spare=False: {
+    monkeypatch.setattr(autotune.cli.run, "resolve_device", lambda requested: device)
+    monkeypatch.setattr(autotune.cli.run, "probe", lambda config, device, list_devices=False, spare=False: {
         **fake_probe(config, device), "nvml": {"available": True, "reason": ""}})
     config = SearchConfig(workload=SPEC, device=device, out_dir=tmp_path / objective, trials=6, min_batch_size=4,
                           max_batch_size=32, base_batch_size=16, accuracy_check=False, objective=objective, seed=0,

@@ -134,7 +134,7 @@ def test_without_a_working_compile_it_is_not_offered_and_says_why(recwarn) -> No
 
 
 def test_the_probe_reports_the_workloads_optimizer_class() -> None:
-    from autotune.trial.worker import probe
+    from autotune.trial.work import probe
     from autotune.workload.models import WorkloadSpec
 
     spec = WorkloadSpec(model="fake_models:tiny_cnn", input_shape=(3, 16, 16), num_classes=10)

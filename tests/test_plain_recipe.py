@@ -180,7 +180,7 @@ def test_the_plain_recipe_measured_at_two_batches_is_the_faster_of_them():
 
 @pytest.mark.slow
 def test_the_memory_probe_steps_at_small_batches_in_a_worker_of_its_own():
-    """The worker side of the memory probe (autotune.trial.worker.probe_memory), in a real worker on a
+    """The worker side of the memory probe (autotune.trial.work.probe_memory), in a real worker on a
     CPU (its peaks there are the process's resident set): two steps at each batch, ascending."""
     from autotune.trial.runner import run_worker
     from autotune.trial.measure import MeasureSettings

@@ -1,4 +1,4 @@
-"""The search's probe worker (autotune.trial.worker.probe): it builds the model where its trials do
+"""The search's probe worker (autotune.trial.work.probe): it builds the model where its trials do
 (an hf: model on the GPU), runs its forwards there, and says where its seconds went."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autotune.trial import worker
+from autotune.trial import work as worker
 
 TINY_LLAMA = {"model": "hf:llama", "seq_len": 16,
               "model_config": {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 4,

@@ -179,7 +179,7 @@ def test_a_worker_for_an_hf_model_has_its_transformers_modules_imported_before_t
     from conftest import subprocess_env
 
     env = {**subprocess_env(), process.PRELOAD_IMPORTS: "hf:gpt2"}
-    code = ("import sys; from autotune.trial import worker; "
+    code = ("import sys; from autotune.worker import serve as worker; "
             "print(worker.PRELOADED, 'transformers.models.gpt2.modeling_gpt2' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["['hf:gpt2']", "True"], out.stderr[-2000:]
@@ -198,7 +198,7 @@ def test_a_worker_for_a_model_of_its_own_has_imported_what_its_first_optimizer_n
     from conftest import subprocess_env
 
     env = {**subprocess_env(), process.PRELOAD_IMPORTS: "fake_models", process.PRELOAD_CUDA: "1"}
-    code = ("import sys; from autotune.trial import worker; print(worker.PRELOADED[:3], 'torch._dynamo' in sys.modules); "
+    code = ("import sys; from autotune.worker import serve as worker; print(worker.PRELOADED[:3], 'torch._dynamo' in sys.modules); "
             "import time, torch; t = time.perf_counter(); torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1); "
             "print(f'{time.perf_counter() - t:.3f}'); t = time.perf_counter(); torch.nn.Linear(2, 2).compile(); "
             "print(f'{time.perf_counter() - t:.3f}')")
@@ -293,7 +293,7 @@ def test_the_probe_and_the_accuracy_checks_leave_a_spare_for_the_next_trial(tmp_
     from autotune.accuracy.study.gate import AccuracyGate
     from autotune.accuracy.study.reference_cache import ReferenceCache
     from autotune.space import SearchSpace
-    from autotune import run as search_run
+    from autotune.cli import run as search_run
     from autotune.search.options import SearchConfig
     from autotune.workload.models import WorkloadSpec
 
@@ -366,7 +366,7 @@ def test_the_worker_started_for_the_next_trial_is_kept_for_the_recommendations_c
     1B Llama's took 10.4 s of its 31.5 s starting a fresh one); a Ctrl-C discards it at once."""
     from types import SimpleNamespace
 
-    from autotune import run
+    from autotune.cli import run
 
     discarded = []
     monkeypatch.setattr(run, "discard_spares", lambda: discarded.append(True))

@@ -197,7 +197,7 @@ def test_resume_after_the_search_process_is_killed(tmp_path):
     assert len(finished_before) >= 2
     for _ in range(20):  # the orphaned worker notices its parent is gone and exits
         time.sleep(0.5)
-        workers = subprocess.run(["pgrep", "-f", "autotune.trial.worker"], capture_output=True, text=True).stdout.split()
+        workers = subprocess.run(["pgrep", "-f", "autotune.worker.serve"], capture_output=True, text=True).stdout.split()
         if not workers:
             break
     assert not workers, f"workers left running after the search was killed: {workers}"

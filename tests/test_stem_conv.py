@@ -153,7 +153,7 @@ def test_the_moves_prior_follows_the_stems_share_and_never_passes_resnet50s() ->
 
 
 def test_the_probe_counts_the_models_stems() -> None:
-    from autotune.trial.worker import probe
+    from autotune.trial.work import probe
 
     found = probe({"device": "cpu", "workload": WorkloadSpec(model="resnet18", num_classes=10,
                                                              input_shape=(3, 32, 32)).to_dict()})

@@ -1,4 +1,4 @@
-"""CPU workers forked from a fork server (autotune.trial.zygote): each request still gets a
+"""CPU workers forked from a fork server (autotune.worker.zygote): each request still gets a
 process of its own, with none of an earlier worker's state, in milliseconds instead of a fresh
 interpreter's imports; a crash, a hang or the server's own death is one result, and the next
 request is served."""

@@ -113,7 +113,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     _prestart_probe(args)
     from autotune.errors import ConfigError
     from autotune.search.options import SearchConfig, parse_duration
-    from autotune.run import run_search
+    from autotune.cli.run import run_search
     from autotune.trial.measure import MeasureSettings
 
     spec = _workload_spec(args)

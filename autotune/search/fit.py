@@ -2,7 +2,7 @@
 
 The memory probe runs the plain recipe's configuration eagerly (autotune.search.plain_recipe: its
 precision, memory format and optimizer, compile off) for two steps at a few small batches, under
-the memory limit, in a worker of its own (autotune.trial.worker.probe_memory). Its peaks give the
+the memory limit, in a worker of its own (autotune.trial.work.probe_memory). Its peaks give the
 fixed part (weights, gradients, optimizer state, the CUDA context) and the per-sample part
 (activations); the study keeps them (autotune.search.memory.PROBE_ATTR), and the memory model sizes
 the baseline, the plain recipe and every proposal by them before it starts. Where the base batch

@@ -5,7 +5,7 @@ CUDA context, workspaces) plus a per-sample part (activations), and both depend 
 change what is stored: precision, memory format, padding, kept-FP32 layers, compile, CUDA graphs,
 the optimizer, streams. Trials that differ only in the batch size form a *family*; each family's
 line ``peak = fixed + per_sample * batch`` is fitted from its measured peaks (and from the peaks
-the worker measured while looking for the largest batch that fits, see autotune.trial.worker).
+the worker measured while looking for the largest batch that fits, see autotune.trial.work).
 
 The search uses it two ways (autotune.search.objective):
 

@@ -145,7 +145,7 @@ def unmeasured(study: optuna.Study, seeds: list[tuple[str, dict[str, Any]]]) -> 
 
 def propose_from_evidence(study: optuna.Study, proposers: list) -> int:
     """Hand each trial the study was warmed with to the proposers (Optuna callbacks after a trial:
-    autotune.run._proposers), in the order they were measured, as if it had just finished here:
+    autotune.cli.run._proposers), in the order they were measured, as if it had just finished here:
     the plain recipe's neighbours, the climbs from a winner, the compile of the fastest eager trial are
     queued where no trial measured them, before this search's first trial. Only for a study that has not
     started a trial of its own (a resumed one has had its proposals; the seeds queued at its creation

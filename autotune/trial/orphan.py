@@ -1,6 +1,6 @@
 """Child processes that end with their search: a worker or DDP rank whose study process died exits.
 
-Imported before torch by ``autotune.trial.worker`` and ``autotune.trial.ddp_rank`` (this package imports nothing
+Imported before torch by ``autotune.worker.serve`` and ``autotune.trial.ddp_rank`` (this package imports nothing
 heavy), since the study can die while its child is still importing.
 """
 

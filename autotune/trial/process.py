@@ -11,7 +11,7 @@ from typing import Any
 
 from autotune.cache import INDUCTOR_ENV, compile_cache_dir, users_inductor_cache
 
-# what a worker does before its request, after importing torch and autotune (autotune.trial.worker)
+# what a worker does before its request, after importing torch and autotune (autotune.worker.serve)
 PRELOAD_IMPORTS = "AUTOTUNE_WORKER_IMPORTS"
 
 

@@ -31,13 +31,13 @@ from autotune.trial.process import (
 # still imports from it.
 _BOOT = ("import os, sys; cwd = os.getcwd(); "
          "sys.path[:] = [p for p in sys.path if p not in ('', cwd)] + [cwd]; "
-         "import runpy; runpy.run_module('autotune.trial.worker', run_name='__main__', alter_sys=True)")
+         "import runpy; runpy.run_module('autotune.worker.serve', run_name='__main__', alter_sys=True)")
 
 
-def worker_command(*args: str, module: str = "autotune.trial.worker") -> list[str]:
+def worker_command(*args: str, module: str = "autotune.worker.serve") -> list[str]:
     """The command line of a worker process (``args`` become its sys.argv[1:]), or of another
-    module booted the same way (the fork server, autotune.trial.zygote)."""
-    return [sys.executable, *PYTHON_FLAGS, "-c", _BOOT.replace("autotune.trial.worker", module), *args]
+    module booted the same way (the fork server, autotune.worker.zygote)."""
+    return [sys.executable, *PYTHON_FLAGS, "-c", _BOOT.replace("autotune.worker.serve", module), *args]
 
 
 class _Worker:
@@ -195,14 +195,14 @@ class _Forked:
 
 
 class _Zygote:
-    """The fork server (autotune.trial.zygote) of one worker environment, and what it answers: a
+    """The fork server (autotune.worker.zygote) of one worker environment, and what it answers: a
     reader thread files each forked pid and each ended worker's exit code."""
 
     def __init__(self, env: dict[str, str]) -> None:
         self.tmp = tempfile.TemporaryDirectory(prefix="autotune-zygote-")
         self.log_path = Path(self.tmp.name) / "zygote.log"
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(worker_command(str(os.getpid()), module="autotune.trial.zygote"),
+        self.proc = subprocess.Popen(worker_command(str(os.getpid()), module="autotune.worker.zygote"),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                      env=env, text=True, bufsize=1)
         self.changed = threading.Condition()
@@ -345,7 +345,7 @@ def prestart_setting() -> bool | None:
 
 
 def forks(request: dict[str, Any]) -> bool:
-    """Whether ``request``'s worker is forked from a fork server (autotune.trial.zygote): a CPU
+    """Whether ``request``'s worker is forked from a fork server (autotune.worker.zygote): a CPU
     request's, unless $AUTOTUNE_PRESTART=0 starts every worker afresh with its request. A GPU
     request's never is (a CUDA context does not survive a fork): spares serve those."""
     device = request.get("device") or (request.get("space") or {}).get("device")
@@ -386,7 +386,7 @@ def start_spare(request: dict[str, Any], log_dir: Path | None = None) -> None:
 def run_worker(request: dict[str, Any], *, timeout_s: float | None = None,
                log_path: Path | None = None, spare: bool = False,
                on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run ``python -m autotune.trial.worker`` on ``request``; always returns a result dict.
+    """Run ``python -m autotune.worker.serve`` on ``request``; always returns a result dict.
 
     status is "ok", "oom", "error" (an exception in the trial), "crashed" (the process died
     without a result: segfault, kill, sticky CUDA error) or "timeout" (the watchdog killed it).

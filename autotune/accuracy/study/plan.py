@@ -77,7 +77,7 @@ def step_time(study) -> dict[str, Any] | None:
 
 def check_build_s(record: TrialRecord) -> float:
     """What one build costs a check worker, from a measured trial: its model and optimizer and their
-    preparation, where the trial recorded them apart (autotune.trial.worker), not the trial's input
+    preparation, where the trial recorded them apart (autotune.trial.work), not the trial's input
     batches and request, which a check does not make; the trial's whole build otherwise."""
     figures = record.figures
     parts = [figures.get("build_model_s"), figures.get("build_prepare_s")]

@@ -450,7 +450,7 @@ def run_parity(request: Mapping[str, Any]) -> dict[str, Any]:
     "ok", "result": ParityResult dict (None for the reference alone), "reference": the reference
     (trained here, or the one given), "runs": RUN_PHASES, "in_worker_s": this function's seconds}.
     The check's seconds less ``in_worker_s`` are the worker's start, hand-over and exit;
-    ``in_worker_s`` less the runs' phases, its set-up (data). The worker that serves it (autotune.trial.worker)
+    ``in_worker_s`` less the runs' phases, its set-up (data). The worker that serves it (autotune.worker.serve)
     has capped its memory at the request's ``memory_limit_bytes`` first, as for a trial."""
     from autotune.workload.models import WorkloadSpec
 

@@ -1,95 +1,31 @@
-"""The isolated worker: one process per trial builds the model, runs the measured steps, exits.
-
-A fresh process per trial means global flags (TF32, cudnn.benchmark, threads), the caching
-allocator's state, cuDNN's algorithm cache and a sticky CUDA error never reach the next trial
-(timm's bulk_runner does the same). The study process talks to it through a JSON request on
-stdin and a JSON result file.
-
-    python -m autotune.trial.worker RESULT.json STUDY_PID < REQUEST.json
-"""
+"""What a worker does for a trial's request, the probe's and the memory probe's (autotune.worker.serve
+answers each in a process of its own): build the model as configured, run and time its steps, profile
+them, watch the GPU (NVML), and return the figures; the probe finds what the model offers the knobs, the
+memory probe the largest batch that fits."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import itertools
 import os
-import sys
+import platform
 import time
+from typing import Any
 
-if __name__ == "__main__" and len(sys.argv) > 2:
-    from autotune.trial.orphan import watch_parent
+import torch
 
-    watch_parent(int(sys.argv[2]))  # before the heavy imports below
-
-import importlib  # noqa: E402
-import importlib.metadata  # noqa: E402
-import itertools  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import traceback  # noqa: E402
-from typing import Any  # noqa: E402
-
-import torch  # noqa: E402
-
-import strategies  # noqa: E402
-from autotune.deploy.compile_cache import save as save_compile_cache  # noqa: E402
-from autotune.deploy.config import TunedConfig  # noqa: E402
-from autotune.trial.batches import input_batches  # noqa: E402
-from autotune.trial.instruments import compile_cache, compiled_graphs, nvml_monitor, profile_window  # noqa: E402
-from autotune.trial.loader_feed import LoaderFeed  # noqa: E402
-from autotune.trial.measure import Measurement, MeasureSettings, TooSlow, measure, memory_figures  # noqa: E402
-from autotune.trial.memory_fit import cap_memory, forward_held, is_out_of_memory, largest_fit, peak_at  # noqa: E402
-from autotune.trial.process import PRELOAD_CUDA, PRELOAD_IMPORTS  # noqa: E402
-from autotune import progress  # noqa: E402
-from autotune.trial.request import read_request  # noqa: E402
-from autotune.workload.hub import is_hub_model, preload as preload_hub_model  # noqa: E402
-from autotune.workload.models import WorkloadSpec, build  # noqa: E402
-from strategies.allocator import set_allocator  # noqa: E402
-
-
-def _preload() -> list[str]:
-    """What autotune.trial.runner.preload asked for, done before the request: the model's module
-    imported and, for a GPU, torch._dynamo and Inductor's compiler imported and the CUDA context made. Each is done again by
-    the trial if it fails here, and says what went wrong then."""
-    done = []
-    module = os.environ.get(PRELOAD_IMPORTS)
-    if module:
-        try:
-            if is_hub_model(module):
-                preload_hub_model(module)
-            else:
-                importlib.import_module(module)
-            done.append(module)
-        except Exception:
-            pass
-    if os.environ.get(PRELOAD_CUDA) == "1":
-        if module:
-            try:
-                # a trial's first optimizer imports it (torch.optim does), 1-4 s: a model that does not
-                # import it itself (torchvision's do) would spend them building its optimizer. A GPU
-                # worker does it here, as a spare while the trial before it runs; a CPU's fork server has
-                # it already (autotune.trial.zygote), and a CPU spare (the probe's) would take a core
-                # from the search
-                importlib.import_module("torch._dynamo")
-                done.append("torch._dynamo")
-                # and a compiled step's first call imports Inductor's compiler (torch.compile reads its config
-                # there: 2-3 s), in every compiled trial and in a check whose configuration compiles a part
-                # (8-bit Adam's update): a GPU spare takes it off their clocks too
-                importlib.import_module("torch._inductor.compile_fx")
-                done.append("torch._inductor")
-            except Exception:
-                pass
-        try:
-            if torch.cuda.is_available():
-                torch.empty(1, device="cuda")  # the first allocation makes the context
-                torch.cuda.empty_cache()  # and nothing of it stays reserved
-                done.append("cuda")
-        except Exception:
-            pass
-    return done
-
-
-PRELOADED = _preload()
-READY_AT = time.time()
-
+import strategies
+from autotune.deploy.compile_cache import save as save_compile_cache
+from autotune.deploy.config import TunedConfig
+from autotune.trial.batches import input_batches
+from autotune.trial.instruments import compile_cache, compiled_graphs, nvml_monitor, profile_window
+from autotune.trial.loader_feed import LoaderFeed
+from autotune.trial.measure import Measurement, MeasureSettings, TooSlow, measure, memory_figures
+from autotune.trial.memory_fit import cap_memory, forward_held, is_out_of_memory, largest_fit, peak_at
+from autotune import progress
+from autotune.trial.request import read_request
+from autotune.workload.models import WorkloadSpec, build
+from strategies.allocator import set_allocator
 
 def provenance() -> dict[str, Any]:
     """Where a figure was measured: GPU, driver, CUDA, cuDNN, torch, CPU."""
@@ -453,49 +389,3 @@ def _add_rate_and_loss(figures: dict[str, Any], run: _Steps, cfg: TunedConfig, m
     if cfg.recipe.compile_mode is not None:
         figures["compiled_graphs"] = compiled_graphs()
         figures["compile_cache"] = compile_cache()
-
-
-def main(argv: list[str]) -> int:
-    return serve(json.load(sys.stdin), argv[1])
-
-
-def serve(request: dict[str, Any], result_path: str, ready_at: float | None = None) -> int:
-    """Answer one request into ``result_path`` (written atomically); ``ready_at``: when this process
-    was ready for it (a worker forked by autotune.trial.zygote: the fork), else when its imports ended."""
-    progress.start(request.get("progress_path"))
-    try:
-        if request.get("mode") == "probe":
-            result = {"status": "ok", **probe(request)}
-        elif request.get("mode") == "memory":
-            result = probe_memory(request)
-        elif request.get("mode") == "accuracy":
-            from autotune.accuracy.worker.check import run_check
-
-            result = run_check(request)
-        elif request.get("mode") == "parity":
-            from autotune.accuracy.worker.parity import run_parity
-
-            if request.get("memory_limit_bytes") and request.get("device") == "cuda":
-                cap_memory(int(request["memory_limit_bytes"]))  # --memory-limit: as on a card of that size
-            result = run_parity(request)
-        else:
-            result = run_trial(request)
-    except Exception as exc:  # reported to the study, which records it on the trial
-        if is_out_of_memory(exc):
-            result = {"status": "oom", "reason": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
-        else:
-            result = {"status": "error", "reason": f"{type(exc).__name__}: {exc}"[:2000],
-                      "traceback": traceback.format_exc()[-4000:]}
-    result["ready_at"] = READY_AT if ready_at is None else ready_at
-    result["preloaded"] = PRELOADED
-    result["done_at"] = time.time()
-    result["pid"] = os.getpid()
-    tmp = result_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, default=str)
-    os.replace(tmp, result_path)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv))

@@ -14,7 +14,7 @@ It never makes a CUDA context either: the runner forks only CPU requests from it
 Its stdin takes one JSON line per worker, ``{"request", "result_path", "log_path", "env"}``;
 its stdout answers ``{"pid": N}`` once the worker is forked, and ``{"exited": N, "returncode": C}``
 when it ends (C as subprocess gives it: negative for the signal that killed it). A worker's
-stdout and stderr go to its log_path, and it answers through autotune.trial.worker.serve.
+stdout and stderr go to its log_path, and it answers through autotune.worker.serve.serve.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ os.environ.pop(PRELOAD_CUDA, None)  # a CUDA context does not survive a fork: no
 
 import torch._dynamo  # noqa: E402, F401  (a worker's first optimizer step would import it: 1-3 s)
 
-from autotune.trial import worker  # noqa: E402  (torch, strategies, and the model's module: preloaded)
+from autotune.worker import serve as worker  # noqa: E402  (torch, strategies, and the model's module: preloaded)
 from autotune.trial.orphan import watch_parent  # noqa: E402
 
 REAP_EVERY_S = 0.05
