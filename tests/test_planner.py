@@ -14,7 +14,7 @@ from autotune.space import SearchSpace
 from autotune.search.memory import PROBE_ATTR
 from autotune.search.planner import Planner
 from autotune.priors import prior
-from autotune.search.queue import candidates, feed, propose
+from autotune.search.queue import Candidate, candidates, feed, put
 from autotune.search.steering import complete_params
 from conftest import measured, workers_answer_ok
 
@@ -43,7 +43,7 @@ def _measured(study, params, value, **attrs):
 
 def _queue(study, params, role="known-good"):
     """Put ``params`` forward as a candidate (autotune.search.queue): its number."""
-    return propose(study, params, role=role).id
+    return put(study, Candidate.of(params, role=role))[0].id
 
 
 def _compiled_walls():
@@ -191,6 +191,7 @@ def test_the_chosen_trial_records_why_it_ran():
     assert "predicted 1,300 samples/s" in planned["why"]
     assert planned["runner_up"]["number"] == slower and planned["runner_up"]["lost"].startswith("less gain a second")
     assert study.trials[1].state == TrialState.RUNNING
+
 
 
 def test_a_larger_batch_is_predicted_from_the_batch_prior_in_the_workloads_units():

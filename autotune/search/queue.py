@@ -1,18 +1,23 @@
-"""The search's queue: the candidates the proposers put forward, and the one place that hands the planner's
-choice to Optuna.
+"""The search's queue: the one module that writes it, hands the planner's choice to Optuna and ends a
+trial unmeasured.
 
 Proposers (the seeds and their feeder, the plain recipe grown to fit, the neighbours and climbs, the
 findings' remedies, eager screening's twins and the compile finalist, the out-of-memory back-off, the
-end-of-budget eager twin, a re-run of a trial cut short, distributed give-back) put candidates here with
-``propose`` (``put``: candidates built with ``Candidate.of``; ``prune`` and ``skip`` put a pruned or
-skipped trial's replacement; ``Feeder`` puts what its proposers return after each trial); none of them
-creates an Optuna trial. The candidates are kept as a study user attribute, so a
-search that is killed resumes with its queue and several processes of one study share it. Right before
-Optuna asks for the next trial (``feed``: before the first, and after each trial, from ``Feeder``, the
-last of Optuna's callbacks), the planner (autotune.search.planner) chooses one candidate, and only that one
-is queued with ``study.enqueue_trial``, its plan recorded on it as the ``planned`` user attribute: Optuna's
-public API, and the answer to "why did this trial run now?" kept on the trial itself (Ray Tune's split:
-searchers propose, a scheduler decides).
+end-of-budget eager twin, distributed give-back) read the study and return ``Candidate``s (parameters,
+and why: role, steered_by, grown_from, ...); none of them writes the queue or creates an Optuna trial
+(tests/test_structure.py checks it).
+Their callers hand what they return to this module: ``put`` (the objective's back-off and remedies, the
+study's seeds, ``Feeder`` for the proposers that run after each trial), ``prune`` and ``skip`` (a
+trial ended with its replacement: its eager twin, a surplus trial's configuration given back), and
+``requeue`` (a re-run of a trial cut short). One writer keeps one order and one numbering, and what a
+proposer puts forward can be replayed without a search (scripts/replay_plan.py). The candidates are
+kept as a study user attribute, so a search that is killed resumes with its queue and several
+processes of one study share it. Right before Optuna asks for the next trial (``feed``: before the
+first, and from ``Feeder``, Optuna's callback, after each trial), the planner
+(autotune.search.planner) chooses one candidate, and only that one is queued with
+``study.enqueue_trial``, its plan recorded on it as the ``planned`` user attribute: Optuna's public API,
+and the answer to "why did this trial run now?" kept on the trial itself (Ray Tune's split: searchers
+propose, a scheduler decides).
 
 A trial is ended unmeasured here too (``prune``: the objective and eager screening say why, this module
 ends it; ``skip``: a shared study's process found its last trials taken), and the search is stopped here
@@ -100,11 +105,6 @@ def put(study: optuna.Study, proposed: Proposed) -> list[Candidate]:
             study.set_user_attr(_NEXT_ATTR, number + 1)
         numbered.append(Candidate(dict(candidate.params), attrs, number))
     return numbered
-
-
-def propose(study: optuna.Study, params: dict[str, Any], **attrs: Any) -> Candidate:
-    """Put ``params`` forward with ``attrs`` (queue_attrs: role, steered_by, ...); returns the candidate."""
-    return put(study, Candidate.of(params, **attrs))[0]
 
 
 _NEXT_ATTR = "autotune:next_candidate"
