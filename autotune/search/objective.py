@@ -201,7 +201,7 @@ class Objective:
             # not run, and not counted (no "status"): the sampler learns the region from the pruned
             # trial, and the configuration is queued at a batch that fits
             write(trial, reason=verdict, predicted_oom=True)
-            self._back_off(trial)
+            self._queue_back_off(trial)
             prune(trial, verdict)
 
     def _trials_end(self, study: optuna.Study) -> float | None:
@@ -308,11 +308,17 @@ class Objective:
             write(trial, fit_peaks=fit["peaks"])
         if fit.get("does_not_fit_at"):
             write(trial, fit_oom_batch=fit["does_not_fit_at"])
-        if result["status"] == "oom" and (backoff := self._back_off(trial, fits_at=fit.get("fits_at"))) is not None:
-            put(trial.study, backoff)
-            write(trial, backed_off_to=backoff.params[strategies.batch_size.BATCH_SIZE_PARAM])
+        if result["status"] == "oom":
+            self._queue_back_off(trial, fits_at=fit.get("fits_at"))
         if result["status"] == "ok":
             self._explain(trial, result)
+
+    def _queue_back_off(self, trial: optuna.Trial, fits_at: int | None = None) -> None:
+        """Put the back-off's candidate (``_back_off``) in the queue and record its batch on the trial."""
+        backoff = self._back_off(trial, fits_at=fits_at)
+        if backoff is not None:
+            put(trial.study, backoff)
+            write(trial, backed_off_to=backoff.params[strategies.batch_size.BATCH_SIZE_PARAM])
 
     def _back_off(self, trial: optuna.Trial, fits_at: int | None = None) -> Candidate | None:
         """This configuration at the largest batch that can fit (``fits_at``, as the worker found it,
