@@ -16,7 +16,8 @@ numbered after the first of them). The memory limit is the study's ``--memory-li
 one, else ``--memory-gib`` (the card's: the study does not record it). The stop rule's measured
 walls are the finished trials' own, counted as it counts them. ``--remedies`` also proposes the
 findings' remedies of trial N (steering, from the findings it recorded) and ``--feeder`` the seed
-feeder's next seed: proposers return to the queue (autotune.search.queue), so each can be replayed.
+feeder's next seed: proposers return candidates and only the queue (autotune.search.queue) puts them
+in it, so each can be replayed.
 ``--all`` prints the first planned candidates of every committed search-yield study that has a plain
 recipe; a change to the planner or a proposer keeps those the same or says why.
 """
@@ -39,7 +40,7 @@ from autotune.search.findings import Finding  # noqa: E402
 from autotune.search.neighbours import Neighbours  # noqa: E402
 from autotune.search.plain_recipe import ROLE, GrowToFit  # noqa: E402
 from autotune.search.planner import Planner  # noqa: E402
-from autotune.search.queue import propose, queued  # noqa: E402
+from autotune.search.queue import Candidate, Feeder, put, queued  # noqa: E402
 from autotune.search.seeds import SeedFeeder  # noqa: E402
 from autotune.search.steering import steer  # noqa: E402
 from autotune.search.trials import planned_params  # noqa: E402
@@ -69,7 +70,8 @@ def as_of(src: optuna.Study, after: int) -> tuple[optuna.Study, optuna.trial.Fro
             dst.add_trial(create_trial(state=t.state, params=t.params, distributions=t.distributions,
                                        values=t.values, user_attrs=t.user_attrs, system_attrs=t.system_attrs))
         else:  # waiting then: proposed again with what it was proposed with
-            propose(dst, planned_params(t), **{k: t.user_attrs[k] for k in KEPT_ATTRS if k in t.user_attrs})
+            kept = {k: t.user_attrs[k] for k in KEPT_ATTRS if k in t.user_attrs}
+            put(dst, Candidate.of(planned_params(t), **kept))
     return dst, dst.trials[after]
 
 
@@ -94,12 +96,11 @@ def replay(path: str, after: int | None = None, left_s: float | None = None,
     study, told = as_of(src, after)
     maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
     if remedies and told.user_attrs.get("finding_rules"):
-        steer(study, told, [Finding(**f) for f in told.user_attrs["finding_rules"]], space)
+        put(study, steer(study, told, [Finding(**f) for f in told.user_attrs["finding_rules"]], space))
     if told.state == TrialState.COMPLETE:
-        for proposer in (GrowToFit(space, limit), Neighbours(space, limit)):
-            proposer(study, told)
+        Feeder(proposers=[GrowToFit(space, limit), Neighbours(space, limit)]).propose(study, told)
     if feeder:
-        SeedFeeder()(study, told)
+        put(study, SeedFeeder()(study, told))
     planner = Planner(space, maximize=maximize, limit_bytes=limit, walls=walls(study))
     rows = []
     queue = {t.number: planned_params(t) for t in queued(study)}

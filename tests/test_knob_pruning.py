@@ -162,6 +162,7 @@ def test_steering_skips_a_measured_configuration_queued_with_fewer_parameters():
     from autotune.search.findings import Finding
     from autotune.space import SearchSpace
     from autotune.search.steering import complete_params, steer
+    from autotune.search.queue import put
 
     space = SearchSpace(device="cuda", precisions=["fp32", "fp16"], batch_sizes=[64, 128], base_batch_size=64,
                         memory_formats=["contiguous", "channels_last"], stream_counts=[1, 2])
@@ -176,8 +177,8 @@ def test_steering_skips_a_measured_configuration_queued_with_fewer_parameters():
     layout = Finding("layout", "x", {"memory_format.format": "channels_last"})
     assert steer(study, trial, [layout], space) == []
     copies = Finding("copies", "y", {"streams.num_streams": 2})
-    queued = steer(study, trial, [copies], space)
-    assert queued == [{**base, "streams.num_streams": 2}]
+    queued = put(study, steer(study, trial, [copies], space))
+    assert [c.params for c in queued] == [{**base, "streams.num_streams": 2}]
     # streams found to have no effect: its remedy is not queued any more
     study.set_user_attr(FIXED_ATTR, {"streams.num_streams": {"value": 1, "reason": "test"}})
     other = Finding("copies", "y", {"streams.num_streams": 2, "batch_size.batch_size": 128})

@@ -13,7 +13,7 @@ import pytest
 import torch
 from optuna.trial import TrialState
 
-from autotune.search.queue import feed, propose
+from autotune.search.queue import Candidate, feed, put
 from autotune.search import queue
 from autotune.errors import ConfigError
 from autotune.search.memory import MemoryModel, family, parse_size
@@ -248,8 +248,8 @@ def test_a_backed_off_baseline_is_served_before_the_queued_seeds():
     study = optuna.create_study()
     planner = Planner(SearchSpace(device="cpu", precisions=["fp32"], batch_sizes=[32], base_batch_size=32))
     for batch in (256, 512):
-        propose(study, {"x": batch}, role="known-good")
-    propose(study, {"x": 32}, role="baseline", urgent=True)
+        put(study, Candidate.of({"x": batch}, role="known-good"))
+    put(study, Candidate.of({"x": 32}, role="baseline", urgent=True))
     served = []
     for _ in range(4):
         feed(study, planner)

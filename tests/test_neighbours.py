@@ -17,6 +17,7 @@ from autotune.search.memory import MemoryModel, family
 from autotune.search.levers import LEVERS, lever_bytes
 from autotune.search.neighbours import RULE, Neighbours, prior_factor
 from autotune.search.planner import Planner
+from autotune.search.queue import put
 from autotune.priors import prior
 from autotune.search.steering import complete_params
 from conftest import measured
@@ -43,7 +44,7 @@ def test_the_measured_plain_recipe_gets_its_one_knob_neighbours_each_once():
     study = _study()
     bar = measured(study, LM_SPACE, plain_recipe.params(LM_SPACE, 16), 450.0, role=plain_recipe.ROLE)
     proposer = Neighbours(LM_SPACE, limit_bytes=None)
-    proposer(study, study.trials[-1])
+    put(study, proposer(study, study.trials[-1]))
     queued = _queued(study)
     changes = [{k: v for k, v in t.system_attrs["fixed_params"].items() if bar.params.get(k) != v} for t in queued]
     assert {"vocab_padding.multiple": 64} in changes
@@ -51,7 +52,7 @@ def test_the_measured_plain_recipe_gets_its_one_knob_neighbours_each_once():
     assert {"cuda_graphs.enabled": True} in changes
     assert {"batch_size.batch_size": 32} in changes
     assert all(t.user_attrs["steered_by"]["rule"] == RULE for t in queued)
-    proposer(study, study.trials[0])  # told again: nothing queued twice
+    put(study, proposer(study, study.trials[0]))  # told again: nothing queued twice
     assert len(_queued(study)) == len(queued)
 
 
@@ -62,7 +63,7 @@ def test_one_knob_moves_go_in_beside_a_larger_batch_of_the_plain_recipe_and_agai
     bar = measured(study, LM_SPACE, plain_recipe.params(LM_SPACE, 8), 400.0, role=plain_recipe.ROLE)
     study.enqueue_trial(plain_recipe.params(LM_SPACE, 16), user_attrs={"role": plain_recipe.ROLE})
     proposer = Neighbours(LM_SPACE, limit_bytes=None)
-    proposer(study, bar)
+    put(study, proposer(study, bar))
     at = lambda batch: [t for t in _queued(study) if t.user_attrs.get("steered_by")
                         and t.system_attrs["fixed_params"]["batch_size.batch_size"] == batch]
     assert {"vocab_padding.multiple": 64} in [{k: v for k, v in t.system_attrs["fixed_params"].items()
@@ -71,7 +72,7 @@ def test_one_knob_moves_go_in_beside_a_larger_batch_of_the_plain_recipe_and_agai
     grown = study.ask()  # the grown one, measured faster: its own moves go in
     strategies.sample(grown, LM_SPACE)
     study.tell(grown, 420.0)
-    proposer(study, study.trials[grown.number])
+    put(study, proposer(study, study.trials[grown.number]))
     assert at(16) and len(at(16)) == len(at(8))
 
 
@@ -212,7 +213,7 @@ def test_a_measured_memory_knob_configuration_is_predicted_from_its_own_peak():
 def test_under_a_cap_the_levers_queue_the_largest_batch_the_memory_model_says_fits():
     space = _capped_space()
     study = _capped_study(space)
-    Neighbours(space, limit_bytes=24 * GIB)(study, study.trials[-1])
+    put(study, Neighbours(space, limit_bytes=24 * GIB)(study, study.trials[-1]))
     states = {t.system_attrs["fixed_params"].get("optimizer_state.state"): t.system_attrs["fixed_params"]
               for t in _queued(study)}
     # 21.9 - 6.9 GiB + 8 x 0.8 = 21.4 GiB, within 92% of 24; 16 would not be
@@ -244,12 +245,12 @@ def test_a_sample_measured_by_the_probes_forward_keeps_8_bit_states_from_a_batch
     being over 92% of 24 (the H200 measured 17.9 there: the line through one peak is cautious)."""
     space = _capped_space()
     bounded = _one_batch_study(space)
-    Neighbours(space, limit_bytes=24 * GIB)(bounded, bounded.trials[-1])
+    put(bounded, Neighbours(space, limit_bytes=24 * GIB)(bounded, bounded.trials[-1]))
     states = {t.system_attrs["fixed_params"].get("optimizer_state.state"): t.system_attrs["fixed_params"]
               for t in _queued(bounded)}
     assert states["8bit-bnb"]["batch_size.batch_size"] == 4
     measured = _one_batch_study(space, forward_held={"1": 5.4 * GIB, "2": 8.5 * GIB})
-    Neighbours(space, limit_bytes=24 * GIB)(measured, measured.trials[-1])
+    put(measured, Neighbours(space, limit_bytes=24 * GIB)(measured, measured.trials[-1]))
     states = {t.system_attrs["fixed_params"].get("optimizer_state.state"): t.system_attrs["fixed_params"]
               for t in _queued(measured)}
     assert states["8bit-bnb"]["batch_size.batch_size"] == 2
@@ -280,7 +281,7 @@ def test_peaks_near_the_cap_give_a_sample_what_its_forward_keeps_when_that_is_mo
         measured(study, space, params, 28.7, role=plain_recipe.ROLE, status="ok", knobs=_knobs(space, params),
                   figures={"peak_memory_bytes": 23.04 * GIB})
         model = MemoryModel.from_study(study, 24 * GIB)
-        Neighbours(space, limit_bytes=24 * GIB)(study, study.trials[-1])
+        put(study, Neighbours(space, limit_bytes=24 * GIB)(study, study.trials[-1]))
         queued[bool(held)] = (model.prior[2], {
             (p.get("precision.mode"), p.get("activation_checkpointing.every")): p["batch_size.batch_size"]
             for t in _queued(study) if (p := t.system_attrs["fixed_params"]).get("optimizer_state.state") == "8bit-bnb"
@@ -443,7 +444,7 @@ def test_fp8_is_a_neighbour_of_a_bf16_bar_ranked_by_its_prior_where_the_probe_si
     study = _study()
     study.set_user_attr(PROBE_ATTR, {"family": "eager", "peaks": {"1": 2 * GIB, "2": 3 * GIB}, "sizes": FP8_SIZES})
     bar = measured(study, space, plain_recipe.params(space, 16), 450.0, role=plain_recipe.ROLE)
-    Neighbours(space, limit_bytes=None)(study, bar)
+    put(study, Neighbours(space, limit_bytes=None)(study, bar))
     fp8 = [t for t in _queued(study) if t.system_attrs["fixed_params"]["precision.mode"] == "fp8"]
     assert len(fp8) == 1 and fp8[0].system_attrs["fixed_params"]["compile.mode"] == "default"
     plans = Planner(space, walls=[(10.0, False), (60.0, True)]).plans(study)
@@ -480,7 +481,7 @@ def test_under_a_cap_the_memory_knobs_are_queued_on_the_fp8_twin_too_and_it_is_s
     # and held to its twin's line as the twin is: bf16 at 4 is predicted over 24 GiB from its batches 1 and 2
     at_4 = _knobs(space, complete_params({**fp8, "batch_size.batch_size": 4}, space))
     assert model.verdict(at_4) is not None and "of its bf16 twin measured at batch 1, 2" in model.verdict(at_4)
-    Neighbours(space, limit_bytes=24 * GIB)(study, study.trials[-1])
+    put(study, Neighbours(space, limit_bytes=24 * GIB)(study, study.trials[-1]))
     levered = {}
     for t in _queued(study):
         fixed = t.system_attrs["fixed_params"]
@@ -602,7 +603,7 @@ def test_a_side_stream_is_predicted_from_the_copies_the_bars_profile_measured_an
     study = _study()
     bar = measured(study, IMAGE_SPACE, plain_recipe.params(IMAGE_SPACE, 1024), 6888.0, role=plain_recipe.ROLE,
                     profile=COPYING)
-    Neighbours(IMAGE_SPACE, limit_bytes=None)(study, bar)
+    put(study, Neighbours(IMAGE_SPACE, limit_bytes=None)(study, bar))
     plans = Planner(IMAGE_SPACE, walls=[(15.0, False), (68.0, True)]).plans(study)
     first = queue.queued_trial(study, plans[0].number)
     assert {k: v for k, v in first.system_attrs["fixed_params"].items() if bar.params.get(k) != v} == {
@@ -631,18 +632,18 @@ def test_a_move_that_beats_everything_gets_the_other_moves_on_top_of_it_once():
                        6068.0, role="steered", steered_by={"rule": RULE})
     won = measured(study, IMAGE_SPACE, streams, 7450.0, role="steered", steered_by={"rule": RULE})
     proposer = Neighbours(IMAGE_SPACE, limit_bytes=None)
-    proposer(study, bar)
+    put(study, proposer(study, bar))
     before = len(_queued(study))
-    proposer(study, slower)
+    put(study, proposer(study, slower))
     assert len(_queued(study)) == before  # below the bar: nothing built on it
-    proposer(study, won)
+    put(study, proposer(study, won))
     climbed = _queued(study)[before:]
     changes = [{k: v for k, v in t.system_attrs["fixed_params"].items() if won.params.get(k) != v} for t in climbed]
     assert any(c.get("precision.mode") == "fp16" for c in changes)  # with its GradScaler's settings
     assert {"compile.mode": "max-autotune-no-cudagraphs"} in changes
     assert all(t.system_attrs["fixed_params"]["streams.num_streams"] == 2 for t in climbed)
     assert all(t.user_attrs["steered_by"]["trial"] == won.number for t in climbed)
-    proposer(study, won)  # told again: nothing queued twice
+    put(study, proposer(study, won))  # told again: nothing queued twice
     assert len(_queued(study)) == before + len(climbed)
     plans = Planner(IMAGE_SPACE, walls=[(15.0, False), (68.0, True)]).plans(study)
     assert plans[0].number in {t.number for t in climbed}  # what may beat 7,450 goes first
@@ -659,8 +660,8 @@ def test_under_a_memory_cap_a_winner_gets_no_cuda_graph_on_top_and_nothing_expec
     for target in (capped, free):
         for t in (bar, won):
             target.add_trial(t)
-    Neighbours(space, limit_bytes=24 * GIB).climb(capped, capped.trials[-1])
-    Neighbours(space, limit_bytes=None).climb(free, free.trials[-1])
+    put(capped, Neighbours(space, limit_bytes=24 * GIB).climb(capped, capped.trials[-1]))
+    put(free, Neighbours(space, limit_bytes=None).climb(free, free.trials[-1]))
 
     def changed(study):
         return [{k: v for k, v in t.system_attrs["fixed_params"].items() if won.params.get(k) != v}
@@ -682,7 +683,7 @@ def test_a_side_stream_or_a_cuda_graph_the_profile_says_gives_nothing_is_not_new
     study = _study()
     quiet = {**COPYING, "memcpy_share": 0.0, "idle_share": 0.0}
     bar = measured(study, space, plain_recipe.params(space, 1024), 6888.0, role=plain_recipe.ROLE, profile=quiet)
-    Neighbours(space, limit_bytes=None)(study, bar)
+    put(study, Neighbours(space, limit_bytes=None)(study, bar))
     plans = {p.number: p for p in Planner(space, walls=[(15.0, False), (68.0, True)]).plans(study)}
     by_change = {}
     for number, plan in plans.items():
@@ -695,7 +696,7 @@ def test_a_side_stream_or_a_cuda_graph_the_profile_says_gives_nothing_is_not_new
     study = _study()
     bar = measured(study, space, plain_recipe.params(space, 1024), 6888.0, role=plain_recipe.ROLE,
                     profile={**quiet, "idle_share": 0.2})
-    Neighbours(space, limit_bytes=None)(study, bar)
+    put(study, Neighbours(space, limit_bytes=None)(study, bar))
     graphs = [p for p in Planner(space, walls=[(15.0, False), (68.0, True)]).plans(study)
               if queue.queued_trial(study, p.number).system_attrs["fixed_params"].get("cuda_graphs.enabled")]
     assert graphs[0].gain == pytest.approx(6888.0 * (1.02 * 1.05 - 1))
@@ -773,7 +774,7 @@ def test_a_side_stream_runs_first_while_a_larger_batch_of_the_plain_recipe_waits
                     timing={"compile_s": 67.9, "compile_cache": "miss", "wall_s": 116.6})
     study.enqueue_trial(plain_recipe.params(IMAGE_SPACE, 1024), user_attrs={"role": plain_recipe.ROLE,
                                                                             "grown_from": bar.number})
-    Neighbours(IMAGE_SPACE, limit_bytes=None)(study, bar)
+    put(study, Neighbours(IMAGE_SPACE, limit_bytes=None)(study, bar))
     planner = Planner(IMAGE_SPACE, walls=[(15.0, False), (116.6, True)])
     plans = planner.plans(study)
     first = queue.queued_trial(study, plans[0].number).system_attrs["fixed_params"]
@@ -793,14 +794,14 @@ def test_a_findings_remedy_that_beats_everything_gets_the_moves_on_top_but_not_b
                                                           "compile.mode": "off"}, IMAGE_SPACE),
                      3000.0, role="steered", steered_by={"rule": "no-tensor-cores"})
     proposer = Neighbours(IMAGE_SPACE, limit_bytes=None)
-    proposer(study, early)
+    put(study, proposer(study, early))
     assert not _queued(study)  # no plain recipe measured yet: nothing to climb from
     bar = measured(study, IMAGE_SPACE, plain_recipe.params(IMAGE_SPACE, 1024), 5774.0, role=plain_recipe.ROLE,
                    profile=COPYING)
     won = measured(study, IMAGE_SPACE, complete_params({**bar.params, "streams.num_streams": 2}, IMAGE_SPACE),
                    6146.0, role="steered", steered_by={"trial": bar.number, "rule": "copies"})
-    proposer(study, bar)
-    proposer(study, won)
+    put(study, proposer(study, bar))
+    put(study, proposer(study, won))
     climbed = [t for t in _queued(study) if t.user_attrs["steered_by"].get("trial") == won.number]
     assert climbed and all(t.system_attrs["fixed_params"]["streams.num_streams"] == 2 for t in climbed)
     changes = [{k: v for k, v in t.system_attrs["fixed_params"].items() if won.params.get(k) != v} for t in climbed]
@@ -829,8 +830,8 @@ def test_the_moves_start_at_the_batch_the_bars_measured_step_predicts_fits():
     now start at the grown batch, the one a user's plain recipe has; the larger-batch move stays the
     grown plain recipe itself, and the planner runs a move at 64 first."""
     study, bar, proposer = _gpt2_bar(79)
-    plain_recipe.GrowToFit(GPT2_SPACE, 79 * GIB)(study, bar)
-    proposer(study, bar)
+    put(study, plain_recipe.GrowToFit(GPT2_SPACE, 79 * GIB)(study, bar))
+    put(study, proposer(study, bar))
     steered = [t for t in _queued(study) if t.user_attrs.get("steered_by")]
     changes = [{k: v for k, v in t.system_attrs["fixed_params"].items() if bar.params.get(k) != v} for t in steered]
     assert {"batch_size.batch_size": 64, "cuda_graphs.enabled": True} in changes
@@ -849,7 +850,7 @@ def test_the_moves_stay_at_the_bars_batch_where_its_peak_scaled_up_nears_the_lim
     # scaled to it (36.3) is over SIBLING_FILL of the limit, where a move is no longer held to it
     study, bar, proposer = _gpt2_bar(40)
     assert plain_recipe.grown_batch(study, bar, GPT2_SPACE, 40 * GIB) == 64
-    proposer(study, bar)
+    put(study, proposer(study, bar))
     moves = [t for t in _queued(study) if t.user_attrs.get("steered_by")
              and "a larger batch" not in t.user_attrs["steered_by"]["why"]]
     assert moves and all(t.system_attrs["fixed_params"]["batch_size.batch_size"] == 48 for t in moves)

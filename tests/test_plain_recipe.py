@@ -122,20 +122,20 @@ def test_a_plain_recipe_whose_compiled_step_left_room_is_measured_at_the_next_ba
     the plain recipe ran at 1 (34,656 tokens/s); compiled, it allocated 20.2 GiB there, and the
     hand-written loop fits batch 2 (45,784 tokens/s)."""
     study, trial = _plain_study(allocated_gib=20.2)
-    plain_recipe.GrowToFit(LM, 24 * GIB)(study, trial)
+    queue.put(study, plain_recipe.GrowToFit(LM, 24 * GIB)(study, trial))
     queued = queue.queued(study)
     assert len(queued) == 1 and queued[0].system_attrs["fixed_params"]["batch_size.batch_size"] == 2
     assert queued[0].user_attrs == {"role": "plain-recipe", "grown_from": trial.number}
-    plain_recipe.GrowToFit(LM, 24 * GIB)(study, trial)  # once
+    queue.put(study, plain_recipe.GrowToFit(LM, 24 * GIB)(study, trial))  # once
     assert len(queue.queued(study)) == 1
     # no room (21.6 + half the probe's 1.4 GiB a sample is over 92% of 24 GiB), or no limit: nothing
     full, trial = _plain_study(allocated_gib=21.6)
-    plain_recipe.GrowToFit(LM, 24 * GIB)(full, trial)
+    queue.put(full, plain_recipe.GrowToFit(LM, 24 * GIB)(full, trial))
     assert not queue.queued(full)
-    plain_recipe.GrowToFit(LM, None)(*_plain_study(allocated_gib=1.0))
+    assert plain_recipe.GrowToFit(LM, None)(*_plain_study(allocated_gib=1.0)) is None
     # at 4x the base already: nothing larger is the plain recipe
     top, trial = _plain_study(allocated_gib=1.0, batch=64)
-    plain_recipe.GrowToFit(LM, 24 * GIB)(top, trial)
+    queue.put(top, plain_recipe.GrowToFit(LM, 24 * GIB)(top, trial))
     assert not queue.queued(top)
 
 
@@ -153,7 +153,7 @@ def _grown_batch(limit_gib, compiled_gib_a_sample=0.42, batch=8):
     allocated = fixed + batch * compiled_gib_a_sample * GIB
     trial.set_user_attr("figures", {"peak_allocated_bytes": allocated, "peak_memory_bytes": allocated + 1.5 * GIB})
     study.tell(trial, 300.0)
-    plain_recipe.GrowToFit(LM, limit_gib * GIB)(study, study.trials[trial.number])
+    queue.put(study, plain_recipe.GrowToFit(LM, limit_gib * GIB)(study, study.trials[trial.number]))
     queued = queue.queued(study)
     assert len(queued) <= 1
     return queued[0].system_attrs["fixed_params"]["batch_size.batch_size"] if queued else None

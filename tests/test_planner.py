@@ -14,7 +14,7 @@ from autotune.space import SearchSpace
 from autotune.search.memory import PROBE_ATTR
 from autotune.search.planner import Planner
 from autotune.priors import prior
-from autotune.search.queue import candidates, feed, propose
+from autotune.search.queue import Candidate, Feeder, candidates, feed, put
 from autotune.search.steering import complete_params
 from conftest import measured, workers_answer_ok
 
@@ -43,7 +43,7 @@ def _measured(study, params, value, **attrs):
 
 def _queue(study, params, role="known-good"):
     """Put ``params`` forward as a candidate (autotune.search.queue): its number."""
-    return propose(study, params, role=role).id
+    return put(study, Candidate.of(params, role=role))[0].id
 
 
 def _compiled_walls():
@@ -191,6 +191,29 @@ def test_the_chosen_trial_records_why_it_ran():
     assert "predicted 1,300 samples/s" in planned["why"]
     assert planned["runner_up"]["number"] == slower and planned["runner_up"]["lost"].startswith("less gain a second")
     assert study.trials[1].state == TrialState.RUNNING
+
+
+def test_the_feeder_puts_each_proposers_candidates_before_the_next_proposer_is_asked_then_feeds():
+    """Proposers only return candidates: the queue's Feeder puts them, in the proposers' order, so a
+    proposer sees what those before it proposed (and leaves it out), and the planner chooses among all."""
+    study = _study()
+    done = _measured(study, _params("bf16", 64), 1000.0)
+    compiled, fp32 = _params("bf16", 64, "default"), _params("fp32", 64)
+    seen = []
+
+    def first(study, trial):
+        return [Candidate.of(compiled, role="steered", steered_by={"trial": trial.number, "rule": "a"}),
+                Candidate.of(fp32, role="steered", steered_by={"trial": trial.number, "rule": "a"})]
+
+    def second(study, trial):
+        seen.append([c.params for c in candidates(study)])
+        return None if compiled in seen[-1] else Candidate.of(compiled, role="steered")
+
+    assert first(study, study.trials[done]) and not candidates(study)  # a proposer writes nothing
+    Feeder(Planner(SPACE, walls=_compiled_walls()), proposers=[first, second])(study, study.trials[done])
+    assert seen == [[compiled, fp32]]
+    assert [c.params for c in candidates(study)] == [fp32]  # the planner's choice went to Optuna's queue
+    assert study.trials[-1].system_attrs["fixed_params"] == compiled and study.trials[-1].user_attrs["planned"]
 
 
 def test_a_larger_batch_is_predicted_from_the_batch_prior_in_the_workloads_units():

@@ -148,7 +148,7 @@ def test_the_fastest_eager_configuration_is_queued_compiled_once(ran) -> None:
     for batch in (8, 32, 16):
         study.enqueue_trial(_params(batch, "off"), user_attrs={"role": "known-good"})
     finalist = CompileFinalist(SPACE, maximize=True)
-    study.optimize(_objective(), n_trials=5, callbacks=[finalist, Feeder()])
+    study.optimize(_objective(), n_trials=5, callbacks=[Feeder(proposers=[finalist])])
     # once the queued eager candidates ran, the fastest of them (batch 32) is queued compiled, once
     assert ran[:4] == [(8, "off"), (32, "off"), (16, "off"), (32, "default")]
     assert ran.count((32, "default")) == 1 and (8, "default") not in ran
@@ -163,7 +163,7 @@ def test_without_compile_in_the_space_nothing_is_queued() -> None:
     study.add_trial(optuna.trial.create_trial(params={"batch_size.batch_size": 16}, value=5.0,
                                               distributions={"batch_size.batch_size":
                                                              optuna.distributions.CategoricalDistribution([8, 16])}))
-    CompileFinalist(eager_only, maximize=True)(study, study.trials[0])
+    assert CompileFinalist(eager_only, maximize=True)(study, study.trials[0]) is None
     assert not queue.queued(study)
 
 

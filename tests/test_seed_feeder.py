@@ -8,8 +8,8 @@ import optuna
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
-from autotune.search.queue import feed, propose, queued, waiting
-from autotune.search.seeds import BACKLOG_ATTR, SEEDS_UPFRONT, SeedFeeder, enqueue_seeds
+from autotune.search.queue import Candidate, feed, put, queued, waiting
+from autotune.search.seeds import BACKLOG_ATTR, SEEDS_UPFRONT, SeedFeeder, seed_candidates
 
 SPACE = {"precision.mode": CategoricalDistribution(["fp32", "fp16", "bf16", "fp8"]),
          "batch_size.batch_size": CategoricalDistribution([64, 128, 256, 512, 1024])}
@@ -37,18 +37,20 @@ def _run_one(study, feeder, value=1.0, unstable=False):
     if unstable:
         trial.set_user_attr("unstable", True)
     study.tell(trial, value)
-    feeder(study, study.trials[trial.number])
+    put(study, feeder(study, study.trials[trial.number]))  # the queue's Feeder puts what it proposes
     return study.trials[trial.number]
 
 
 def test_the_baseline_and_the_best_two_are_queued_and_the_rest_kept_back():
     study = _study()
-    enqueue_seeds(study, _seeds())
+    proposed = seed_candidates(study, _seeds())
+    assert queued(study) == []  # proposed, not queued: the queue puts them
+    put(study, proposed)
     waiting = queued(study)
     assert [t.user_attrs["role"] for t in waiting] == ["baseline"] + ["known-good"] * SEEDS_UPFRONT
     assert len(study.user_attrs[BACKLOG_ATTR]) == len(_seeds()) - 1 - SEEDS_UPFRONT
     replay = _study()
-    enqueue_seeds(replay, _seeds(), all_now=True)  # --replay keeps the earlier search's order
+    put(replay, seed_candidates(replay, _seeds(), all_now=True))  # --replay keeps the earlier search's order
     assert len(queued(replay)) == len(_seeds())
     assert replay.user_attrs[BACKLOG_ATTR] == []
 
@@ -59,7 +61,7 @@ def _waiting(study):
 
 def test_seeds_alternate_with_the_searchs_own_trials():
     study, feeder = _study(), SeedFeeder()
-    enqueue_seeds(study, _seeds())
+    put(study, seed_candidates(study, _seeds()))
     roles = [_run_one(study, feeder).user_attrs.get("role", "search") for _ in range(12)]
     # the first fp16 seed is queued after the baseline (no fp16 trial yet) and takes a seed's turn
     assert roles[:4] == ["baseline", "known-good", "known-good", "known-good"]
@@ -76,7 +78,7 @@ def test_the_first_seed_of_a_precision_nothing_ran_is_queued_at_once():
     # the 6-minute budget ran out, though fp8 measured 1.51x the best bf16
     study, feeder = _study(), SeedFeeder()
     seeds = _seeds() + [("known-good", {"precision.mode": "fp8", "batch_size.batch_size": 512})]
-    enqueue_seeds(study, seeds)
+    put(study, seed_candidates(study, seeds))
     _run_one(study, feeder)  # the baseline: fp16 is the first new mode in the backlog
     assert _waiting(study)[-1] == {"precision.mode": "fp16", "batch_size.batch_size": 256}
     _run_one(study, feeder)  # bf16 at 256: fp8, at the end of the backlog, is next, not fp16 at 512
@@ -90,8 +92,8 @@ def test_the_first_seed_of_a_precision_nothing_ran_is_queued_at_once():
     assert not _waiting(study) and len(study.user_attrs[BACKLOG_ATTR]) == len(backlog)
     # a mode the search sampled itself is not new: its seed waits its turn
     sampled = _study()
-    enqueue_seeds(sampled, seeds)
-    propose(sampled, {"precision.mode": "fp8", "batch_size.batch_size": 64})
+    put(sampled, seed_candidates(sampled, seeds))
+    put(sampled, Candidate.of({"precision.mode": "fp8", "batch_size.batch_size": 64}))
     _run_one(sampled, feeder)  # the baseline: fp16 is fed; fp8 has a trial queued by the search
     _run_one(sampled, feeder)
     assert {"precision.mode": "fp8", "batch_size.batch_size": 512} in sampled.user_attrs[BACKLOG_ATTR]
@@ -100,7 +102,7 @@ def test_the_first_seed_of_a_precision_nothing_ran_is_queued_at_once():
 def test_a_seed_that_measurements_already_answer_is_dropped():
     study, feeder = _study(), SeedFeeder()
     seeds = _seeds()
-    enqueue_seeds(study, seeds)
+    put(study, seed_candidates(study, seeds))
     _run_one(study, feeder)  # the baseline; fp16 at 256 is queued at once (the first fp16)
     _run_one(study, feeder, unstable=True)  # bf16 at 256: the loss went NaN
     _run_one(study, feeder)  # bf16 at 512

@@ -62,10 +62,12 @@ def test_remedies_are_queued_once_and_never_the_trial_itself():
                 Finding("same", "y", {"memory_format.format": "contiguous"}),
                 Finding("copies", "z", {"streams.num_streams": 2}),
                 Finding("idle", "w", {"batch_size.batch_size": 256})]
-    queued = steer(study, trial, findings, SPACE)
+    proposed = steer(study, trial, findings, SPACE)
+    assert not queue.queued(study)  # proposed, not queued: the caller (the objective) puts them in the queue
+    queued = [c.params for c in queue.put(study, proposed)]
     assert [q["memory_format.format"] for q in queued] == ["channels_last", "contiguous"]
     assert queued[1]["streams.num_streams"] == 2  # the limit (2) stops before the batch remedy
-    again = steer(study, trial, findings, SPACE)
+    again = [c.params for c in queue.put(study, steer(study, trial, findings, SPACE))]
     assert again == [{**FP16_NCHW, "batch_size.batch_size": 256}]  # the first two are already queued
     waiting = queue.queued(study)
     assert len(waiting) == 3 and all(t.user_attrs["role"] == "steered" for t in waiting)

@@ -214,7 +214,7 @@ def test_the_measured_plain_recipe_gets_space_to_depth_as_a_one_knob_move() -> N
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(direction="maximize")
     bar = measured(study, IMAGE_SPACE, plain_recipe.params(IMAGE_SPACE, 1024), 5774.0, role=plain_recipe.ROLE)
-    Neighbours(IMAGE_SPACE, limit_bytes=None)(study, bar)
+    queue.put(study, Neighbours(IMAGE_SPACE, limit_bytes=None)(study, bar))
     changes = [{k: v for k, v in t.system_attrs["fixed_params"].items() if bar.params.get(k) != v}
                for t in queue.queued(study)]
     assert {"stem_conv.stem": "space_to_depth"} in changes

@@ -143,3 +143,39 @@ def test_one_module_queues_prunes_skips_and_stops_and_only_crash_recovery_reache
             if pattern.search(code) and name not in allowed.get(what, {"autotune/search/queue.py"}):
                 found.append(f"{name} {what}")
     assert found == []
+
+
+PROPOSERS = ("seeds", "plain_recipe", "neighbours", "steering", "screening", "warm", "distributed", "fit",
+             "findings")
+"""The modules of autotune/search/ that propose candidates (and autotune/search/objective.py's back-off)."""
+
+
+def test_proposers_return_candidates_and_only_the_queue_writes_it():
+    """A proposer reads the study and returns candidates (autotune.search.queue.Candidate); only
+    autotune/search/queue.py puts them in the queue (``put``, and ``prune``, ``skip`` and ``requeue`` with
+    theirs), so no proposer module imports or calls the queue's writers nor names the queue's attributes."""
+    import ast
+
+    writers = {"propose", "put", "requeue", "enqueue_trial"}
+    attrs = {"CANDIDATES_ATTR", "_NEXT_ATTR", "autotune:candidates", "autotune:next_candidate"}
+
+    def writes(tree: ast.AST) -> list[str]:
+        found = []
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                found += [f"imports {a.name}" for a in node.names if a.name.rpartition(".")[2] in writers | attrs]
+            elif isinstance(node, ast.Call):
+                func = node.func
+                name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+                found += [f"calls {name}"] if name in writers else []
+            elif isinstance(node, (ast.Name, ast.Attribute, ast.Constant)):
+                name = getattr(node, "id", None) or getattr(node, "attr", None) or getattr(node, "value", None)
+                found += [f"names {name}"] if isinstance(name, str) and name in attrs else []
+        return found
+
+    trees = {f"autotune/search/{name}.py": ast.parse((ROOT / "autotune" / "search" / f"{name}.py").read_text())
+             for name in PROPOSERS}
+    objective = ast.parse((ROOT / "autotune" / "search" / "objective.py").read_text())
+    trees["autotune/search/objective.py: Objective._back_off"] = next(
+        node for node in ast.walk(objective) if isinstance(node, ast.FunctionDef) and node.name == "_back_off")
+    assert [f"{name} {what}" for name, tree in trees.items() for what in writes(tree)] == []

@@ -181,7 +181,7 @@ def test_the_evidence_gets_what_it_would_have_proposed_queued(tmp_path):
     # the search queues its seeds before it starts (autotune.search.seeds): a queued seed is not a trial run
     seed = _params("fp32", 128, "off")
     study.enqueue_trial(seed, user_attrs={"role": "known-good"})
-    assert warm.propose_from_evidence(study, [Neighbours(SPACE, None)]) == 3
+    assert warm.propose_from_evidence(study, queue.Feeder(proposers=[Neighbours(SPACE, None)]).propose) == 3
     queued = [t.system_attrs["fixed_params"] for t in queue.queued(study)]
     assert len(queued) > 1 and _params("bf16", 64, "default", "channels_last") not in queued
     assert all(TrialRecord.of(t).role == "steered" for t in queue.queued(study)
@@ -189,7 +189,7 @@ def test_the_evidence_gets_what_it_would_have_proposed_queued(tmp_path):
     # a study that has run a trial of its own has had its proposals
     trial = study.ask()
     study.tell(trial, 1500.0)
-    assert warm.propose_from_evidence(study, [Neighbours(SPACE, None)]) == 0
+    assert warm.propose_from_evidence(study, queue.Feeder(proposers=[Neighbours(SPACE, None)]).propose) == 0
 
 
 def test_the_recommendation_an_earlier_search_measured_keeps_that_searchs_compile(tmp_path):
@@ -311,7 +311,8 @@ def test_replayed_from_the_h100_second_search_a_compile_that_cannot_finish_is_no
         if TrialRecord.of(t).warm_from is not None:
             study.add_trial(create_trial(state=t.state, params=t.params, distributions=t.distributions,
                                          values=t.values, user_attrs=t.user_attrs, system_attrs=t.system_attrs))
-    assert warm.propose_from_evidence(study, [GrowToFit(space, None), Neighbours(space, None)]) == 5
+    feeder = queue.Feeder(proposers=[GrowToFit(space, None), Neighbours(space, None)])
+    assert warm.propose_from_evidence(study, feeder.propose) == 5
     planner = Planner(space, walls=warm.warm_walls(study))
     chosen = {left: planner.choose(study, left_s=left) for left in (270.0, 560.0)}
     modes = {left: queue.queued_trial(study, plan.number).system_attrs["fixed_params"]["compile.mode"]
@@ -349,7 +350,8 @@ def test_replayed_from_the_second_h100_run_a_compile_the_budget_cut_is_not_start
                                          user_attrs={**cut.user_attrs, "cut_after_s": 267.0, "warm_from": {
                                              "out_dir": "r50-second", "study": src.study_name, "number": 15,
                                              "finished": "2026-12-07T14:47:00"}}))
-        warm.propose_from_evidence(study, [GrowToFit(space, None), Neighbours(space, None)])
+        feeder = queue.Feeder(proposers=[GrowToFit(space, None), Neighbours(space, None)])
+        warm.propose_from_evidence(study, feeder.propose)
         plan = Planner(space, walls=warm.warm_walls(study)).choose(study, left_s=270.0)
         return queue.queued_trial(study, plan.number).system_attrs["fixed_params"]["compile.mode"], plan
 

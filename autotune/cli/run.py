@@ -113,14 +113,14 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         stop_rule = StopRule(config, shared, started, emit, compile_prior_s=compile_prior_s(info))
         objective.walls, objective.compile_prior_s = stop_rule.walls, stop_rule.compile_prior_s
         stop_rule.gate = gate
-        feeder = _planner(space, objective, stop_rule, target, _deadline(config, started),
-                          replay=bool(config.replay), slots=len(gpu_pool) if gpu_pool else 1)
+        feeder = _planner(config, space, objective, stop_rule, target, info, _deadline(config, started),
+                          slots=len(gpu_pool) if gpu_pool else 1)
         artifacts = Artifacts(out_dir)  # each trial's log and trace, for optuna-dashboard
         if tracking is not None:
             tracking.start(study, config.command)
-        callbacks = _warmed(study, stop_rule, _proposers(config, space, target, objective, info)) + [feeder]
+        _warm(study, stop_rule, feeder)
         interrupted = _optimize(config, study, artifacts.wrap(objective), shared, gpu_pool,
-                                callbacks + ([tracking] if tracking is not None else []), started, feeder)
+                                [feeder] + ([tracking] if tracking is not None else []), started, feeder)
         if gate is not None and interrupted is None:
             # the recommendation must have passing accuracy evidence: check the fastest trials that have none,
             # fastest first, until one passes, within the budget (one left unchecked says so: export)
@@ -149,12 +149,12 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         lock.release()
 
 
-def _warmed(study: optuna.Study, stop_rule: StopRule, proposers: list[Callable]) -> list[Callable]:
-    """The proposers, which have had the trials earlier searches measured (autotune.search.warm) handed to
-    them where the study starts with such trials; the stop rule knows from those what a trial costs here."""
+def _warm(study: optuna.Study, stop_rule: StopRule, feeder: Feeder) -> None:
+    """Hand the trials earlier searches measured (autotune.search.warm), where the study starts with such
+    trials, to the feeder's proposers, whose candidates it puts in the queue; the stop rule learns from
+    them what a trial costs here."""
     stop_rule.walls.extend(warm_walls(study))
-    propose_from_evidence(study, proposers)
-    return proposers
+    propose_from_evidence(study, feeder.propose)
 
 
 def _keep_for_the_next_search(config: SearchConfig, study: optuna.Study, out_dir: Path, device: str,
@@ -202,28 +202,29 @@ def _fit(config: SearchConfig, device: str, info: dict[str, Any], phases: dict[s
 
 def _proposers(config: SearchConfig, space: SearchSpace, target: Goal, objective: Objective,
                info: dict[str, Any]) -> list[Callable]:
-    """Optuna's callbacks after each trial that queue candidates for the planner: the seed feeder; the
-    fastest eager configuration compiled; the plain recipe grown to the batch that fits, then its
-    neighbours (one knob changed; the memory knobs under a cap) (not under --replay: it measures an
-    earlier search's configurations as they were)."""
+    """What proposes candidates for the planner after each trial (the queue's Feeder puts them in the
+    queue, in this order): the seed feeder; the fastest eager configuration compiled; the plain recipe
+    grown to the batch that fits, then its neighbours (one knob changed; the memory knobs under a cap)
+    (not under --replay: it measures an earlier search's configurations as they were)."""
     if config.replay:
         return [SeedFeeder()]
     return [SeedFeeder(), CompileFinalist(space, target.maximize), GrowToFit(space, objective.fit_limit_bytes),
             Neighbours(space, objective.fit_limit_bytes)]
 
 
-def _planner(space: SearchSpace, objective: Objective, stop_rule: StopRule, target: Goal,
-              end: float | None, *, replay: bool = False, slots: int = 1) -> Feeder:
+def _planner(config: SearchConfig, space: SearchSpace, objective: Objective, stop_rule: StopRule, target: Goal,
+             info: dict[str, Any], end: float | None, *, slots: int = 1) -> Feeder:
     """One place decides what runs next, from the whole picture (autotune.search.planner): asked by the
     queue (autotune.search.queue) which candidate runs next, by the stop rule what the next trial costs and
     by the objective whether a trial is predicted to be overtaken (then not checked for accuracy); under
-    --replay it runs the queue in its order. Returns the queue's feeder, which asks the stop rule after each
-    trial and queues the planner's choice for each of ``slots`` trials run at once."""
+    --replay it runs the queue in its order. Returns the queue's feeder, which after each trial puts what the
+    proposers (``_proposers``) propose in the queue, asks the stop rule and queues the planner's choice for
+    each of ``slots`` trials run at once."""
     planner = Planner(space, maximize=target.maximize, limit_bytes=objective.fit_limit_bytes, walls=stop_rule.walls,
                       compile_prior_s=stop_rule.compile_prior_s, deadline=end, unit=target.unit,
-                      queue_order=replay)
+                      queue_order=bool(config.replay))
     objective.planner = stop_rule.planner = planner
-    return Feeder(planner, stop_rule, slots=slots)
+    return Feeder(planner, stop_rule, slots=slots, proposers=_proposers(config, space, target, objective, info))
 
 
 def _mlflow_log(config: SearchConfig):

@@ -37,7 +37,7 @@ from optuna.trial import TrialState
 
 from autotune.errors import ConfigError
 from autotune.search.storage import is_transient, mask_url, stale_trial_numbers, trial_id
-from autotune.search.queue import propose, skip
+from autotune.search.queue import Candidate, skip
 from autotune.trial.record import TrialRecord
 
 log = logging.getLogger("autotune.search.distributed")
@@ -216,16 +216,16 @@ class SharedStudy:
 
                 ahead = len(counted_trials(self.study)) + len(self.live_running(before=trial.number))
                 if ahead >= self.trials:  # the stop rule then waits for those, see has_its_trials
-                    self._give_back(trial)
                     skip(trial, f"not run: the study's {self.trials} trials were already finished or running "
-                                "in other processes")
+                                "in other processes", instead=self._give_back(trial))
             return objective(trial)
 
         return guarded
 
-    def _give_back(self, trial: optuna.Trial) -> None:
-        """A trial that ends unmeasured: a queued configuration (a seed, a re-run) is queued again
-        so that nothing queued is lost; the trial says why it has no result."""
+    def _give_back(self, trial: optuna.Trial) -> Candidate | None:
+        """A trial that ends unmeasured says why it has no result; its configuration, where it was queued
+        (a seed, a re-run), is returned as a candidate with its role, for ``skip`` to put back in the
+        queue so that nothing queued is lost."""
         here = trial_id(self.storage, self.study, trial.number)
         frozen = self.storage.get_trial(here)
         fixed = frozen.system_attrs.get("fixed_params")
@@ -233,7 +233,8 @@ class SharedStudy:
         if fixed is not None:
             record = TrialRecord.of(frozen)
             kept = {k: v for k, v in (("role", record.role), ("retry_of", record.retry_of)) if v is not None}
-            propose(self.study, fixed, **kept)
+            return Candidate.of(fixed, **kept)
+        return None
 
     def other_processes(self) -> set[str]:
         """The host:pid of live processes, other than this one, running trials of the study."""

@@ -11,10 +11,11 @@ batch (a 1B Llama under 24 GiB fits the plain recipe at batch 1 or 2), the knobs
 8-bit optimizer states, a fused linear cross-entropy, recomputed activations, the allocator's
 expandable segments, traded for a batch that fits and runs faster.
 
-``Neighbours`` is a proposer (Optuna's callback after each trial): once the plain recipe is measured,
-it queues those candidates once each, as steered trials of RULE, from the fastest plain recipe
-measured, at the batch its measured step predicts fits where the eager memory probe sized it smaller
-(``start``), and again from a larger batch of it, GrowToFit's, once that one is measured faster. The
+``Neighbours`` is a proposer after each trial (autotune.search.queue.Feeder): once the plain recipe is
+measured, it proposes those candidates, each one that no trial has measured, runs or queued, as steered
+trials of RULE, from the fastest plain recipe measured, at the batch its measured step predicts fits
+where the eager memory probe sized it smaller (``start``), and again from a larger batch of it,
+GrowToFit's, once that one is measured faster. The
 planner (autotune.search.planner) orders them by expected gain per second, from each move's prior
 (autotune.priors: what the knob gave elsewhere) until this search measures it. They
 are compiled like the bar and skip eager screening: a compiled configuration one knob away from a
@@ -37,7 +38,7 @@ from autotune.space import SearchSpace
 from autotune.search import plain_recipe
 from autotune.search.levers import LEVER_SETS, LEVERS, untuned
 from autotune.priors import prior, table, values
-from autotune.search.queue import propose, trials as queued_and_run
+from autotune.search.queue import Candidate, trials as queued_and_run
 from autotune.search.steering import complete_params
 from autotune.search.trials import planned_params
 from autotune.trial.record import TrialRecord
@@ -201,53 +202,56 @@ def offered(space: SearchSpace, params: dict[str, Any], changes: dict[str, Any])
 
 
 class Neighbours:
-    """Optuna's callback after each trial: queue the plain recipe's neighbours once it is measured."""
+    """A proposer after each trial: the plain recipe's neighbours once it is measured, and the climbs
+    from a trial that beat it."""
 
     def __init__(self, space: SearchSpace, limit_bytes: float | None) -> None:
         self.space = space
         self.limit_bytes = limit_bytes
 
-    def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+    def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> list[Candidate]:
         if trial.state != TrialState.COMPLETE or trial.value is None:
-            return
+            return []
         if TrialRecord.of(trial).role != plain_recipe.ROLE:
-            self.climb(study, trial)
-            return
+            return self.climb(study, trial)
         trials = queued_and_run(study)
         # from the fastest plain recipe measured, even while a larger batch of it is queued (GrowToFit):
         # the planner weighs them against it. Held back until that one ran, the moves may never run: the
         # grown batch is hoped little for a cold compile, and the budget may end first
         bar = max((t for t in trials if TrialRecord.of(t).role == plain_recipe.ROLE
                    and t.state == TrialState.COMPLETE and t.value is not None), key=lambda t: t.value)
-        self._queue(study, trials, bar, self.candidates(study, bar))
+        return self._steered(trials, bar, self.candidates(study, bar))
 
-    def _queue(self, study: optuna.Study, trials: list[optuna.trial.FrozenTrial], start: optuna.trial.FrozenTrial,
-               proposals: list[tuple[dict[str, Any], str]]) -> None:
-        """Queue each of ``proposals`` (complete parameters, why) that no trial of the study has, steered
-        from ``start`` by RULE."""
+    def _steered(self, trials: list[optuna.trial.FrozenTrial], start: optuna.trial.FrozenTrial,
+                 proposals: list[tuple[dict[str, Any], str]]) -> list[Candidate]:
+        """Each of ``proposals`` (complete parameters, why) that none of ``trials`` (measured, running or
+        queued) has, once, as a candidate steered from ``start`` by RULE."""
         known = [complete_params(planned_params(t), self.space) for t in trials]
+        steered = []
         for params, why in proposals:
             if params in known:
                 continue
             known.append(params)
-            propose(study, params, role="steered", steered_by={"trial": start.number, "rule": RULE, "why": why})
+            steered.append(Candidate.of(params, role="steered",
+                                        steered_by={"trial": start.number, "rule": RULE, "why": why}))
+        return steered
 
-    def climb(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+    def climb(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> list[Candidate]:
         """A move that beat the plain recipe and every trial measured so far gets the other moves on
         top of it, once each: a side stream and fp16 each measured alone would not add up otherwise
         (the moves all start from the bar). So does a finding's remedy that did (a side stream from the
         bar's profile, rule "copies", say). The planner weighs them from this trial."""
         if TrialRecord.of(trial).role != "steered":
-            return
+            return []
         trials = queued_and_run(study)
         done = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None and t.number != trial.number]
         measured = [t.value for t in done]
         bar_measured = any(TrialRecord.of(t).role == plain_recipe.ROLE for t in done)
         if (not bar_measured or trial.value <= max(measured)
                 or study.direction != optuna.study.StudyDirection.MAXIMIZE):
-            return
-        self._queue(study, trials, trial, [(params, f"{why}, on #{trial.number}, which beat the plain recipe")
-                                           for params, why in self._moves(trial.params, self._climbs)])
+            return []
+        return self._steered(trials, trial, [(params, f"{why}, on #{trial.number}, which beat the plain recipe")
+                                             for params, why in self._moves(trial.params, self._climbs)])
 
     def _climbs(self, move: Move) -> bool:
         """Whether ``move`` goes on a move that won: not one expected slower (regional compile); under a

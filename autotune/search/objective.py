@@ -13,8 +13,8 @@ from optuna.trial import TrialState
 import strategies
 from autotune import stop
 from autotune.search.outputs import compile_archive_name, prune_compile_archives
-from autotune.search.queue import TrialFailed, propose, prune, requeue, trials
-from autotune.search.screening import queue_eager_twin, screen_eagerly
+from autotune.search.queue import Candidate, TrialFailed, prune, put, requeue, trials
+from autotune.search.screening import missing_eager_twin, screen_eagerly
 from autotune.search.trials import planned_params
 from autotune.search.walls import cached_compile_saving, cut_floors, expected_wall, trial_cost_s
 from autotune.trial.instruments import cache_outcome
@@ -201,7 +201,7 @@ class Objective:
             # not run, and not counted (no "status"): the sampler learns the region from the pruned
             # trial, and the configuration is queued at a batch that fits
             write(trial, reason=verdict, predicted_oom=True)
-            self._back_off(trial)
+            self._queue_back_off(trial)
             prune(trial, verdict)
 
     def _trials_end(self, study: optuna.Study) -> float | None:
@@ -214,8 +214,9 @@ class Objective:
 
     def _skip_a_compile_past_the_budget(self, trial: optuna.Trial, knobs: dict[str, Any]) -> None:
         """Prune, unstarted, a compiled configuration expected to end past the budget while an eager
-        trial still fits, and queue its eager twin (the same knobs, compile off) in its place: the
-        end of a budget goes to trials that can finish, not to a compile cut short."""
+        trial still fits, its eager twin (the same knobs, compile off) proposed in its place where none
+        is measured or queued: the end of a budget goes to trials that can finish, not to a compile
+        cut short."""
         end = self._trials_end(trial.study)
         if end is None or not self.walls or knobs["compile"].mode == "off":
             return  # no trial measured yet: nothing says what one takes
@@ -229,9 +230,7 @@ class Objective:
         measured = "" if any(c for _, c in self.walls) else " (no compiled trial measured yet: an estimate)"
         text = (f"not started: a compiled trial takes about {need:.0f} s here{measured} and {left:.0f} s of "
                 "the budget are left; its eager twin is measured instead")
-        write(trial, reason=text)
-        queue_eager_twin(trial, self.space, rule="budget")
-        prune(trial, text)
+        prune(trial, text, instead=missing_eager_twin(trial, self.space, rule="budget"))
 
     def _measure_of(self, trial: optuna.Trial) -> dict[str, Any]:
         """What the trial's worker times: the search's settings, at most BASELINE_MIN_STEPS for the baseline."""
@@ -310,43 +309,48 @@ class Objective:
         if fit.get("does_not_fit_at"):
             write(trial, fit_oom_batch=fit["does_not_fit_at"])
         if result["status"] == "oom":
-            self._back_off(trial, fits_at=fit.get("fits_at"))
+            self._queue_back_off(trial, fits_at=fit.get("fits_at"))
         if result["status"] == "ok":
             self._explain(trial, result)
 
-    def _back_off(self, trial: optuna.Trial, fits_at: int | None = None) -> None:
-        """Queue this configuration at the largest batch that can fit (``fits_at``, as the worker
-        found it, unless its probe came too close to the limit; else the memory model's choice),
-        keeping its role: the FP32 baseline backs off as a baseline, so there always is one. Nothing
-        is queued for a pinned batch size, or a configuration already measured or queued at that
-        batch."""
+    def _queue_back_off(self, trial: optuna.Trial, fits_at: int | None = None) -> None:
+        """Put the back-off's candidate (``_back_off``) in the queue and record its batch on the trial."""
+        backoff = self._back_off(trial, fits_at=fits_at)
+        if backoff is not None:
+            put(trial.study, backoff)
+            write(trial, backed_off_to=backoff.params[strategies.batch_size.BATCH_SIZE_PARAM])
+
+    def _back_off(self, trial: optuna.Trial, fits_at: int | None = None) -> Candidate | None:
+        """This configuration at the largest batch that can fit (``fits_at``, as the worker found it,
+        unless its probe came too close to the limit; else the memory model's choice), as a candidate
+        keeping its role: the FP32 baseline backs off as a baseline, so there always is one. None for a
+        pinned batch size, or a configuration already measured, running or queued at that batch."""
         from autotune.search.memory import MemoryModel
 
         if strategies.batch_size.BATCH_SIZE_PARAM not in trial.params:
-            return
+            return None
         knobs = TrialRecord.of(trial).knobs
         model = MemoryModel.from_study(trial.study, self.fit_limit_bytes)
         batch = model.backoff_batch(knobs, self.space.batch_sizes, fits_at=fits_at)
         if batch is None:
-            return
+            return None
         params = {**trial.params, strategies.batch_size.BATCH_SIZE_PARAM: batch}
         for other in trials(trial.study):
             if planned_params(other) == params:
-                return
+                return None
         record = TrialRecord.of(trial)
         role = record.role
         # the baseline is measured next, not after the seeds: every figure is compared with it. A
         # neighbour of the plain recipe keeps what steered it, so it is still ranked from the bar and
         # not screened eagerly: a move sized down would otherwise wait for an eager twin that the
         # planner predicts below the compiled bar
-        propose(trial.study, params, role=role if role == "baseline" else "backed-off", backoff_of=trial.number,
-                **({"urgent": True} if role == "baseline" else {}),
-                **({"steered_by": record.steered_by} if record.steered_by else {}))
-        write(trial, backed_off_to=batch)
+        return Candidate.of(params, role=role if role == "baseline" else "backed-off", backoff_of=trial.number,
+                            **({"urgent": True} if role == "baseline" else {}),
+                            **({"steered_by": record.steered_by} if record.steered_by else {}))
 
     def _explain(self, trial: optuna.Trial, result: dict[str, Any]) -> None:
-        """Record the trial's NVML and profile figures and the findings they support, and queue
-        the configurations the findings suggest."""
+        """Record the trial's NVML and profile figures and the findings they support, and put the
+        configurations the findings suggest (steering's candidates) in the queue."""
         from autotune.search.findings import derive
         from autotune.search.steering import offered, steer
 
@@ -364,9 +368,9 @@ class Objective:
         write(trial, findings=[f.text for f in findings])
         write(trial, finding_rules=[f.to_dict() for f in findings])
         if self.steer and figures.get("loss_finite", True):
-            queued = steer(trial.study, trial, findings, self.space)
-            if queued:
-                write(trial, steered=queued)
+            steered = put(trial.study, steer(trial.study, trial, findings, self.space))
+            if steered:
+                write(trial, steered=[c.params for c in steered])
 
     def _conclude(self, trial: optuna.Trial, status: str | None, reason: str | None,
                   figures: dict[str, Any] | None, traceback: str | None = None) -> float:

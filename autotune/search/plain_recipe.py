@@ -96,31 +96,33 @@ def describe(space: SearchSpace) -> str:
 
 
 class GrowToFit:
-    """Optuna's callback after each trial: the plain recipe, measured at the batch the eager memory
-    probe sized it to, is queued once at the largest batch (up to MAX_BATCH_FACTOR x the base) at which
-    what it allocated, plus a compiled sample's bytes for each sample more, stays within the memory
-    model's fill of the limit. A compiled sample is what the measured step held above the probe's fixed
-    part (MemoryModel.one_point_per_sample), where its activations set its peak; else (a 1B Llama at
-    batch 1) the "compiled sample share" prior of the probe's (autotune.priors). A compiled step
-    holds less per sample than the eager probe measured (a third of it, for a GPT-2), so "the largest
-    batch that fits" is found by measuring it, as a user would, in one trial rather than one batch a
-    trial."""
+    """A proposer after each trial (autotune.search.queue.Feeder): the plain recipe, measured at the
+    batch the eager memory probe sized it to, is proposed once at the largest batch (up to
+    MAX_BATCH_FACTOR x the base) at which what it allocated, plus a compiled sample's bytes for each
+    sample more, stays within the memory model's fill of the limit. A compiled sample is what the
+    measured step held above the probe's fixed part (MemoryModel.one_point_per_sample), where its
+    activations set its peak; else (a 1B Llama at batch 1) the "compiled sample share" prior of the
+    probe's (autotune.priors). A compiled step holds less per sample than the eager probe measured (a
+    third of it, for a GPT-2), so "the largest batch that fits" is found by measuring it, as a user
+    would, in one trial rather than one batch a trial."""
 
     def __init__(self, space: SearchSpace, limit_bytes: float | None) -> None:
         self.space = space
         self.limit_bytes = limit_bytes
 
-    def __call__(self, study, trial) -> None:
-        from autotune.search.queue import propose, trials
+    def __call__(self, study, trial):
+        """The plain recipe grown from ``trial`` (a candidate of role ROLE), or None where it does not grow
+        or the study has measured, runs or queued it."""
+        from autotune.search.queue import Candidate, trials
         from autotune.search.trials import planned_params
 
         grown = grown_batch(study, trial, self.space, self.limit_bytes)
         if grown is None:
-            return
+            return None
         params = {**trial.params, strategies.batch_size.BATCH_SIZE_PARAM: grown}
         if any(planned_params(t) == params for t in trials(study)):
-            return
-        propose(study, params, role=ROLE, grown_from=trial.number)
+            return None
+        return Candidate.of(params, role=ROLE, grown_from=trial.number)
 
 
 def grown_batch(study, trial, space: SearchSpace, limit_bytes: float | None) -> int | None:

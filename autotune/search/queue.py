@@ -1,16 +1,23 @@
-"""The search's queue: the candidates the proposers put forward, and the one place that hands the planner's
-choice to Optuna.
+"""The search's queue: the one module that writes it, hands the planner's choice to Optuna and ends a
+trial unmeasured.
 
 Proposers (the seeds and their feeder, the plain recipe grown to fit, the neighbours and climbs, the
 findings' remedies, eager screening's twins and the compile finalist, the out-of-memory back-off, the
-end-of-budget eager twin, a re-run of a trial cut short, distributed give-back) put candidates here with
-``propose``; none of them creates an Optuna trial. The candidates are kept as a study user attribute, so a
-search that is killed resumes with its queue and several processes of one study share it. Right before
-Optuna asks for the next trial (``feed``: before the first, and after each trial, from ``Feeder``, the
-last of Optuna's callbacks), the planner (autotune.search.planner) chooses one candidate, and only that one
-is queued with ``study.enqueue_trial``, its plan recorded on it as the ``planned`` user attribute: Optuna's
-public API, and the answer to "why did this trial run now?" kept on the trial itself (Ray Tune's split:
-searchers propose, a scheduler decides).
+end-of-budget eager twin, distributed give-back) read the study and return ``Candidate``s (parameters,
+and why: role, steered_by, grown_from, ...); none of them writes the queue or creates an Optuna trial
+(tests/test_structure.py checks it).
+Their callers hand what they return to this module: ``put`` (the objective's back-off and remedies, the
+study's seeds, ``Feeder`` for the proposers that run after each trial), ``prune`` and ``skip`` (a
+trial ended with its replacement: its eager twin, a surplus trial's configuration given back), and
+``requeue`` (a re-run of a trial cut short). One writer keeps one order and one numbering, and what a
+proposer puts forward can be replayed without a search (scripts/replay_plan.py). The candidates are
+kept as a study user attribute, so a search that is killed resumes with its queue and several
+processes of one study share it. Right before Optuna asks for the next trial (``feed``: before the
+first, and from ``Feeder``, Optuna's callback, after each trial), the planner
+(autotune.search.planner) chooses one candidate, and only that one is queued with
+``study.enqueue_trial``, its plan recorded on it as the ``planned`` user attribute: Optuna's public API,
+and the answer to "why did this trial run now?" kept on the trial itself (Ray Tune's split: searchers
+propose, a scheduler decides).
 
 A trial is ended unmeasured here too (``prune``: the objective and eager screening say why, this module
 ends it; ``skip``: a shared study's process found its last trials taken), and the search is stopped here
@@ -25,7 +32,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any, Callable, Iterable, NoReturn
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -50,6 +57,12 @@ class Candidate:
     attrs: dict[str, Any] = field(default_factory=dict)
     id: int | None = None
 
+    @classmethod
+    def of(cls, params: dict[str, Any], **attrs: Any) -> Candidate:
+        """``params`` put forward with ``attrs`` (``autotune.trial.record.queue_attrs``: role, steered_by,
+        ...), checked against TrialRecord's fields; numbered once ``put`` in the queue."""
+        return cls(dict(params), queue_attrs(**attrs))
+
     @property
     def role(self) -> str | None:
         return self.attrs.get("role")
@@ -72,16 +85,26 @@ def candidates(study: optuna.Study) -> list[Candidate]:
     return [Candidate(dict(c["params"]), dict(c.get("attrs") or {}), c["id"]) for c in _stored(study)]
 
 
-def propose(study: optuna.Study, params: dict[str, Any], **attrs: Any) -> Candidate:
-    """Put ``params`` forward with ``attrs`` (queue_attrs: role, steered_by, ...); returns the candidate."""
-    attrs = queue_attrs(**attrs)
-    with _lock:
-        stored = _stored(study)
-        number = max([c["id"] + 1 for c in stored] + [int(study.user_attrs.get(_NEXT_ATTR) or CANDIDATE_BASE)])
-        stored.append({"id": number, "params": dict(params), "attrs": attrs})
-        study.set_user_attr(CANDIDATES_ATTR, stored)
-        study.set_user_attr(_NEXT_ATTR, number + 1)
-    return Candidate(dict(params), attrs, number)
+Proposed = Candidate | Iterable[Candidate] | None
+"""What a proposer returns: one candidate, several in the order it proposes them, or none."""
+
+
+def put(study: optuna.Study, proposed: Proposed) -> list[Candidate]:
+    """Put ``proposed`` in the queue, in its order: the queue's one writer. Returns the candidates as
+    stored, numbered."""
+    if proposed is None:
+        return []
+    numbered = []
+    for candidate in [proposed] if isinstance(proposed, Candidate) else list(proposed):
+        attrs = queue_attrs(**candidate.attrs)
+        with _lock:
+            stored = _stored(study)
+            number = max([c["id"] + 1 for c in stored] + [int(study.user_attrs.get(_NEXT_ATTR) or CANDIDATE_BASE)])
+            stored.append({"id": number, "params": dict(candidate.params), "attrs": attrs})
+            study.set_user_attr(CANDIDATES_ATTR, stored)
+            study.set_user_attr(_NEXT_ATTR, number + 1)
+        numbered.append(Candidate(dict(candidate.params), attrs, number))
+    return numbered
 
 
 _NEXT_ATTR = "autotune:next_candidate"
@@ -92,7 +115,7 @@ def requeue(study: optuna.Study, trial: optuna.Trial | FrozenTrial) -> Candidate
     """Put a trial's parameters forward to be measured again (its role kept), for a trial that was cut
     short through no fault of its configuration."""
     role = TrialRecord.of(trial).role
-    return propose(study, trial.params, retry_of=trial.number, **({"role": role} if role else {}))
+    return put(study, Candidate.of(trial.params, retry_of=trial.number, **({"role": role} if role else {})))[0]
 
 
 def waiting(study: optuna.Study) -> list[FrozenTrial]:
@@ -139,20 +162,31 @@ def feed(study: optuna.Study, planner=None, slots: int = 1) -> None:
 
 
 class Feeder:
-    """Optuna's callback after each trial (after the proposers'): stop the search where the stop rule
-    (autotune.search.budget.StopRule) says so, else queue what runs next (``feed``). ``slots``: the
-    trials run at once (--gpus), each asking for one."""
+    """Optuna's callback after each trial (the last but tracking's): hand the trial to the ``proposers``
+    (callables of the study and the trial that return candidates: autotune.run._proposers) and put what
+    each returns in the queue before the next one is asked, so each sees what those before it proposed;
+    then stop the search where the stop rule (autotune.search.budget.StopRule) says so, else queue what
+    runs next (``feed``). ``slots``: the trials run at once (--gpus), each asking for one."""
 
-    def __init__(self, planner=None, stop_rule=None, slots: int = 1) -> None:
+    def __init__(self, planner=None, stop_rule=None, slots: int = 1,
+                 proposers: Iterable[Callable[[optuna.Study, FrozenTrial], Proposed]] = ()) -> None:
         self.planner = planner
         self.stop_rule = stop_rule
         self.slots = slots
+        self.proposers = list(proposers)
 
     def feed(self, study: optuna.Study) -> None:
         """Queue what runs first (before Optuna's loop starts)."""
         feed(study, self.planner, self.slots)
 
+    def propose(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        """Put what each proposer proposes after ``trial`` in the queue, in the proposers' order (also for
+        the trials a study was warmed with: autotune.search.warm.propose_from_evidence)."""
+        for proposer in self.proposers:
+            put(study, proposer(study, trial))
+
     def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        self.propose(study, trial)
         if self.stop_rule is not None and self.stop_rule(study, trial):
             study.stop()  # nothing more is queued: a stopped search leaves no trial waiting
             return
@@ -164,17 +198,21 @@ class TrialFailed(Exception):
     or raised, or the budget cut it; or it was skipped (``skip``). Recorded on the trial, and the study goes on."""
 
 
-def skip(trial: optuna.Trial, reason: str) -> NoReturn:
-    """End ``trial`` unrun (FAIL, as Optuna's ``catch``), its configuration given back to the queue by the
-    caller where it was queued: another process of a shared study has taken the study's last trials."""
+def skip(trial: optuna.Trial, reason: str, instead: Proposed = None) -> NoReturn:
+    """End ``trial`` unrun (FAIL, as Optuna's ``catch``), and put ``instead`` in the queue (its
+    configuration given back, where it was queued): another process of a shared study has taken the
+    study's last trials."""
+    put(trial.study, instead)
     write(trial, reason=reason)
     raise TrialFailed(f"trial {trial.number} {reason}")
 
 
-def prune(trial: optuna.Trial, reason: str | None, **record: Any) -> NoReturn:
+def prune(trial: optuna.Trial, reason: str | None, instead: Proposed = None, **record: Any) -> NoReturn:
     """End ``trial`` as Optuna's PRUNED, with ``reason`` (where given) and ``record`` (TrialRecord fields)
-    written on it: not run (it cannot fit, cannot run, fails its numerics, waits for its eager twin, would
-    end past the budget), or run and stopped early, or out of memory. Optuna's samplers rank a pruned trial
-    below every completed one, so the region stops being proposed."""
+    written on it, and ``instead`` put in the queue (its eager twin, measured first): not run (it cannot
+    fit, cannot run, fails its numerics, waits for its eager twin, would end past the budget), or run and
+    stopped early, or out of memory. Optuna's samplers rank a pruned trial below every completed one, so
+    the region stops being proposed."""
+    put(trial.study, instead)
     write(trial, **({"reason": reason} if reason else {}), **record)
     raise optuna.TrialPruned(reason)

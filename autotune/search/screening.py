@@ -6,17 +6,17 @@ candidates for compiling at a fraction of the cost:
 
 * ``screen_eagerly`` (the objective, before a compiled trial runs): a compiled configuration whose
   eager twin (the same knobs, compile off) was not measured yet is not started, and its twin is
-  queued; one whose twin ran below SCREEN_SHARE of the fastest eager trial is not compiled at all,
-  and once a compile of its precision was measured, neither is one that could not win with the
-  most that compiling gave that precision here (its "gain spread" prior over it:
-  autotune.priors).
+  proposed in its place (handed to ``autotune.search.queue.prune``, which puts it in the queue); one
+  whose twin ran below SCREEN_SHARE of the fastest eager trial is not compiled at all, and once a
+  compile of its precision was measured, neither is one that could not win with the most that
+  compiling gave that precision here (its "gain spread" prior over it: autotune.priors).
   Both are pruned unstarted and uncounted (no "status"); Optuna's sampler ranks them low, so its own
   proposals stay mostly eager and the budget measures many configurations. fp8 is the exception
   (COMPILED_ONLY_PRECISIONS): it is built to be compiled, and its eager figure says little. So is a
   configuration of a precision already measured compiled (the plain recipe, say) and without an
   eager twin: the planner (autotune.search.planner) ranks it from that compiled trial.
-* ``CompileFinalist`` (Optuna's callback after each trial): the fastest eager configuration is
-  queued compiled, so the compile is spent where it can win.
+* ``CompileFinalist`` (a proposer after each trial: autotune.search.queue.Feeder): the fastest eager
+  configuration is proposed compiled, so the compile is spent where it can win.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from optuna.trial import TrialState
 import strategies
 from autotune.space import SearchSpace
 from autotune.priors import prior
-from autotune.search.queue import propose, prune as _prune, queued, trials
+from autotune.search.queue import Candidate, prune as _prune, queued, trials
 from autotune.search.steering import complete_params
 from autotune.search.trials import best_trial, planned_params
 from autotune.trial.record import TrialRecord
@@ -73,18 +73,15 @@ def _compiled_sibling(trial: optuna.Trial, compile_mode: str) -> optuna.trial.Fr
     return None
 
 
-def queue_eager_twin(trial: optuna.Trial, space: SearchSpace, rule: str) -> optuna.trial.FrozenTrial | None:
-    """The trial of ``trial``'s eager twin, measured or queued; when there is none, queue one (role
-    "steered", by ``rule``) and return None."""
-    twin = _twin(trial, space)
-    if twin is None:
-        _enqueue_twin(trial, space, rule)
-    return twin
+def missing_eager_twin(trial: optuna.Trial, space: SearchSpace, rule: str) -> Candidate | None:
+    """``trial``'s eager twin as a candidate (role "steered", by ``rule``) where no trial of it is measured
+    or queued; else None."""
+    return _twin_candidate(trial, space, rule) if _twin(trial, space) is None else None
 
 
-def _enqueue_twin(trial: optuna.Trial, space: SearchSpace, rule: str) -> None:
-    propose(trial.study, eager_twin(trial.params, space), role="steered",
-            steered_by={"trial": trial.number, "rule": rule})
+def _twin_candidate(trial: optuna.Trial, space: SearchSpace, rule: str) -> Candidate:
+    return Candidate.of(eager_twin(trial.params, space), role="steered",
+                        steered_by={"trial": trial.number, "rule": rule})
 
 
 def eager_rate(trial: optuna.trial.FrozenTrial) -> float | None:
@@ -112,8 +109,9 @@ def _fastest_eager(study: optuna.Study, maximize: bool) -> tuple[optuna.trial.Fr
 
 
 def screen_eagerly(trial: optuna.Trial, space: SearchSpace, *, compile_mode: str, maximize: bool, unit: str) -> None:
-    """Prune, unstarted, a compiled configuration not screened eagerly yet (its twin is queued) or
-    whose eager twin ran below SCREEN_SHARE of the fastest eager trial; return when it may compile."""
+    """Prune, unstarted, a compiled configuration not screened eagerly yet (its twin is proposed in its
+    place) or whose eager twin ran below SCREEN_SHARE of the fastest eager trial; return when it may
+    compile."""
     if compile_mode == "off" or trial.params.get(strategies.precision.MODE_PARAM) in COMPILED_ONLY_PRECISIONS:
         return
     twin = _twin(trial, space)
@@ -122,9 +120,9 @@ def screen_eagerly(trial: optuna.Trial, space: SearchSpace, *, compile_mode: str
             # a compile of its precision ran (the plain recipe, say): the planner ranks this one from
             # it, compiled, and an eager twin would tell less than it costs (autotune.search.planner)
             return
-        _enqueue_twin(trial, space, RULE_SCREEN)
         _prune(trial, "screened eagerly first: its eager twin (compile off) is measured instead, and the "
-                      "configuration is compiled only if that one ranks among the fastest")
+                      "configuration is compiled only if that one ranks among the fastest",
+               instead=_twin_candidate(trial, space, RULE_SCREEN))
     if twin.state in (TrialState.WAITING, TrialState.RUNNING):
         _prune(trial, f"screened eagerly first: its eager twin #{twin.number} is queued")
     # a twin stopped early in its warm-up counts by its warm-up's rate: an eager trial stopped far
@@ -188,24 +186,25 @@ def _prune_if_it_cannot_win(trial: optuna.Trial, twin: optuna.trial.FrozenTrial,
 
 
 class CompileFinalist:
-    """Optuna's callback after each trial: queue the fastest eager configuration compiled (mode
-    "default"), once per configuration, when the space offers compiling and no eager candidate is
-    still queued."""
+    """A proposer after each trial: the fastest eager configuration compiled (mode "default"), where no
+    trial has measured, runs or queued it, the space offers compiling and no eager candidate is still
+    queued."""
 
     def __init__(self, space: SearchSpace, maximize: bool) -> None:
         self.space = space
         self.maximize = maximize
 
-    def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+    def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> Candidate | None:
         if "default" not in self.space.compile_modes:
-            return
+            return None
         if any(planned_params(t).get(strategies.compile.MODE_PARAM, "off") == "off" for t in queued(study)):
-            return  # eager candidates are still queued: the fastest is known once they ran
+            return None  # eager candidates are still queued: the fastest is known once they ran
         fastest = _fastest_eager(study, self.maximize)
         best = None if fastest is None else fastest[0]
         if best is None or TrialRecord.of(best).role == "baseline":
-            return  # the untuned FP32 baseline is not what anyone compiles
+            return None  # the untuned FP32 baseline is not what anyone compiles
         compiled = complete_params({**best.params, strategies.compile.MODE_PARAM: "default"}, self.space)
         known = [complete_params(planned_params(t), self.space) for t in trials(study)]
-        if compiled not in known:
-            propose(study, compiled, role="steered", steered_by={"trial": best.number, "rule": RULE_FINALIST})
+        if compiled in known:
+            return None
+        return Candidate.of(compiled, role="steered", steered_by={"trial": best.number, "rule": RULE_FINALIST})

@@ -1,5 +1,8 @@
-"""The trials queued before the sampler proposes any: the FP32 baseline and known-good configurations
-(seed_configurations), then, with --replay, an earlier search's configurations in its order."""
+"""The candidates proposed before the sampler proposes any: the FP32 baseline and known-good
+configurations (seed_configurations), then, with --replay, an earlier search's configurations in its
+order; and the seed feeder, which proposes the rest of the known-good ones as the search's own trials
+catch up. Each returns candidates (autotune.search.queue.Candidate) and its caller puts them in the
+queue: the study's setup (autotune.search.study), the queue's Feeder after each trial."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import strategies
 from autotune.space import SearchSpace
 from autotune.errors import ConfigError
 from autotune.search import plain_recipe, queue
-from autotune.search.queue import propose
+from autotune.search.queue import Candidate
 from autotune.search.trials import FINISHED, planned_params
 from autotune.trial.record import TrialRecord
 from strategies.batch_size import LM_BASE_TOKENS, nearest
@@ -57,28 +60,30 @@ def replay_configurations(folder: Path, space: SearchSpace) -> tuple[list[tuple[
     return kept, left_out
 
 
-def enqueue_replay(study: optuna.Study, folder: Path, space: SearchSpace,
-                   seeds: list[tuple[str, dict[str, Any]]]) -> None:
-    """Queue the configurations of the search in ``folder`` in the order it ran them, then this
-    search's seeds it did not measure. ``seeds`` are seed_configurations' (role, complete parameters);
-    a replayed configuration that is one of them takes its role (the baseline stays the baseline),
-    once: a repeat of it is replayed. The planner runs this queue in its order (--replay)."""
+def replay_candidates(study: optuna.Study, folder: Path, space: SearchSpace,
+                      seeds: list[tuple[str, dict[str, Any]]]) -> list[Candidate]:
+    """The configurations of the search in ``folder`` in the order it ran them, then this search's
+    seeds it did not measure, as candidates; the backlog is left empty. ``seeds`` are
+    seed_configurations' (role, complete parameters); a replayed configuration that is one of them
+    takes its role (the baseline stays the baseline), once: a repeat of it is replayed. The planner
+    runs them in this order (--replay)."""
     replayed, left_out = replay_configurations(folder, space)
     unused = list(seeds)
+    proposed = []
     for number, params in replayed:
         seed = next((s for s in unused if s[1] == params), None)
         if seed is not None:
             unused.remove(seed)
-            propose(study, params, role=seed[0])
+            proposed.append(Candidate.of(params, role=seed[0]))
         else:
-            propose(study, params, role="replayed", replay_of=number)
-    for role, params in unused:
-        propose(study, params, role=role)
+            proposed.append(Candidate.of(params, role="replayed", replay_of=number))
+    proposed += [Candidate.of(params, role=role) for role, params in unused]
     study.set_user_attr(BACKLOG_ATTR, [])
     if left_out:
         # stacklevel: shown at run_search's line (through study.prepare_study), where the replay was asked for
         warnings.warn(f"--replay {folder}: {left_out} of its configurations are not in this search's space "
                       "and are not replayed", stacklevel=4)
+    return proposed
 
 
 LM_SEED_TOKENS = (LM_BASE_TOKENS, 4 * LM_BASE_TOKENS)
@@ -153,68 +158,71 @@ def seed_configurations(space: SearchSpace, tokens_per_sample: int | None = None
 
 
 SEEDS_UPFRONT = 2
-"""Seeds queued at the start, after the FP32 baseline: the plain recipe and the guides' best.
-The rest are fed one at a time (SeedFeeder), so they never outnumber the search's own trials
+"""Seeds proposed at the start, after the FP32 baseline: the plain recipe and the guides' best.
+The rest are proposed one at a time (SeedFeeder), so they never outnumber the search's own trials
 by more than this."""
 BACKLOG_ATTR = "seed_backlog"
-"""The study's user attribute holding the known-good configurations not queued yet."""
+"""The study's user attribute holding the known-good configurations not proposed yet."""
 
 
-def enqueue_seeds(study: optuna.Study, seeds: list[tuple[str, dict[str, Any]]], *, all_now: bool = False) -> None:
-    """Queue the baseline and the first SEEDS_UPFRONT seeds after it (the plain recipe first); keep the rest in the
-    study's backlog for SeedFeeder (``all_now``: queue every one, as --replay's order needs)."""
+def seed_candidates(study: optuna.Study, seeds: list[tuple[str, dict[str, Any]]], *, all_now: bool = False
+                    ) -> list[Candidate]:
+    """The baseline and the first SEEDS_UPFRONT seeds after it (the plain recipe first), as candidates; the
+    rest are kept in the study's backlog for SeedFeeder (``all_now``: every one now, as --replay's order
+    needs)."""
     upfront = len(seeds) if all_now else 1 + SEEDS_UPFRONT  # the plain recipe, where there is one, among them
-    for role, params in seeds[:upfront]:
-        propose(study, params, role=role)
     study.set_user_attr(BACKLOG_ATTR, [params for _, params in seeds[upfront:]])
+    return [Candidate.of(params, role=role) for role, params in seeds[:upfront]]
 
 
 class SeedFeeder:
-    """Optuna's callback after each trial: queue the next known-good configuration from the
-    backlog once the search's own trials (sampled, steered, backed off) have caught up with the
-    seeds, so seeds serve the search instead of replacing it. A seed of a precision mode no trial
-    has run or queued yet goes first and does not wait: every offered mode gets measured early,
-    rather than behind more trials of a mode already measured. A seed is dropped when what was
-    measured already answers it: the same configuration measured or queued, or its precision
-    mode unstable or failing the accuracy check."""
+    """A proposer after each trial (autotune.search.queue.Feeder): the next known-good configuration
+    from the backlog, as a candidate, once the search's own trials (sampled, steered, backed off) have
+    caught up with the seeds, so seeds serve the search instead of replacing it. A seed of a precision
+    mode no trial has run or queued yet goes first and does not wait: every offered mode gets measured
+    early, rather than behind more trials of a mode already measured. A seed is dropped from the backlog
+    when what was measured already answers it: the same configuration measured or queued, or its
+    precision mode unstable or failing the accuracy check."""
 
-    def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+    def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> Candidate | None:
         backlog = list(study.user_attrs.get(BACKLOG_ATTR) or [])
         if not backlog:
-            return
-        trials = queue.trials(study)
+            return None
+        trials, left = queue.trials(study), len(backlog)
         fed = self._new_precision(study, trials, backlog) or self._caught_up(study, trials, backlog)
-        if fed:
+        if len(backlog) < left:  # taken from the backlog: proposed, or answered already
             study.set_user_attr(BACKLOG_ATTR, backlog)
+        return fed
 
     @staticmethod
-    def _new_precision(study: optuna.Study, trials: list[optuna.trial.FrozenTrial], backlog: list[dict]) -> bool:
-        """Queue the first backlog seed whose precision mode no trial has (run, running or queued)."""
+    def _new_precision(study: optuna.Study, trials: list[optuna.trial.FrozenTrial], backlog: list[dict]
+                       ) -> Candidate | None:
+        """The first backlog seed whose precision mode no trial has (run, running or queued), taken from the
+        backlog; None where there is none."""
         modes = {planned_params(t).get(strategies.precision.MODE_PARAM) for t in trials}
         for i, params in enumerate(backlog):
             if params.get(strategies.precision.MODE_PARAM) not in modes and not _answered(study, trials, params):
-                propose(study, backlog.pop(i), role="known-good")
-                return True
-        return False
+                return Candidate.of(backlog.pop(i), role="known-good")
+        return None
 
     @staticmethod
-    def _caught_up(study: optuna.Study, trials: list[optuna.trial.FrozenTrial], backlog: list[dict]) -> bool:
-        """Queue the next backlog seed once the search's own trials have caught up with the seeds
-        (dropping those already answered on the way); False when it is not their turn."""
+    def _caught_up(study: optuna.Study, trials: list[optuna.trial.FrozenTrial], backlog: list[dict]
+                   ) -> Candidate | None:
+        """The next backlog seed once the search's own trials have caught up with the seeds, taken from the
+        backlog with those already answered on the way; None when it is not their turn or none is left."""
         roles = [TrialRecord.of(t).role for t in trials]
         if any(t.state == TrialState.WAITING and role == "known-good" for t, role in zip(trials, roles)):
-            return False
+            return None
         seeded = sum(role in ("known-good", plain_recipe.ROLE) for role in roles)
         others = sum(role not in ("known-good", "baseline", plain_recipe.ROLE) for t, role in zip(trials, roles)
                      if t.state != TrialState.WAITING)
         if seeded - SEEDS_UPFRONT >= others:
-            return False
+            return None
         while backlog:
             params = backlog.pop(0)
             if not _answered(study, trials, params):
-                propose(study, params, role="known-good")
-                break
-        return True
+                return Candidate.of(params, role="known-good")
+        return None
 
 
 def _answered(study: optuna.Study, trials: list[optuna.trial.FrozenTrial], params: dict[str, Any]) -> bool:

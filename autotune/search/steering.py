@@ -1,13 +1,13 @@
-"""Steering: the findings of a measured trial queue the configurations they suggest.
+"""Steering: the findings of a measured trial propose the configurations they suggest.
 
 A finding such as "38% of GPU time is in layout conversions: channels_last removes them" comes
 with the parameters of its remedy (``autotune.search.findings``). The remedy applied to the trial's own
 parameters is a concrete configuration; it is completed through the strategies (a switch to fp16
-brings the GradScaler's parameters, at their defaults) and queued with Optuna's
-``autotune.search.queue.propose``, so the next trials test what the profile says instead of what TPE guesses. A
-configuration already measured or queued is not queued again (every one compared in its completed
-form, so a seed queued with fewer parameters still counts), and a remedy that changes a knob
-``autotune.search.knob_effects`` found to have no effect is not queued.
+brings the GradScaler's parameters, at their defaults) and returned as a candidate, which the objective
+puts in the queue (``autotune.search.queue.put``), so the next trials test what the profile says instead
+of what TPE guesses. A configuration already measured or queued is not proposed again (every one compared
+in its completed form, so a seed queued with fewer parameters still counts), and a remedy that changes a
+knob ``autotune.search.knob_effects`` found to have no effect is not proposed.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ import optuna
 import strategies
 from autotune.space import SearchSpace
 from autotune.search.findings import Finding
+from autotune.search.queue import Candidate
 from autotune.search.trials import planned_params
 
 MAX_STEERED_PER_TRIAL = 2
-"""Remedies queued from one trial, the first findings first (they are ordered by the rules)."""
+"""Remedies proposed from one trial, the first findings first (they are ordered by the rules)."""
 
 
 CHOICE_PARAMS = (strategies.vocab_padding.MULTIPLE_PARAM, strategies.depthwise_conv.INPUT_GRAD_PARAM,
@@ -85,25 +86,25 @@ def complete_params(params: Mapping[str, Any], space: SearchSpace) -> dict[str, 
 
 
 def steer(study: optuna.Study, trial: optuna.trial.FrozenTrial | optuna.Trial, findings: list[Finding],
-          space: SearchSpace, *, limit: int = MAX_STEERED_PER_TRIAL) -> list[dict[str, Any]]:
-    """Queue the remedies of ``findings`` on top of ``trial``'s parameters; returns what was queued."""
+          space: SearchSpace, *, limit: int = MAX_STEERED_PER_TRIAL) -> list[Candidate]:
+    """The remedies of ``findings`` on top of ``trial``'s parameters, as candidates (role "steered"), none
+    that the study has measured, runs or queued."""
     from autotune.search.knob_effects import fixed_knobs
 
-    from autotune.search.queue import propose, trials
+    from autotune.search.queue import trials
 
     known = [complete_params(planned_params(t), space) for t in trials(study)]
     fixed = {param: entry["value"] for param, entry in fixed_knobs(study).items()}
-    queued: list[dict[str, Any]] = []
+    proposed: list[Candidate] = []
     for finding in findings:
-        if len(queued) >= limit:
+        if len(proposed) >= limit:
             break
         if not finding.suggest:
             continue
         if any(param in fixed and value != fixed[param] for param, value in finding.suggest.items()):
             continue  # measured to make no difference
         params = complete_params({**trial.params, **finding.suggest}, space)
-        if params == trial.params or params in known or params in queued:
+        if params == trial.params or params in known or any(params == c.params for c in proposed):
             continue
-        propose(study, params, role="steered", steered_by={"trial": trial.number, "rule": finding.rule})
-        queued.append(params)
-    return queued
+        proposed.append(Candidate.of(params, role="steered", steered_by={"trial": trial.number, "rule": finding.rule}))
+    return proposed

@@ -23,7 +23,8 @@ from autotune.search.knob_effects import apply_fixed_knobs
 from autotune.search.memory import PROBE_ATTR
 from autotune.search.machine import MACHINE_ATTR, check_resume, this_machine
 from autotune.search.options import SearchConfig, memory_limit_bytes
-from autotune.search.seeds import enqueue_replay, enqueue_seeds, seed_configurations
+from autotune.search.queue import put
+from autotune.search.seeds import replay_candidates, seed_candidates, seed_configurations
 from autotune.search.space import same_space
 from autotune.search.storage import mask_url, open_storage
 from autotune.search.warm import evidence_key, judged_by, starts_warm, unmeasured, warm_start
@@ -171,12 +172,12 @@ def _set_up(config: SearchConfig, device: str, info: dict[str, Any], study: optu
     # the guides' best first; the rest fed as the search's own trials catch up (SeedFeeder);
     # --replay measures in the earlier search's order, its seeds where it measured them
     if config.replay is not None:
-        enqueue_replay(study, config.replay, space, seeds)
+        put(study, replay_candidates(study, config.replay, space, seeds))
     else:
         if starts_warm(config):
             # what earlier searches measured is evidence before the first trial, and a seed one of them
             # measured (the baseline, the plain recipe) is not queued again (autotune.search.warm)
             warm_start(study, space, evidence_key(config, device, info, limit), judged_by(config))
             seeds = unmeasured(study, seeds)
-        enqueue_seeds(study, seeds)
+        put(study, seed_candidates(study, seeds))
     setup_done(study)

@@ -28,7 +28,7 @@ import os
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import optuna
 from optuna.trial import TrialState
@@ -143,20 +143,20 @@ def unmeasured(study: optuna.Study, seeds: list[tuple[str, dict[str, Any]]]) -> 
     return [(role, params) for role, params in seeds if params not in done]
 
 
-def propose_from_evidence(study: optuna.Study, proposers: list) -> int:
-    """Hand each trial the study was warmed with to the proposers (Optuna callbacks after a trial:
-    autotune.cli.run._proposers), in the order they were measured, as if it had just finished here:
-    the plain recipe's neighbours, the climbs from a winner, the compile of the fastest eager trial are
-    queued where no trial measured them, before this search's first trial. Only for a study that has not
-    started a trial of its own (a resumed one has had its proposals; the seeds queued at its creation
-    wait); returns how many trials were handed."""
+def propose_from_evidence(study: optuna.Study,
+                          propose_after: Callable[[optuna.Study, optuna.trial.FrozenTrial], None]) -> int:
+    """Hand each trial the study was warmed with to ``propose_after`` (the queue's proposers after a trial,
+    whose candidates it puts in the queue: autotune.search.queue.Feeder.propose), in the order they were
+    measured, as if it had just finished here: the plain recipe's neighbours, the climbs from a winner,
+    the compile of the fastest eager trial are proposed where no trial measured them, before this search's
+    first trial. Only for a study that has not started a trial of its own (a resumed one has had its
+    proposals; the seeds queued at its creation wait); returns how many trials were handed."""
     trials = study.get_trials(deepcopy=False)
     if any(TrialRecord.of(t).warm_from is None and t.state != TrialState.WAITING for t in trials):
         return 0
     warm = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
     for trial in sorted(warm, key=lambda t: (t.user_attrs["warm_from"]["finished"], t.user_attrs["warm_from"]["number"])):
-        for propose in proposers:
-            propose(study, trial)
+        propose_after(study, trial)
     return len(warm)
 
 

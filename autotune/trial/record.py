@@ -136,7 +136,7 @@ def write(trial: optuna.Trial | optuna.trial.FrozenTrial, **values: Any) -> None
 
 
 def queue_attrs(**values: Any) -> dict[str, Any]:
-    """User attributes a queued configuration carries (``autotune.search.queue.propose(study, params,
+    """User attributes a queued configuration carries (``autotune.search.queue.Candidate.of(params,
     role="steered")``), checked against TrialRecord's fields as ``write`` checks them."""
     unknown = set(values) - FIELDS
     if unknown:
