@@ -163,7 +163,7 @@ def feed(study: optuna.Study, planner=None, slots: int = 1) -> None:
 
 class Feeder:
     """Optuna's callback after each trial (the last but tracking's): hand the trial to the ``proposers``
-    (callables of the study and the trial that return candidates: autotune.run._proposers) and put what
+    (callables of the study and the trial that return candidates: autotune.cli.run._proposers) and put what
     each returns in the queue before the next one is asked, so each sees what those before it proposed;
     then stop the search where the stop rule (autotune.search.budget.StopRule) says so, else queue what
     runs next (``feed``). ``slots``: the trials run at once (--gpus), each asking for one."""
