@@ -188,8 +188,10 @@ PRIORS: tuple[Prior, ...] = (
           means="a configuration's check once the FP32 reference is trained, against the plan's figure for it (FP32's "
                 "pace and set-up): the 1B Llama's recommendation (fp8 feed-forward layers, 8-bit Adam, every block "
                 "recomputed) took 18.0 s against 10.2 planned, its first step 5.2 s where FP32's took 0.6 to 1.5; "
-                "the plan holds a first verdict and one later check at this multiple (ResNet-50's later checks ran "
-                "5x their plan, but so did its first verdict: its pace at batch 16, not the configuration)",
+                "the plan counts a configuration's run, in the first verdict and in one later check, at this multiple "
+                "(ResNet-50's later checks ran 5x their plan, but so did its first verdict: its pace at batch 16, not "
+                "the configuration). Since GPU spare workers import Inductor ahead, that check took 11.3 s against 9.8 "
+                "(reports/rows-h100-5dcdacb): the prior keeps the largest multiple seen",
           source="reports/warm-start-h100-6f4d128", measured_on="H100"),
     Prior(knob="accuracy check", value="cpu", what="later check over its plan", prior=1.2,
           means="the same on a CPU, where a configuration's kernels are not compiled on their first call: assumed",
