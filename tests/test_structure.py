@@ -179,3 +179,25 @@ def test_proposers_return_candidates_and_only_the_queue_writes_it():
     trees["autotune/search/objective.py: Objective._back_off"] = next(
         node for node in ast.walk(objective) if isinstance(node, ast.FunctionDef) and node.name == "_back_off")
     assert [f"{name} {what}" for name, tree in trees.items() for what in writes(tree)] == []
+
+
+def test_the_objective_is_built_whole_and_the_search_config_never_changes():
+    """Configuration flows one way: the command's options are a frozen SearchConfig, and the objective is
+    built with everything it uses (the stop rule's walls, the planner, the live line), never given an
+    attribute after it is built. Read from the code's syntax tree."""
+    import ast
+
+    from autotune.search.options import SearchConfig
+
+    assert SearchConfig.__dataclass_params__.frozen
+    assigned = []
+    for path in sorted((ROOT / "autotune").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in targets:
+                for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in (
+                            "objective", "config"):
+                        assigned.append(f"{path.relative_to(ROOT)}:{node.lineno} {t.value.id}.{t.attr}")
+    assert assigned == []  # before: run_search gave the objective on_phase, walls, compile_prior_s and planner

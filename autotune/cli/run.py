@@ -23,7 +23,7 @@ from autotune.search.budget import StopRule, deadline
 from autotune.search.distributed import SharedStudy
 from autotune.search.fit import plain_recipe_batch, probe_fit, widen_to_fit
 from autotune.search.goal import Goal, goal, nvml_refusal
-from autotune.search.objective import Objective
+from autotune.search.objective import Objective, fit_limit_bytes
 from autotune.search.queue import TrialFailed
 from autotune.search.options import (
     DEFAULT_OUT,
@@ -102,19 +102,18 @@ def run_search(config: SearchConfig, *, on_event: Callable[[str, Any], None] | N
         study, storage, limit = prepare_study(config, storage, device, info, space, out_dir, slug)
         recovered = recover_dead_trials(study, storage) if config.storage is None else []
         shared = SharedStudy(study, storage, config.storage or f"sqlite:///{out_dir / 'study.db'}", config.trials)
-        gate = _accuracy_gate(config, device, space, out_dir, study, info, prestart=prestart)
-        objective = _objective(config, device, info, space, out_dir, started, target=target, gate=gate,
-                               prestart=prestart, limit=limit)
-        objective.on_phase = lambda words: emit("phase", words)
-        if gate is not None:
-            gate.on_phase = objective.on_phase
+        on_phase = lambda words: emit("phase", words)  # noqa: E731
+        gate = _accuracy_gate(config, device, space, out_dir, study, info, prestart=prestart, on_phase=on_phase)
         emit("start", {"space": space, "probe": info, "out_dir": out_dir, "study": study,
                        "recovered": recovered, "done": len(counted_trials(study)), "config": config})
         stop_rule = StopRule(config, shared, started, emit, compile_prior_s=compile_prior_s(info))
-        objective.walls, objective.compile_prior_s = stop_rule.walls, stop_rule.compile_prior_s
         stop_rule.gate = gate
-        feeder = _planner(config, space, objective, stop_rule, target, info, _deadline(config, started),
-                          slots=len(gpu_pool) if gpu_pool else 1)
+        fits_in = fit_limit_bytes(limit, _device_memory_bytes(device, info))
+        planner = _planner(config, space, stop_rule, target, fits_in, _deadline(config, started))
+        objective = _objective(config, device, info, space, out_dir, started, target=target, gate=gate,
+                               prestart=prestart, limit=limit, on_phase=on_phase, stop_rule=stop_rule, planner=planner)
+        feeder = Feeder(planner, stop_rule, slots=len(gpu_pool) if gpu_pool else 1,
+                        proposers=_proposers(config, space, target, fits_in, info))
         artifacts = Artifacts(out_dir)  # each trial's log and trace, for optuna-dashboard
         if tracking is not None:
             tracking.start(study, config.command)
@@ -200,7 +199,7 @@ def _fit(config: SearchConfig, device: str, info: dict[str, Any], phases: dict[s
     return space
 
 
-def _proposers(config: SearchConfig, space: SearchSpace, target: Goal, objective: Objective,
+def _proposers(config: SearchConfig, space: SearchSpace, target: Goal, fits_in: int | None,
                info: dict[str, Any]) -> list[Callable]:
     """What proposes candidates for the planner after each trial (the queue's Feeder puts them in the
     queue, in this order): the seed feeder; the fastest eager configuration compiled; the plain recipe
@@ -208,23 +207,21 @@ def _proposers(config: SearchConfig, space: SearchSpace, target: Goal, objective
     (not under --replay: it measures an earlier search's configurations as they were)."""
     if config.replay:
         return [SeedFeeder()]
-    return [SeedFeeder(), CompileFinalist(space, target.maximize), GrowToFit(space, objective.fit_limit_bytes),
-            Neighbours(space, objective.fit_limit_bytes)]
+    return [SeedFeeder(), CompileFinalist(space, target.maximize), GrowToFit(space, fits_in), Neighbours(space, fits_in)]
 
 
-def _planner(config: SearchConfig, space: SearchSpace, objective: Objective, stop_rule: StopRule, target: Goal,
-             info: dict[str, Any], end: float | None, *, slots: int = 1) -> Feeder:
+def _planner(config: SearchConfig, space: SearchSpace, stop_rule: StopRule, target: Goal, fits_in: int | None,
+             end: float | None) -> Planner:
     """One place decides what runs next, from the whole picture (autotune.search.planner): asked by the
-    queue (autotune.search.queue) which candidate runs next, by the stop rule what the next trial costs and
-    by the objective whether a trial is predicted to be overtaken (then not checked for accuracy); under
-    --replay it runs the queue in its order. Returns the queue's feeder, which after each trial puts what the
-    proposers (``_proposers``) propose in the queue, asks the stop rule and queues the planner's choice for
-    each of ``slots`` trials run at once."""
-    planner = Planner(space, maximize=target.maximize, limit_bytes=objective.fit_limit_bytes, walls=stop_rule.walls,
+    queue (autotune.search.queue, whose Feeder puts the proposers' candidates in it after each trial: see
+    ``_proposers``) which candidate runs next, by the stop rule what the next trial costs and by the
+    objective whether a trial is predicted to be overtaken (then not checked for accuracy); under --replay
+    it runs the queue in its order."""
+    planner = Planner(space, maximize=target.maximize, limit_bytes=fits_in, walls=stop_rule.walls,
                       compile_prior_s=stop_rule.compile_prior_s, deadline=end, unit=target.unit,
                       queue_order=bool(config.replay))
-    objective.planner = stop_rule.planner = planner
-    return Feeder(planner, stop_rule, slots=slots, proposers=_proposers(config, space, target, objective, info))
+    stop_rule.planner = planner
+    return planner
 
 
 def _mlflow_log(config: SearchConfig):
@@ -281,8 +278,9 @@ def _deadline(config: SearchConfig, started: float) -> float | None:
 
 
 def _accuracy_gate(config: SearchConfig, device: str, space: SearchSpace, out_dir: Path, study: optuna.Study,
-                   info: dict[str, Any], *, prestart: bool = False):
-    """The accuracy check's gate, attached to the study; None when the check is off."""
+                   info: dict[str, Any], *, prestart: bool = False, on_phase: Callable[[str], None] | None = None):
+    """The accuracy check's gate, attached to the study, telling the live line what it does (``on_phase``);
+    None when the check is off."""
     if not config.accuracy_check:
         return None
     from autotune.accuracy.study.gate import AccuracyGate
@@ -298,13 +296,21 @@ def _accuracy_gate(config: SearchConfig, device: str, space: SearchSpace, out_di
     else:
         gate = AccuracyGate(settings=config.accuracy_settings(device), **common,
                             held_out=not (info.get("own_batches") and config.data is None))
+    gate.on_phase = on_phase
     gate.attach(study)
     return gate
 
 
+def _device_memory_bytes(device: str, info: dict[str, Any]) -> int | None:
+    """The GPU's memory, from the probe; None on a CPU."""
+    return info["provenance"].get("gpu_memory_bytes") if device == "cuda" else None
+
+
 def _objective(config: SearchConfig, device: str, info: dict[str, Any], space: SearchSpace, out_dir: Path,
-               started: float, *, target: Goal, gate, prestart: bool, limit: int | None) -> Objective:
-    """What each trial runs: its worker's request settings, its deadline, and how its value is judged."""
+               started: float, *, target: Goal, gate, prestart: bool, limit: int | None,
+               on_phase: Callable[[str], None], stop_rule: StopRule, planner: Planner) -> Objective:
+    """What each trial runs: its worker's request settings, its deadline, and how its value is judged; built
+    whole, with the stop rule's measured walls and the planner it asks."""
     return Objective(accuracy=gate, space=space, workload=config.workload.to_dict(), measure=config.measure_settings(device).to_dict(),
                      input_on_device=config.input_on_device, seed=config.seed, data=config.data,
                      trial_timeout_s=config.trial_timeout_s, log_dir=out_dir / "logs",
@@ -313,8 +319,9 @@ def _objective(config: SearchConfig, device: str, info: dict[str, Any], space: S
                      early_stop_below=config.early_stop_below if target.name == "throughput" else 0.0,
                      misaligned=(info.get("misaligned") or {}).get("8"),
                      prestart_workers=prestart,
-                     memory_limit_bytes=limit,
-                     device_memory_bytes=info["provenance"].get("gpu_memory_bytes") if device == "cuda" else None)
+                     memory_limit_bytes=limit, device_memory_bytes=_device_memory_bytes(device, info),
+                     on_phase=on_phase, walls=stop_rule.walls, compile_prior_s=stop_rule.compile_prior_s,
+                     planner=planner)
 
 
 def _optimize(config: SearchConfig, study: optuna.Study, objective: Callable[[optuna.Trial], float],

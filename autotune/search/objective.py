@@ -32,6 +32,11 @@ baseline's trial."""
 RESULT_ATTRS = ("status", "reason", "figures", "knobs", "timing", "energy", "profile", "findings", "screening")
 
 
+def fit_limit_bytes(memory_limit_bytes: int | None, device_memory_bytes: int | None) -> int | None:
+    """What a configuration must fit in: the memory limit, else the GPU's memory (None on a CPU)."""
+    return memory_limit_bytes or device_memory_bytes
+
+
 class Objective:
     """Callable for ``study.optimize``: returns the objective's value (samples/s by default,
     joules per sample or peak memory bytes; see autotune.search.goal), or prunes with a reason."""
@@ -43,7 +48,8 @@ class Objective:
                  data: str | None = None, prestart_workers: bool = False,
                  memory_limit_bytes: int | None = None, device_memory_bytes: int | None = None,
                  early_stop_below: float = 0.0, on_phase: Callable[[str], None] | None = None,
-                 screen_compiles: bool = True) -> None:
+                 screen_compiles: bool = True, walls: list[tuple[float, bool]] | None = None,
+                 compile_prior_s: float = 0.0, planner=None) -> None:
         from autotune.search.goal import goal as goal_named
 
         self.space = space
@@ -83,19 +89,19 @@ class Objective:
         self.screen_compiles = screen_compiles
         """Compile a configuration only once its eager twin ran among the fastest
         (autotune.search.screening); replayed trials are measured as they were either way."""
-        self.walls: list[tuple[float, bool]] | None = None
+        self.walls = walls
         """This run's measured trial walls ``(seconds, compiled)`` (the stop rule's), which tell
         whether a compiled trial can still end within the budget; None: not judged."""
-        self.compile_prior_s = 0.0
+        self.compile_prior_s = compile_prior_s
         """What a first compile is expected to cost (autotune.search.budget.compile_prior_s)."""
-        self.planner = None
+        self.planner = planner
         """The search's planner (autotune.search.planner): a trial that a queued candidate is predicted
         to overtake is not checked for accuracy while it runs; None: every trial near the frontier is."""
 
     @property
     def fit_limit_bytes(self) -> int | None:
         """What a configuration must fit in: the memory limit, else the GPU's memory."""
-        return self.memory_limit_bytes or self.device_memory_bytes
+        return fit_limit_bytes(self.memory_limit_bytes, self.device_memory_bytes)
 
     def __call__(self, trial: optuna.Trial) -> float:
         stop.check()  # asked to stop between trials, where the interrupt may have been swallowed
