@@ -94,16 +94,20 @@ def put(study: optuna.Study, proposed: Proposed) -> list[Candidate]:
     stored, numbered."""
     if proposed is None:
         return []
+    candidates = [proposed] if isinstance(proposed, Candidate) else list(proposed)
+    if not candidates:
+        return []
     numbered = []
-    for candidate in [proposed] if isinstance(proposed, Candidate) else list(proposed):
-        attrs = queue_attrs(**candidate.attrs)
-        with _lock:
-            stored = _stored(study)
-            number = max([c["id"] + 1 for c in stored] + [int(study.user_attrs.get(_NEXT_ATTR) or CANDIDATE_BASE)])
+    with _lock:  # the queue read once and written once, however many candidates a proposer returned
+        stored = _stored(study)
+        number = max([c["id"] + 1 for c in stored] + [int(study.user_attrs.get(_NEXT_ATTR) or CANDIDATE_BASE)])
+        for candidate in candidates:
+            attrs = queue_attrs(**candidate.attrs)
             stored.append({"id": number, "params": dict(candidate.params), "attrs": attrs})
-            study.set_user_attr(CANDIDATES_ATTR, stored)
-            study.set_user_attr(_NEXT_ATTR, number + 1)
-        numbered.append(Candidate(dict(candidate.params), attrs, number))
+            numbered.append(Candidate(dict(candidate.params), attrs, number))
+            number += 1
+        study.set_user_attr(CANDIDATES_ATTR, stored)
+        study.set_user_attr(_NEXT_ATTR, number)
     return numbered
 
 
